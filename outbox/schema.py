@@ -1,0 +1,148 @@
+"""The outbox tables as SQLAlchemy Core metadata: the one source of truth for their shape.
+
+Tables are declared in the default schema ``outbox``; another schema is reached with
+``schema_translate_map`` (see :func:`translate`) so the metadata stays a single object.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from sqlalchemy import (
+    ARRAY,
+    BigInteger,
+    CheckConstraint,
+    Column,
+    DateTime,
+    Identity,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    SmallInteger,
+    Table,
+    Text,
+    func,
+    text,
+)
+
+DEFAULT_SCHEMA = "outbox"
+#: Keys are hashed into this many virtual shards; a relay owns a shard through a lease.
+SHARDS = 64
+VERSION_TABLE = "outbox_alembic_version"
+
+
+class Resolution(StrEnum):
+    """Outcome of the transaction that wrote a prepare row (RocketMQ LocalTransactionState)."""
+
+    COMMIT = "COMMIT"
+    ROLLBACK = "ROLLBACK"
+    UNKNOWN = "UNKNOWN"
+
+
+class Status(StrEnum):
+    """Where a prepare row is in its life."""
+
+    PENDING = "PENDING"
+    DELIVERED = "DELIVERED"
+    ROLLED_BACK = "ROLLED_BACK"
+    PARKED = "PARKED"
+    DISCARDED = "DISCARDED"
+
+
+class Action(StrEnum):
+    """What an op record says was done to a prepare row."""
+
+    DELIVERED = "DELIVERED"
+    ROLLED_BACK = "ROLLED_BACK"
+    PARKED = "PARKED"
+    DISCARDED = "DISCARDED"
+    RESUMED = "RESUMED"
+
+
+def _one_of(column: str, enum: type[StrEnum]) -> CheckConstraint:
+    values = ", ".join(f"'{member.value}'" for member in enum)
+    return CheckConstraint(f"{column} IN ({values})", name=f"{column}_valid")
+
+
+metadata = MetaData(
+    schema=DEFAULT_SCHEMA,
+    naming_convention={
+        "pk": "%(table_name)s_pkey",
+        "ck": "%(table_name)s_%(constraint_name)s",
+        "ix": "%(table_name)s_%(column_0_name)s_idx",
+    },
+)
+
+#: Prepare rows (RocketMQ's half messages), written in the application's transaction.
+message = Table(
+    "message",
+    metadata,
+    Column("id", BigInteger, Identity(always=False), primary_key=True),
+    Column("producer_group", Text, nullable=False, server_default="default"),
+    Column("topic", Text, nullable=False),
+    Column("key", LargeBinary),
+    Column("header_keys", ARRAY(Text)),
+    Column("header_values", ARRAY(LargeBinary)),
+    Column("payload", LargeBinary, nullable=False),
+    Column("content_type", Text, nullable=False),
+    Column("resolution", Text, nullable=False, server_default=Resolution.COMMIT.value),
+    Column("status", Text, nullable=False, server_default=Status.PENDING.value),
+    Column("shard", SmallInteger, nullable=False),
+    Column("check_count", Integer, nullable=False, server_default="0"),
+    Column("next_check_at", DateTime(timezone=True)),
+    Column("deliver_after", DateTime(timezone=True)),
+    Column("attempts", Integer, nullable=False, server_default="0"),
+    Column("last_error", Text),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("delivered_at", DateTime(timezone=True)),
+    _one_of("resolution", Resolution),
+    _one_of("status", Status),
+    Index(
+        "message_relay_idx",
+        "id",
+        postgresql_where=text("status = 'PENDING' AND resolution = 'COMMIT'"),
+    ),
+    Index(
+        "message_check_idx",
+        "next_check_at",
+        postgresql_where=text("status = 'PENDING' AND resolution = 'UNKNOWN'"),
+    ),
+)
+
+#: Op records (RocketMQ's op messages): one per thing done to a prepare row.
+op_record = Table(
+    "op_record",
+    metadata,
+    Column("id", BigInteger, Identity(always=False), primary_key=True),
+    Column("message_id", BigInteger, nullable=False, index=True),
+    Column("action", Text, nullable=False),
+    Column("actor", Text, nullable=False),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("kafka_partition", Integer),
+    Column("kafka_offset", BigInteger),
+    Column("detail", Text),
+    _one_of("action", Action),
+)
+
+#: One row per virtual shard: which relay delivers that shard's messages, and until when.
+relay_lease = Table(
+    "relay_lease",
+    metadata,
+    Column("shard", SmallInteger, primary_key=True, autoincrement=False),
+    Column("owner", Text),
+    Column("expires_at", DateTime(timezone=True)),
+)
+
+#: Live relays announce themselves here so each can take a fair share of the shards.
+relay_member = Table(
+    "relay_member",
+    metadata,
+    Column("worker_id", Text, primary_key=True),
+    Column("seen_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+)
+
+
+def translate(schema: str) -> dict[str | None, str]:
+    """The ``schema_translate_map`` that points the metadata at ``schema``."""
+    return {DEFAULT_SCHEMA: schema}

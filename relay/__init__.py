@@ -1,0 +1,1 @@
+"""The daemons: the relay (prepare rows → Kafka) and, later, the check-back sweeper."""

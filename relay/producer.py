@@ -1,0 +1,36 @@
+"""The Kafka producer the relay sends with: acks=all, idempotent, ids in headers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kafka import KafkaProducer
+from kafka.errors import KafkaTimeoutError
+
+from outbox.exceptions import ServiceUnavailable
+from outbox.settings import Settings
+
+PRODUCER_DEFAULTS: dict[str, Any] = {
+    "acks": "all",
+    "enable_idempotence": True,
+    # Idempotence keeps order with up to 5 requests in flight per partition.
+    "max_in_flight_requests_per_connection": 5,
+    "linger_ms": 5,
+    "batch_size": 256 * 1024,
+    "max_request_size": 2 * 1024 * 1024,
+}
+
+
+def make_producer(settings: Settings, **overrides: Any) -> KafkaProducer:
+    settings.require("kafka_bootstrap")
+    config = {**PRODUCER_DEFAULTS, **overrides}
+    try:
+        return KafkaProducer(
+            bootstrap_servers=settings.kafka_bootstrap.split(","),
+            client_id=f"outbox-relay-{settings.worker_id}",
+            **config,
+        )
+    except KafkaTimeoutError:
+        raise ServiceUnavailable(
+            f"no Kafka broker answers at {settings.kafka_bootstrap}: check OUTBOX_KAFKA_BOOTSTRAP"
+        ) from None

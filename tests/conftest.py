@@ -1,0 +1,120 @@
+"""One PostgreSQL server and one broker per test session; a schema and a topic per test."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+from sqlalchemy import Engine, create_engine, text
+from sqlalchemy.orm import Session
+
+from outbox import Outbox, devservices, migrate
+from outbox.settings import Settings, sqlalchemy_url
+from outbox.topic_reader import create_topic
+from relay.relay import Relay
+
+
+@pytest.fixture(scope="session")
+def services() -> Iterator[devservices.Services]:
+    started = devservices.start()
+    yield started
+    devservices.stop(started)
+
+
+@pytest.fixture(scope="session")
+def engine(services: devservices.Services) -> Iterator[Engine]:
+    eng = create_engine(sqlalchemy_url(services.database_url), pool_size=10)
+    yield eng
+    eng.dispose()
+
+
+@pytest.fixture
+def schema(services: devservices.Services, engine: Engine) -> Iterator[str]:
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    migrate.upgrade(services.database_url, name)
+    yield name
+    with engine.begin() as conn:
+        conn.execute(text(f"DROP SCHEMA {name} CASCADE"))
+
+
+@pytest.fixture
+def topic(services: devservices.Services) -> str:
+    name = f"orders-{uuid.uuid4().hex[:10]}"
+    create_topic(services.kafka_bootstrap, name, partitions=3)
+    return name
+
+
+@pytest.fixture
+def settings(services: devservices.Services, schema: str) -> Settings:
+    return Settings(
+        database_url=services.database_url,
+        kafka_bootstrap=services.kafka_bootstrap,
+        schema_name=schema,
+        relay_poll_interval=0.5,
+        relay_lease_seconds=3,
+        relay_batch_size=200,
+    )
+
+
+@pytest.fixture
+def outbox(settings: Settings) -> Outbox:
+    return Outbox(settings=settings)
+
+
+@pytest.fixture
+def relay(settings: Settings) -> Iterator[Relay]:
+    """A relay running in a thread for the duration of the test."""
+    daemon = Relay(settings)
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            daemon.run()
+        except BaseException as exc:
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name="relay", daemon=True)
+    thread.start()
+    yield daemon
+    daemon.stop()
+    thread.join(30)
+    assert not thread.is_alive(), "relay did not stop within 30 s"
+    assert not failure, f"relay crashed: {failure[0]!r}"
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 30, what: str = "condition"
+               ) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def count_status(engine: Engine, schema: str, status: str) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(
+            text(f"SELECT count(*) FROM {schema}.message WHERE status = :s"), {"s": status}
+        ).scalar_one())
+
+
+def wait_delivered(engine: Engine, schema: str, expected: int, timeout: float = 60) -> None:
+    wait_until(lambda: count_status(engine, schema, "DELIVERED") >= expected, timeout,
+               f"{expected} messages delivered")
+
+
+def publish_orders(engine: Engine, outbox: Outbox, topic: str, orders: list[tuple[str, int]],
+                   *, commit: bool = True) -> list[int]:
+    """Publish (key, order number) messages in one transaction; returns their ids."""
+    with Session(engine) as session:
+        session.begin()
+        ids = [outbox.publish(session, topic, {"order": n}, key=key) for key, n in orders]
+        if commit:
+            session.commit()
+        else:
+            session.rollback()
+    return ids

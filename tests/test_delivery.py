@@ -1,0 +1,159 @@
+"""Atomicity, no loss, no skipping and per-key order with one relay (DESIGN §3.1-3.4)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import defaultdict
+
+from sqlalchemy import Engine, text
+from sqlalchemy.orm import Session
+
+from outbox import Outbox
+from outbox.settings import Settings
+from outbox.topic_reader import read_topic
+from relay.relay import Relay
+from tests.conftest import count_status, publish_orders, wait_delivered, wait_until
+
+
+def test_committed_messages_are_delivered_exactly_once_with_op_records(
+    engine: Engine, outbox: Outbox, topic: str, schema: str, settings: Settings, relay: Relay
+) -> None:
+    ids = publish_orders(engine, outbox, topic, [(f"k{i % 7}", i) for i in range(50)])
+    wait_delivered(engine, schema, 50)
+
+    records = read_topic(settings.kafka_bootstrap, topic)
+    assert sorted(r.message_id for r in records) == sorted(ids)
+    by_id = {r.message_id: r for r in records}
+    assert json.loads(by_id[ids[3]].value) == {"order": 3}
+    assert by_id[ids[3]].key == b"k3"
+    assert by_id[ids[3]].headers["content-type"] == b"application/json"
+    with engine.connect() as conn:
+        ops = conn.execute(text(
+            f"SELECT message_id, action, actor, kafka_partition, kafka_offset "
+            f"FROM {schema}.op_record"
+        )).all()
+    assert len(ops) == 50
+    for op in ops:
+        assert op.action == "DELIVERED"
+        assert op.actor == settings.worker_id
+        record = by_id[op.message_id]
+        assert (op.kafka_partition, op.kafka_offset) == (record.partition, record.offset)
+
+
+def test_rolled_back_messages_are_never_delivered(
+    engine: Engine, outbox: Outbox, topic: str, schema: str, settings: Settings, relay: Relay
+) -> None:
+    rolled_back = publish_orders(engine, outbox, topic, [("a", 1), ("b", 2)], commit=False)
+    committed = publish_orders(engine, outbox, topic, [("a", 3)])
+    wait_delivered(engine, schema, 1)
+
+    delivered = {r.message_id for r in read_topic(settings.kafka_bootstrap, topic)}
+    assert delivered == set(committed)
+    assert not delivered & set(rolled_back)
+    with engine.connect() as conn:
+        rows = conn.execute(text(f"SELECT count(*) FROM {schema}.message")).scalar_one()
+    assert rows == 1
+
+
+def test_late_commit_is_not_skipped(
+    engine: Engine, outbox: Outbox, topic: str, schema: str, settings: Settings, relay: Relay
+) -> None:
+    with Session(engine) as early:
+        early.begin()
+        early_id = outbox.publish(early, topic, {"order": "early"}, key="x")
+        late_id = publish_orders(engine, outbox, topic, [("y", 2)])[0]
+        assert early_id < late_id
+        wait_delivered(engine, schema, 1)
+        assert [r.message_id for r in read_topic(settings.kafka_bootstrap, topic)] == [late_id]
+        early.commit()
+    wait_delivered(engine, schema, 2)
+    order = [r.message_id for r in read_topic(settings.kafka_bootstrap, topic)]
+    assert sorted(order) == [early_id, late_id]
+
+
+def test_writers_of_one_key_are_ordered_by_commit(
+    engine: Engine, outbox: Outbox, topic: str, schema: str, settings: Settings, relay: Relay
+) -> None:
+    """A second writer of a key waits for the first to commit, so id order is commit order."""
+    second_id: list[int] = []
+    second = threading.Thread(
+        target=lambda: second_id.extend(publish_orders(engine, outbox, topic, [("same", 2)]))
+    )
+    with Session(engine) as first:
+        first.begin()
+        first_id = outbox.publish(first, topic, {"n": 1}, key="same")
+        second.start()
+        second.join(0.5)
+        waited = second.is_alive()
+        first.commit()
+    second.join(10)
+    assert waited, "the second writer of the key should wait for the first to commit"
+    assert second_id and first_id < second_id[0]
+    wait_delivered(engine, schema, 2)
+    records = read_topic(settings.kafka_bootstrap, topic)
+    assert [r.message_id for r in records] == [first_id, second_id[0]]
+
+
+def test_per_key_order_holds_across_many_keys_and_transactions(
+    engine: Engine, outbox: Outbox, topic: str, schema: str, settings: Settings, relay: Relay
+) -> None:
+    keys = [f"customer-{k}" for k in range(40)]
+    sequence: dict[str, int] = defaultdict(int)
+    lock = threading.Lock()
+
+    def writer(seed: int) -> None:
+        for txn in range(25):
+            batch = []
+            for j in range(4):
+                key = keys[(seed * 7 + txn * 3 + j) % len(keys)]
+                with lock:
+                    sequence[key] += 1
+                batch.append((key, txn * 10 + j))
+            publish_orders(engine, outbox, topic, batch, commit=(txn % 5 != 4))
+
+    threads = [threading.Thread(target=writer, args=(seed,)) for seed in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    with engine.connect() as conn:
+        expected = conn.execute(text(
+            f"SELECT key, array_agg(id ORDER BY id) AS ids FROM {schema}.message GROUP BY key"
+        )).all()
+    total = sum(len(row.ids) for row in expected)
+    assert total == 4 * 20 * 4  # one transaction in five rolled back
+    wait_delivered(engine, schema, total)
+
+    delivered: dict[bytes, list[int]] = defaultdict(list)
+    for record in read_topic(settings.kafka_bootstrap, topic):
+        assert record.key is not None and record.message_id is not None
+        delivered[record.key].append(record.message_id)
+    assert {bytes(row.key): list(row.ids) for row in expected} == dict(delivered)
+
+
+def test_many_messages_in_one_transaction(
+    engine: Engine, outbox: Outbox, topic: str, schema: str, settings: Settings, relay: Relay
+) -> None:
+    ids = publish_orders(engine, outbox, topic, [(f"k{i % 3}", i) for i in range(1000)])
+    wait_delivered(engine, schema, 1000)
+    records = read_topic(settings.kafka_bootstrap, topic)
+    assert sorted(r.message_id for r in records) == ids
+    assert count_status(engine, schema, "PENDING") == 0
+
+
+def test_relay_wakes_on_commit_without_waiting_for_a_poll(
+    engine: Engine, outbox: Outbox, topic: str, schema: str, settings: Settings
+) -> None:
+    slow_poll = settings.model_copy(update={"relay_poll_interval": 30.0})
+    daemon = Relay(slow_poll)
+    thread = threading.Thread(target=daemon.run, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: bool(daemon._leases.owned), 10, "relay to own its shards")
+        publish_orders(engine, outbox, topic, [("k", 1)])
+        wait_delivered(engine, schema, 1, timeout=10)
+    finally:
+        daemon.stop()
+        thread.join(10)
+    assert not thread.is_alive()
