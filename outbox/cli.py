@@ -61,7 +61,9 @@ def setup_logging(level: str) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    logging.getLogger("kafka").setLevel(logging.WARNING)
+    # kafka-python logs every failed connection attempt; the relay reports outages itself.
+    logging.getLogger("kafka").setLevel(
+        logging.DEBUG if level.upper() == "DEBUG" else logging.CRITICAL)
 
 
 @click.group()

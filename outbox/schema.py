@@ -115,7 +115,7 @@ op_record = Table(
     "op_record",
     metadata,
     Column("id", BigInteger, Identity(always=False), primary_key=True),
-    Column("message_id", BigInteger, nullable=False, index=True),
+    Column("message_id", BigInteger, nullable=False),
     Column("action", Text, nullable=False),
     Column("actor", Text, nullable=False),
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
@@ -123,6 +123,7 @@ op_record = Table(
     Column("kafka_offset", BigInteger),
     Column("detail", Text),
     _one_of("action", Action),
+    Index("op_record_message_id_idx", "message_id"),
 )
 
 #: One row per virtual shard: which relay delivers that shard's messages, and until when.

@@ -18,6 +18,7 @@ PRODUCER_DEFAULTS: dict[str, Any] = {
     "linger_ms": 5,
     "batch_size": 256 * 1024,
     "max_request_size": 2 * 1024 * 1024,
+    "bootstrap_timeout_ms": 15_000,
 }
 
 

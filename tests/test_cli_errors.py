@@ -1,0 +1,60 @@
+"""Misconfiguration gets one actionable line on stderr, exit code 2, no traceback."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+
+from outbox import devservices
+from outbox.settings import Settings
+from tests.processes import outbox_env, run_outbox
+
+
+def assert_one_line_error(result: object, *fragments: str) -> None:
+    stderr = result.stderr.strip()  # type: ignore[attr-defined]
+    assert result.returncode == 2, stderr  # type: ignore[attr-defined]
+    assert "Traceback" not in stderr
+    assert len(stderr.splitlines()) == 1, stderr
+    for fragment in fragments:
+        assert fragment in stderr
+
+
+def test_relay_without_a_database_url() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    result = run_outbox(None, "relay", env=env)
+    assert_one_line_error(result, "database_url is not set", "OUTBOX_DATABASE_URL")
+
+
+def test_relay_against_an_unmigrated_schema(settings: Settings) -> None:
+    env = outbox_env(settings, OUTBOX_SCHEMA=f"absent_{uuid.uuid4().hex[:6]}")
+    result = run_outbox(None, "relay", env=env)
+    assert_one_line_error(result, "is not migrated", "outbox db upgrade")
+
+
+def test_wrong_database_address_masks_the_password(settings: Settings) -> None:
+    port = devservices.free_port()
+    env = outbox_env(settings, OUTBOX_DATABASE_URL=f"postgresql://app:s3cret@127.0.0.1:{port}/x")
+    result = run_outbox(None, "relay", env=env)
+    assert_one_line_error(result, "cannot use PostgreSQL at postgresql://app:***@127.0.0.1")
+    assert "s3cret" not in result.stderr
+
+
+def test_wrong_broker_address(settings: Settings) -> None:
+    env = outbox_env(settings, OUTBOX_KAFKA_BOOTSTRAP=f"127.0.0.1:{devservices.free_port()}")
+    result = run_outbox(None, "relay", env=env)
+    assert_one_line_error(result, "no Kafka broker answers at 127.0.0.1:")
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "fragment"),
+    [
+        ("OUTBOX_SCHEMA", "Robert'); DROP TABLE x;--", "invalid schema name"),
+        ("OUTBOX_RELAY_BATCH_SIZE", "0", "relay_batch_size"),
+        ("OUTBOX_DATABASE_URL", "mysql://u@h/db", "database URL must be postgresql://"),
+    ],
+)
+def test_invalid_settings(settings: Settings, variable: str, value: str, fragment: str) -> None:
+    result = run_outbox(None, "relay", env=outbox_env(settings, **{variable: value}))
+    assert_one_line_error(result, fragment)

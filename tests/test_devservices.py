@@ -1,0 +1,41 @@
+"""`outbox dev up` starts reachable services and `outbox dev down` stops exactly those."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import psycopg
+from kafka import KafkaProducer
+
+from outbox.devservices import Services
+from tests.processes import run_outbox
+
+
+def test_dev_up_prints_settings_and_dev_down_stops_everything(tmp_path: Path) -> None:
+    state = tmp_path / "state.json"
+    up = run_outbox(None, "dev", "up", "--state-file", str(state))
+    assert up.returncode == 0, up.stderr
+    exported = dict(
+        line.removeprefix("export ").split("=", 1) for line in up.stdout.splitlines()
+    )
+    assert set(exported) == {"OUTBOX_DATABASE_URL", "OUTBOX_KAFKA_BOOTSTRAP"}
+    services = Services.load(state)
+    try:
+        with psycopg.connect(exported["OUTBOX_DATABASE_URL"]) as conn:
+            assert conn.execute("SELECT 1").fetchone() == (1,)
+        producer = KafkaProducer(bootstrap_servers=exported["OUTBOX_KAFKA_BOOTSTRAP"])
+        producer.send("dev-check", b"x").get(timeout=10)
+        producer.close()
+        assert run_outbox(None, "dev", "up", "--state-file", str(state)).returncode != 0
+    finally:
+        down = run_outbox(None, "dev", "down", "--state-file", str(state))
+    assert down.returncode == 0, down.stderr
+    assert not state.exists()
+    assert not os.path.exists(services.root)
+    try:
+        os.kill(services.tansu_pid, 0)
+        alive = True
+    except ProcessLookupError:
+        alive = False
+    assert not alive, "the broker process is gone"

@@ -1,0 +1,61 @@
+"""Alembic revisions match the Core metadata, reverse cleanly and keep to their own table."""
+
+from __future__ import annotations
+
+import uuid
+
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import Engine, MetaData, inspect, text
+
+from outbox import devservices, migrate
+from outbox.schema import SHARDS, VERSION_TABLE, metadata
+from tests.processes import run_outbox
+
+
+def test_migrated_schema_matches_the_metadata(engine: Engine, schema: str) -> None:
+    in_schema = MetaData()
+    for table in metadata.sorted_tables:
+        table.to_metadata(in_schema, schema=schema)
+    with engine.connect() as conn:
+        context = MigrationContext.configure(
+            conn,
+            opts={"include_schemas": True,
+                  "include_name": lambda name, kind, _: kind != "schema" or name == schema},
+        )
+        diff = [d for d in compare_metadata(context, in_schema)
+                if not (d[0] == "remove_table" and d[1].name == VERSION_TABLE)]
+    assert diff == []
+
+
+def test_revision_creates_one_lease_per_shard(engine: Engine, schema: str) -> None:
+    with engine.connect() as conn:
+        shards = conn.execute(text(f"SELECT count(*) FROM {schema}.relay_lease")).scalar_one()
+    assert shards == SHARDS
+
+
+def test_upgrade_downgrade_upgrade_through_the_cli(
+    services: devservices.Services, engine: Engine
+) -> None:
+    schema = f"m_{uuid.uuid4().hex[:10]}"
+    env = {**__import__("os").environ, "OUTBOX_DATABASE_URL": services.database_url,
+           "OUTBOX_SCHEMA": schema}
+    try:
+        up = run_outbox(None, "db", "upgrade", env=env)
+        assert up.returncode == 0, up.stderr
+        assert f"schema {schema} is at revision {migrate.head()}" in up.stdout
+        assert run_outbox(None, "db", "current", env=env).stdout.strip() == migrate.head()
+        tables = set(inspect(engine).get_table_names(schema=schema))
+        assert tables == {"message", "op_record", "relay_lease", "relay_member", VERSION_TABLE}
+        assert "alembic_version" not in inspect(engine).get_table_names(schema="public")
+
+        down = run_outbox(None, "db", "downgrade", "base", env=env)
+        assert down.returncode == 0, down.stderr
+        assert set(inspect(engine).get_table_names(schema=schema)) == {VERSION_TABLE}
+        assert run_outbox(None, "db", "current", env=env).stdout.strip() == "(none)"
+
+        again = run_outbox(None, "db", "upgrade", env=env)
+        assert again.returncode == 0, again.stderr
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text(f"DROP SCHEMA IF EXISTS {schema} CASCADE"))
