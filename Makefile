@@ -1,0 +1,20 @@
+# The two commands of the README: `make demo` (the whole flow) and `make test`.
+VENV := .venv
+
+.PHONY: demo test lint bench clean
+
+demo:
+	@scripts/bootstrap.sh dev
+	@$(VENV)/bin/python examples/orders_demo.py
+
+test:
+	@scripts/bootstrap.sh dev,spark
+	$(VENV)/bin/pytest -q
+
+lint:
+	@scripts/bootstrap.sh dev,spark
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Installs what the demo and the tests need on a fresh Debian machine: PostgreSQL's server
+# binaries and Java (Debian packages, only if absent), a virtualenv in .venv and the project.
+# Usage: scripts/bootstrap.sh [pip extras, e.g. dev,spark]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="${1:-dev}"
+
+need=()
+ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null || need+=(postgresql)
+command -v java >/dev/null || need+=(openjdk-17-jre-headless)
+command -v setpriv >/dev/null || need+=(util-linux)
+if [ "${#need[@]}" -gt 0 ]; then
+  echo "bootstrap: installing Debian packages: ${need[*]}"
+  sudo_cmd=""
+  [ "$(id -u)" -eq 0 ] || sudo_cmd="sudo"
+  export DEBIAN_FRONTEND=noninteractive
+  $sudo_cmd apt-get update -qq
+  $sudo_cmd apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+fi
+
+python="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  echo "bootstrap: creating .venv"
+  "$python" -m venv .venv
+fi
+stamp=".venv/.installed-${extras//,/-}"
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  echo "bootstrap: installing the project with extras [$extras] (first run takes a minute)"
+  .venv/bin/pip install -q --disable-pip-version-check -e ".[$extras]"
+  touch "$stamp"
+fi
