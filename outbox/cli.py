@@ -82,6 +82,16 @@ def _db_settings(database_url: str | None, schema: str | None) -> Settings:
     return settings
 
 
+def _migrate(direction: str, database_url: str | None, schema: str | None, revision: str
+             ) -> None:
+    from outbox import migrate
+
+    settings = _db_settings(database_url, schema)
+    getattr(migrate, direction)(settings.database_url, settings.schema_name, revision)
+    click.echo(f"schema {settings.schema_name} is at revision "
+               f"{migrate.current(settings.database_url, settings.schema_name)}")
+
+
 @db.command()
 @settings_options
 @click.option("--revision", default="head", show_default=True)
@@ -89,12 +99,7 @@ def _db_settings(database_url: str | None, schema: str | None) -> Settings:
 def upgrade(database_url: str | None, kafka_bootstrap: str | None, schema: str | None,
             revision: str) -> None:
     """Create or upgrade the outbox tables."""
-    from outbox import migrate
-
-    settings = _db_settings(database_url, schema)
-    migrate.upgrade(settings.database_url, settings.schema_name, revision)
-    click.echo(f"schema {settings.schema_name} is at revision "
-               f"{migrate.current(settings.database_url, settings.schema_name)}")
+    _migrate("upgrade", database_url, schema, revision)
 
 
 @db.command()
@@ -104,12 +109,7 @@ def upgrade(database_url: str | None, kafka_bootstrap: str | None, schema: str |
 def downgrade(database_url: str | None, kafka_bootstrap: str | None, schema: str | None,
               revision: str) -> None:
     """Downgrade the outbox tables to REVISION ('base' removes them)."""
-    from outbox import migrate
-
-    settings = _db_settings(database_url, schema)
-    migrate.downgrade(settings.database_url, settings.schema_name, revision)
-    click.echo(f"schema {settings.schema_name} is at revision "
-               f"{migrate.current(settings.database_url, settings.schema_name)}")
+    _migrate("downgrade", database_url, schema, revision)
 
 
 @db.command()
