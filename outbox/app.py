@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Coroutine, Mapping
+from datetime import datetime, timedelta
 from typing import Any, overload
 
 from sqlalchemy import Connection, TextClause
@@ -12,7 +13,7 @@ from sqlalchemy.orm import Session
 
 from outbox import store
 from outbox.exceptions import ConfigurationError, NotInTransaction
-from outbox.message import encode
+from outbox.message import delivery_time, encode
 from outbox.settings import Settings, load_settings
 
 SyncTarget = Session | Connection
@@ -50,6 +51,8 @@ class Outbox:
         key: str | bytes | None = None,
         headers: Mapping[str, str | bytes] | None = None,
         content_type: str | None = None,
+        deliver_after: timedelta | None = None,
+        deliver_at: datetime | None = None,
     ) -> int: ...
 
     @overload
@@ -62,6 +65,8 @@ class Outbox:
         key: str | bytes | None = None,
         headers: Mapping[str, str | bytes] | None = None,
         content_type: str | None = None,
+        deliver_after: timedelta | None = None,
+        deliver_at: datetime | None = None,
     ) -> Coroutine[Any, Any, int]: ...
 
     def publish(
@@ -73,12 +78,16 @@ class Outbox:
         key: str | bytes | None = None,
         headers: Mapping[str, str | bytes] | None = None,
         content_type: str | None = None,
+        deliver_after: timedelta | None = None,
+        deliver_at: datetime | None = None,
     ) -> int | Coroutine[Any, Any, int]:
         """Write a prepare row for ``payload`` inside ``session``'s open transaction.
 
         Returns the message id; with an async session or connection, returns an awaitable.
         The message is delivered to ``topic`` only if the transaction commits; messages with
         the same ``key`` keep their order. Payloads: bytes, str, or JSON-serialisable data.
+        ``deliver_after`` / ``deliver_at`` hold it back until then (later messages of the
+        same key wait behind it).
         """
         message = encode(
             topic,
@@ -90,7 +99,10 @@ class Outbox:
             random_shard=self._random.getrandbits(16),
         )
         statement, params = store.publish(
-            self.schema, message, producer_group=self.producer_group
+            self.schema,
+            message,
+            producer_group=self.producer_group,
+            **delivery_time(deliver_after, deliver_at),
         )
         if isinstance(session, AsyncSession | AsyncConnection):
             return self._execute_async(session, statement, params)

@@ -200,3 +200,36 @@ def down(state_file: Path) -> None:
     devservices.stop(devservices.Services.load(state_file))
     state_file.unlink()
     click.echo("stopped the embedded PostgreSQL and Kafka broker", err=True)
+
+
+@main.command()
+@settings_options
+@click.argument("ids", nargs=-1, type=int)
+@click.option("--all", "resume_all", is_flag=True, help="every PARKED and DISCARDED message")
+@friendly_errors
+def resume(database_url: str | None, kafka_bootstrap: str | None, schema: str | None,
+           ids: tuple[int, ...], resume_all: bool) -> None:
+    """Re-queue PARKED messages and re-arm the check-backs of DISCARDED ones."""
+    from sqlalchemy import create_engine
+
+    from outbox import store
+
+    if not ids and not resume_all:
+        raise click.UsageError("give message ids, or --all")
+    settings = _db_settings(database_url, schema)
+    engine = create_engine(settings.sqlalchemy_url)
+    try:
+        with engine.begin() as conn:
+            resumed = store.resume(conn, settings.schema_name, f"cli:{settings.worker_id}",
+                                   ids, resume_all=resume_all)
+    finally:
+        engine.dispose()
+    for message_id, was in resumed:
+        click.echo(f"resumed message {message_id} (was {was})")
+    missing = set(ids) - {message_id for message_id, _ in resumed}
+    if missing:
+        click.echo(f"not resumed (unknown, or neither PARKED nor DISCARDED): "
+                   f"{', '.join(map(str, sorted(missing)))}", err=True)
+        sys.exit(1)
+    if not resumed:
+        click.echo("nothing to resume", err=True)

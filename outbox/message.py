@@ -7,6 +7,7 @@ import re
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Any
 
 from outbox.exceptions import InvalidMessage
@@ -94,6 +95,27 @@ def encode_payload(payload: object) -> tuple[bytes, str]:
             "pass bytes, str, or JSON-compatible data"
         ) from None
     return text.encode(), JSON
+
+
+def delivery_time(
+    deliver_after: timedelta | None, deliver_at: datetime | None
+) -> dict[str, Any]:
+    """The publish parameters for a delayed message (none for an immediate one)."""
+    if deliver_after is not None and deliver_at is not None:
+        raise InvalidMessage("pass deliver_after or deliver_at, not both")
+    if deliver_after is not None:
+        if not isinstance(deliver_after, timedelta) or deliver_after < timedelta(0):
+            raise InvalidMessage(
+                f"deliver_after must be a timedelta of zero or more, got {deliver_after!r}"
+            )
+        return {"delay_seconds": deliver_after.total_seconds()}
+    if deliver_at is not None:
+        if not isinstance(deliver_at, datetime) or deliver_at.tzinfo is None:
+            raise InvalidMessage(
+                f"deliver_at must be a timezone-aware datetime, got {deliver_at!r}"
+            )
+        return {"deliver_at": deliver_at}
+    return {}
 
 
 def key_hash(topic: str, key: bytes) -> int:

@@ -44,6 +44,7 @@ class Status(StrEnum):
     """Where a prepare row is in its life."""
 
     PENDING = "PENDING"
+    DELAYED = "DELAYED"
     DELIVERED = "DELIVERED"
     ROLLED_BACK = "ROLLED_BACK"
     PARKED = "PARKED"
@@ -106,8 +107,21 @@ message = Table(
     Index(
         "message_check_idx",
         "next_check_at",
-        postgresql_where=text("status = 'PENDING' AND resolution = 'UNKNOWN'"),
+        postgresql_where=text("resolution = 'UNKNOWN' AND status IN ('PENDING', 'DELAYED')"),
     ),
+    # Rows that hold back later rows of their key: delayed, or awaiting their resolution.
+    Index(
+        "message_hold_idx",
+        "topic",
+        "key",
+        "id",
+        postgresql_where=text(
+            "key IS NOT NULL AND (status = 'DELAYED' "
+            "OR (status = 'PENDING' AND resolution = 'UNKNOWN'))"
+        ),
+    ),
+    Index("message_delayed_idx", "deliver_after", postgresql_where=text("status = 'DELAYED'")),
+    Index("message_created_at_idx", "created_at", postgresql_using="brin"),
 )
 
 #: Op records (RocketMQ's op messages): one per thing done to a prepare row.
@@ -124,6 +138,7 @@ op_record = Table(
     Column("detail", Text),
     _one_of("action", Action),
     Index("op_record_message_id_idx", "message_id"),
+    Index("op_record_created_at_idx", "created_at", postgresql_using="brin"),
 )
 
 #: One row per virtual shard: which relay delivers that shard's messages, and until when.

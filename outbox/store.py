@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from functools import cache
 from importlib import resources
 from typing import Any
@@ -48,8 +49,15 @@ def publish(
     *,
     producer_group: str = "default",
     resolution: Resolution = Resolution.COMMIT,
+    deliver_at: datetime | None = None,
+    delay_seconds: float = 0.0,
+    check_after_seconds: float | None = None,
 ) -> tuple[TextClause, dict[str, Any]]:
-    """The statement and parameters that write one prepare row (run by the caller)."""
+    """The statement and parameters that write one prepare row (run by the caller).
+
+    ``deliver_at`` or ``delay_seconds`` (from the database's now) holds a message back;
+    ``check_after_seconds`` is when an UNKNOWN row is first checked back.
+    """
     return query("publish", schema), {
         "producer_group": producer_group,
         "topic": message.topic,
@@ -60,8 +68,9 @@ def publish(
         "content_type": message.content_type,
         "resolution": resolution.value,
         "shard": message.shard,
-        "next_check_at": None,
-        "deliver_after": None,
+        "check_after_seconds": check_after_seconds,
+        "deliver_at": deliver_at,
+        "delay_seconds": delay_seconds,
         "lock_class": LOCK_CLASS,
         "lock_key": message.lock_key,
         "channel": notify_channel(schema),
@@ -78,6 +87,7 @@ class Deliverable:
     headers: list[tuple[str, bytes]]
     payload: bytes
     content_type: str
+    created_at: datetime
 
 
 def fetch_deliverable(
@@ -94,9 +104,28 @@ def fetch_deliverable(
             headers=list(zip(row.header_keys or (), row.header_values or (), strict=True)),
             payload=row.payload,
             content_type=row.content_type,
+            created_at=row.created_at,
         )
         for row in rows
     ]
+
+
+def promote_due(
+    conn: Connection, schema: str, shards: Iterable[int]
+) -> tuple[int, float | None]:
+    """Make due DELAYED rows deliverable; returns (how many, seconds until the next is due)."""
+    row = conn.execute(query("promote_due", schema), {"shards": list(shards)}).one()
+    return int(row.promoted), None if row.next_due_in is None else float(row.next_due_in)
+
+
+def resume(conn: Connection, schema: str, actor: str, ids: Sequence[int] = (),
+           *, resume_all: bool = False) -> list[tuple[int, str]]:
+    """Re-queue PARKED and re-arm DISCARDED rows; returns (id, what it was) for each."""
+    rows = conn.execute(
+        query("resume", schema),
+        {"ids": list(ids), "all": resume_all, "actor": actor, "channel": notify_channel(schema)},
+    )
+    return [(row.message_id, row.detail.removeprefix("was ")) for row in rows]
 
 
 def mark_delivered(
@@ -156,9 +185,7 @@ def leave(conn: Connection, schema: str, worker_id: str) -> None:
 
 def schema_version(conn: Connection, schema: str) -> str | None:
     """The applied migration revision, or None when the schema was never migrated."""
-    exists = conn.execute(
-        text("SELECT to_regclass(:table)"), {"table": f"{schema}.outbox_alembic_version"}
-    ).scalar_one()
-    if exists is None:
+    table = f"{validate_identifier(schema)}.outbox_alembic_version"
+    if not conn.execute(query("table_exists", schema), {"table": table}).scalar_one():
         return None
     return conn.execute(query("schema_version", schema)).scalar_one_or_none()

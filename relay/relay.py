@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from typing import Any
 
 from kafka import KafkaProducer
@@ -76,20 +77,29 @@ class Relay:
 
     def _loop(self, conn: Connection, producer: KafkaProducer, wakeup: Wakeup) -> None:
         limit = self.settings.relay_batch_size
+        poll = self.settings.relay_poll_interval
+        promote_at = 0.0  # monotonic time of the next look for due delayed rows
         while not self.stopping.is_set():
             if self._leases.due() or not self._leases.valid:
                 gained, lost = self._leases.maintain(conn)
                 if gained or lost:
                     log.info("relay %s owns %d shards (+%d -%d)", self.settings.worker_id,
                              len(self._leases.owned), len(gained), len(lost))
+                    promote_at = 0.0
             batch: list[store.Deliverable] = []
-            if self._leases.owned:
+            owned = self._leases.owned
+            if owned:
                 with conn.begin():
-                    batch = store.fetch_deliverable(conn, self.schema, self._leases.owned, limit)
+                    if time.monotonic() >= promote_at:
+                        _, next_due_in = store.promote_due(conn, self.schema, owned)
+                        promote_at = time.monotonic() + min(poll, next_due_in or poll)
+                    batch = store.fetch_deliverable(conn, self.schema, owned, limit)
             if batch:
                 self._deliver(conn, producer, batch)
             if len(batch) < limit:
-                wakeup.wait(self.settings.relay_poll_interval, self.stopping)
+                timeout = max(0.0, min(poll, promote_at - time.monotonic()))
+                if wakeup.wait(timeout, self.stopping):
+                    promote_at = 0.0  # a new row may be due sooner than we knew
 
     def _deliver(
         self, conn: Connection, producer: KafkaProducer, batch: list[store.Deliverable]

@@ -28,6 +28,19 @@ def test_migrated_schema_matches_the_metadata(engine: Engine, schema: str) -> No
     assert diff == []
 
 
+def test_constraint_names_match_the_metadata(engine: Engine, schema: str) -> None:
+    with engine.connect() as conn:
+        in_database = set(conn.execute(text(
+            "SELECT conname FROM pg_constraint c JOIN pg_namespace n ON n.oid = c.connamespace "
+            "WHERE n.nspname = :schema AND conrelid::regclass::text NOT LIKE '%alembic%'"
+        ), {"schema": schema}).scalars())
+    declared = {
+        str(constraint.name) for table in metadata.sorted_tables
+        for constraint in table.constraints
+    }
+    assert in_database == declared
+
+
 def test_revision_creates_one_lease_per_shard(engine: Engine, schema: str) -> None:
     with engine.connect() as conn:
         shards = conn.execute(text(f"SELECT count(*) FROM {schema}.relay_lease")).scalar_one()

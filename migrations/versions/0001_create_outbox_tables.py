@@ -45,8 +45,8 @@ def upgrade() -> None:
         sa.Column("created_at", TIMESTAMP, nullable=False, server_default=sa.func.now()),
         sa.Column("delivered_at", TIMESTAMP),
         sa.PrimaryKeyConstraint("id", name="message_pkey"),
-        sa.CheckConstraint(RESOLUTIONS, name="message_resolution_valid"),
-        sa.CheckConstraint(STATUSES, name="message_status_valid"),
+        sa.CheckConstraint(RESOLUTIONS, name=op.f("message_resolution_valid")),
+        sa.CheckConstraint(STATUSES, name=op.f("message_status_valid")),
         schema=schema,
     )
     op.create_index(
@@ -68,7 +68,7 @@ def upgrade() -> None:
         sa.Column("kafka_offset", sa.BigInteger),
         sa.Column("detail", sa.Text),
         sa.PrimaryKeyConstraint("id", name="op_record_pkey"),
-        sa.CheckConstraint(ACTIONS, name="op_record_action_valid"),
+        sa.CheckConstraint(ACTIONS, name=op.f("op_record_action_valid")),
         schema=schema,
     )
     op.create_index("op_record_message_id_idx", "op_record", ["message_id"], schema=schema)
