@@ -2,22 +2,52 @@
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import random
-from collections.abc import Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping
+from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, overload
+from typing import Any, TypeVar, overload
 
-from sqlalchemy import Connection, TextClause
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+from sqlalchemy import Connection, Engine, Result, Row, TextClause
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
 from outbox import store
-from outbox.exceptions import ConfigurationError, NotInTransaction
-from outbox.message import delivery_time, encode
+from outbox.checkers import Checker, to_resolution
+from outbox.exceptions import (
+    ConfigurationError,
+    DecisionConflict,
+    InvalidMessage,
+    MessageNotFound,
+    NotInTransaction,
+)
+from outbox.message import EncodedMessage, delivery_time, encode
+from outbox.schema import Resolution
 from outbox.settings import Settings, load_settings
+from outbox.store import Message
 
 SyncTarget = Session | Connection
 AsyncTarget = AsyncSession | AsyncConnection
+#: Where a decision may be recorded: the caller's open transaction, or an engine's own one.
+SyncBind = Session | Connection | Engine
+AsyncBind = AsyncSession | AsyncConnection | AsyncEngine
+#: ``local_transaction(message)`` answers COMMIT, ROLLBACK, UNKNOWN or None (= UNKNOWN).
+LocalTransaction = Callable[[Message], Resolution | str | None]
+AsyncLocalTransaction = Callable[
+    [Message], Awaitable[Resolution | str | None] | Resolution | str | None
+]
+T = TypeVar("T")
+C = TypeVar("C", bound=Checker)
+
+
+@dataclass(frozen=True, slots=True)
+class TransactionResult:
+    """What ``send_in_transaction`` recorded (RocketMQ's TransactionSendResult)."""
+
+    message_id: int
+    resolution: Resolution
 
 
 class Outbox:
@@ -39,6 +69,8 @@ class Outbox:
         )
         self.schema = self.settings.schema_name
         self.producer_group = producer_group
+        #: Checkers by producer group, registered with :meth:`checker`.
+        self.checkers: dict[str, Checker] = {}
         self._random = random.Random()
 
     @overload
@@ -89,7 +121,25 @@ class Outbox:
         ``deliver_after`` / ``deliver_at`` hold it back until then (later messages of the
         same key wait behind it).
         """
-        message = encode(
+        message = self._encode(topic, payload, key, headers, content_type)
+        statement, params = store.publish(
+            self.schema,
+            message,
+            producer_group=self.producer_group,
+            **delivery_time(deliver_after, deliver_at),
+        )
+        _refuse_engine(session)
+        return self._execute(session, statement, params, _message_id)
+
+    def _encode(
+        self,
+        topic: str,
+        payload: Any,
+        key: str | bytes | None,
+        headers: Mapping[str, str | bytes] | None,
+        content_type: str | None,
+    ) -> EncodedMessage:
+        return encode(
             topic,
             payload,
             key=key,
@@ -98,25 +148,341 @@ class Outbox:
             max_payload_bytes=self.settings.max_payload_bytes,
             random_shard=self._random.getrandbits(16),
         )
-        statement, params = store.publish(
+
+    @overload
+    def _execute(
+        self,
+        bind: SyncBind,
+        statement: TextClause,
+        params: dict[str, Any],
+        read: Callable[[Result[Any]], T],
+    ) -> T: ...
+
+    @overload
+    def _execute(
+        self,
+        bind: AsyncBind,
+        statement: TextClause,
+        params: dict[str, Any],
+        read: Callable[[Result[Any]], T],
+    ) -> Coroutine[Any, Any, T]: ...
+
+    def _execute(
+        self,
+        bind: SyncBind | AsyncBind,
+        statement: TextClause,
+        params: dict[str, Any],
+        read: Callable[[Result[Any]], T],
+    ) -> T | Coroutine[Any, Any, T]:
+        """Run one statement in the caller's open transaction, or in an engine's own one."""
+        if isinstance(bind, AsyncSession | AsyncConnection | AsyncEngine):
+            return self._execute_async(bind, statement, params, read)
+        if isinstance(bind, Engine):
+            with bind.begin() as conn:
+                return read(conn.execute(statement, params))
+        _require_transaction(bind.in_transaction(), _connection_of(bind))
+        return read(bind.execute(statement, params))
+
+    async def _execute_async(
+        self,
+        bind: AsyncBind,
+        statement: TextClause,
+        params: dict[str, Any],
+        read: Callable[[Result[Any]], T],
+    ) -> T:
+        if isinstance(bind, AsyncEngine):
+            async with bind.begin() as conn:
+                return read(await conn.execute(statement, params))
+        in_transaction = bind.in_transaction()
+        connection = await bind.connection() if isinstance(bind, AsyncSession) else bind
+        _require_transaction(in_transaction, connection.sync_connection)
+        return read(await bind.execute(statement, params))
+
+    # Two-phase messages (RocketMQ transactional messages) -------------------------------
+
+    @overload
+    def prepare(
+        self,
+        session: SyncTarget,
+        topic: str,
+        payload: Any,
+        *,
+        key: str | bytes | None = None,
+        headers: Mapping[str, str | bytes] | None = None,
+        content_type: str | None = None,
+        deliver_after: timedelta | None = None,
+        deliver_at: datetime | None = None,
+        check_immunity: timedelta | None = None,
+    ) -> int: ...
+
+    @overload
+    def prepare(
+        self,
+        session: AsyncTarget,
+        topic: str,
+        payload: Any,
+        *,
+        key: str | bytes | None = None,
+        headers: Mapping[str, str | bytes] | None = None,
+        content_type: str | None = None,
+        deliver_after: timedelta | None = None,
+        deliver_at: datetime | None = None,
+        check_immunity: timedelta | None = None,
+    ) -> Coroutine[Any, Any, int]: ...
+
+    def prepare(
+        self,
+        session: SyncTarget | AsyncTarget,
+        topic: str,
+        payload: Any,
+        *,
+        key: str | bytes | None = None,
+        headers: Mapping[str, str | bytes] | None = None,
+        content_type: str | None = None,
+        deliver_after: timedelta | None = None,
+        deliver_at: datetime | None = None,
+        check_immunity: timedelta | None = None,
+    ) -> int | Coroutine[Any, Any, int]:
+        """Write a half message: a prepare row whose resolution is UNKNOWN, in ``session``.
+
+        Nothing is delivered until :meth:`commit` (or a checker) says COMMIT; :meth:`rollback`
+        (or a checker's ROLLBACK) drops it. With no decision the sweeper asks this outbox's
+        producer group's checker, first after ``transaction_timeout`` (or ``check_immunity``).
+        Later messages of the same key wait behind it. Returns the message id.
+        """
+        message = self._encode(topic, payload, key, headers, content_type)
+        statement, params = self._prepare_statement(
+            message, deliver_after, deliver_at, check_immunity
+        )
+        _refuse_engine(session)
+        return self._execute(session, statement, params, _message_id)
+
+    def _prepare_statement(
+        self,
+        message: EncodedMessage,
+        deliver_after: timedelta | None,
+        deliver_at: datetime | None,
+        check_immunity: timedelta | None,
+    ) -> tuple[TextClause, dict[str, Any]]:
+        if check_immunity is None:
+            check_after = self.settings.transaction_timeout
+        elif isinstance(check_immunity, timedelta) and check_immunity >= timedelta(0):
+            check_after = check_immunity.total_seconds()
+        else:
+            raise InvalidMessage(
+                f"check_immunity must be a timedelta of zero or more, got {check_immunity!r}"
+            )
+        return store.publish(
             self.schema,
             message,
             producer_group=self.producer_group,
+            resolution=Resolution.UNKNOWN,
+            check_after_seconds=check_after,
             **delivery_time(deliver_after, deliver_at),
         )
-        if isinstance(session, AsyncSession | AsyncConnection):
-            return self._execute_async(session, statement, params)
-        _require_transaction(session.in_transaction(), _connection_of(session))
-        return int(session.execute(statement, params).scalar_one())
 
-    async def _execute_async(
-        self, session: AsyncTarget, statement: TextClause, params: dict[str, Any]
-    ) -> int:
-        in_transaction = session.in_transaction()
-        connection = await session.connection() if isinstance(session, AsyncSession) else session
-        _require_transaction(in_transaction, connection.sync_connection)
-        result = await session.execute(statement, params)
-        return int(result.scalar_one())
+    @overload
+    def commit(self, bind: SyncBind, message_id: int) -> None: ...
+
+    @overload
+    def commit(self, bind: AsyncBind, message_id: int) -> Coroutine[Any, Any, None]: ...
+
+    def commit(self, bind: SyncBind | AsyncBind, message_id: int
+               ) -> Coroutine[Any, Any, None] | None:
+        """Resolve a prepared message COMMIT, so the relay delivers it (endTransaction).
+
+        ``bind`` is a session or connection in an open transaction (the decision commits
+        with it) or an engine (the decision commits at once). Deciding again the same way
+        does nothing; the other way raises :class:`DecisionConflict`.
+        """
+        return self._decide(bind, message_id, Resolution.COMMIT)
+
+    @overload
+    def rollback(self, bind: SyncBind, message_id: int) -> None: ...
+
+    @overload
+    def rollback(self, bind: AsyncBind, message_id: int) -> Coroutine[Any, Any, None]: ...
+
+    def rollback(self, bind: SyncBind | AsyncBind, message_id: int
+                 ) -> Coroutine[Any, Any, None] | None:
+        """Resolve a prepared message ROLLBACK: it is never delivered; an op record says so."""
+        return self._decide(bind, message_id, Resolution.ROLLBACK)
+
+    def _decide(self, bind: SyncBind | AsyncBind, message_id: int, resolution: Resolution
+                ) -> Coroutine[Any, Any, None] | None:
+        statement, params = store.decide(self.schema, message_id, resolution, self._actor)
+        if isinstance(bind, AsyncSession | AsyncConnection | AsyncEngine):
+            return self._decide_async(bind, message_id, resolution, statement, params)
+        _check_decision(self._execute(bind, statement, params, _one_or_none), message_id,
+                        resolution, self.schema)
+        return None
+
+    async def _decide_async(self, bind: AsyncBind, message_id: int, resolution: Resolution,
+                            statement: TextClause, params: dict[str, Any]) -> None:
+        row = await self._execute(bind, statement, params, _one_or_none)
+        _check_decision(row, message_id, resolution, self.schema)
+
+    @property
+    def _actor(self) -> str:
+        return f"app:{self.settings.worker_id}"
+
+    @overload
+    def send_in_transaction(
+        self,
+        engine: Engine,
+        topic: str,
+        payload: Any,
+        local_transaction: LocalTransaction,
+        *,
+        key: str | bytes | None = None,
+        headers: Mapping[str, str | bytes] | None = None,
+        content_type: str | None = None,
+        deliver_after: timedelta | None = None,
+        deliver_at: datetime | None = None,
+        check_immunity: timedelta | None = None,
+    ) -> TransactionResult: ...
+
+    @overload
+    def send_in_transaction(
+        self,
+        engine: AsyncEngine,
+        topic: str,
+        payload: Any,
+        local_transaction: AsyncLocalTransaction,
+        *,
+        key: str | bytes | None = None,
+        headers: Mapping[str, str | bytes] | None = None,
+        content_type: str | None = None,
+        deliver_after: timedelta | None = None,
+        deliver_at: datetime | None = None,
+        check_immunity: timedelta | None = None,
+    ) -> Coroutine[Any, Any, TransactionResult]: ...
+
+    def send_in_transaction(
+        self,
+        engine: Engine | AsyncEngine,
+        topic: str,
+        payload: Any,
+        local_transaction: LocalTransaction | AsyncLocalTransaction,
+        *,
+        key: str | bytes | None = None,
+        headers: Mapping[str, str | bytes] | None = None,
+        content_type: str | None = None,
+        deliver_after: timedelta | None = None,
+        deliver_at: datetime | None = None,
+        check_immunity: timedelta | None = None,
+    ) -> TransactionResult | Coroutine[Any, Any, TransactionResult]:
+        """RocketMQ's sendMessageInTransaction, for a local transaction that is not ours.
+
+        Commits a prepare row (resolution UNKNOWN) on its own, then calls
+        ``local_transaction(message)`` — which may touch other systems and may store
+        ``message.id`` for the checker — and records its COMMIT or ROLLBACK. An answer of
+        UNKNOWN or None, an exception (which propagates, noting the message id), or a crash
+        leaves the row UNKNOWN for the check-back. Async engines take sync or async callables.
+        """
+        message = self._encode(topic, payload, key, headers, content_type)
+        statement, params = self._prepare_statement(
+            message, deliver_after, deliver_at, check_immunity
+        )
+        if isinstance(engine, AsyncEngine):
+            return self._send_async(engine, message, statement, params, local_transaction)
+        message_id = self._execute(engine, statement, params, _message_id)
+        prepared = self._message(message, message_id)
+        with _noting_unknown(message_id):
+            answer = to_resolution(local_transaction(prepared), "the local transaction")
+            if answer is not Resolution.UNKNOWN:
+                self._decide(engine, message_id, answer)
+        return TransactionResult(message_id, answer)
+
+    async def _send_async(
+        self,
+        engine: AsyncEngine,
+        message: EncodedMessage,
+        statement: TextClause,
+        params: dict[str, Any],
+        local_transaction: AsyncLocalTransaction,
+    ) -> TransactionResult:
+        message_id = await self._execute(engine, statement, params, _message_id)
+        prepared = self._message(message, message_id)
+        with _noting_unknown(message_id):
+            returned = local_transaction(prepared)
+            if inspect.isawaitable(returned):
+                returned = await returned
+            answer = to_resolution(returned, "the local transaction")
+            if answer is not Resolution.UNKNOWN:
+                await self._decide_async(engine, message_id, answer,
+                                         *store.decide(self.schema, message_id, answer,
+                                                       self._actor))
+        return TransactionResult(message_id, answer)
+
+    def _message(self, message: EncodedMessage, message_id: int) -> Message:
+        return Message(
+            id=message_id,
+            producer_group=self.producer_group,
+            topic=message.topic,
+            key=message.key,
+            headers=dict(zip(message.header_keys or (), message.header_values or (),
+                             strict=True)),
+            payload=message.payload,
+            content_type=message.content_type,
+        )
+
+    def checker(self, producer_group: str | None = None) -> Callable[[C], C]:
+        """Register ``func(message, connection) -> COMMIT | ROLLBACK | UNKNOWN`` for a group.
+
+        The sweeper (``outbox sweep --app module:outbox``) calls it for messages of that
+        producer group (default: this outbox's) whose resolution is still UNKNOWN.
+        """
+        group = producer_group or self.producer_group
+
+        def register(func: C) -> C:
+            if group in self.checkers:
+                raise ConfigurationError(f"producer group {group!r} already has a checker")
+            self.checkers[group] = func
+            return func
+
+        return register
+
+
+def _message_id(result: Result[Any]) -> int:
+    return int(result.scalar_one())
+
+
+def _one_or_none(result: Result[Any]) -> Row[Any] | None:
+    return result.one_or_none()
+
+
+def _refuse_engine(session: object) -> None:
+    """An engine would commit the row on its own, apart from the business transaction."""
+    if isinstance(session, Engine | AsyncEngine):
+        raise NotInTransaction(
+            "publish() and prepare() write inside your transaction: pass a session or "
+            "connection with an open transaction, not an Engine"
+        )
+
+
+def _check_decision(row: Row[Any] | None, message_id: int, resolution: Resolution,
+                    schema: str) -> None:
+    """Deciding again the same way is a no-op; the other way is a conflict."""
+    if row is None:
+        raise MessageNotFound(f"no message {message_id} in outbox schema {schema!r}")
+    if row.decided or row.was_resolution == resolution:
+        return
+    raise DecisionConflict(
+        f"message {message_id} is already resolved {row.was_resolution}; "
+        f"it cannot be resolved {resolution} now"
+    )
+
+
+@contextlib.contextmanager
+def _noting_unknown(message_id: int) -> Iterator[None]:
+    """Tell whoever sees an exception from the local transaction what became of the row."""
+    try:
+        yield
+    except BaseException as exc:
+        exc.add_note(f"outbox message {message_id} stays UNKNOWN until its check-back "
+                     "resolves it")
+        raise
 
 
 def _connection_of(session: SyncTarget) -> Connection | None:

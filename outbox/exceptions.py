@@ -23,3 +23,11 @@ class SchemaNotMigrated(OutboxError):
 
 class ServiceUnavailable(OutboxError):
     """PostgreSQL or Kafka cannot be reached with the configured address."""
+
+
+class MessageNotFound(OutboxError, LookupError):
+    """A decision names a message id that has no prepare row in this schema."""
+
+
+class DecisionConflict(OutboxError):
+    """A message already resolved one way was asked to be resolved the other way."""

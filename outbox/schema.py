@@ -11,6 +11,7 @@ from enum import StrEnum
 from sqlalchemy import (
     ARRAY,
     BigInteger,
+    Boolean,
     CheckConstraint,
     Column,
     DateTime,
@@ -25,6 +26,7 @@ from sqlalchemy import (
     func,
     text,
 )
+from sqlalchemy.dialects.postgresql import JSONB
 
 DEFAULT_SCHEMA = "outbox"
 #: Keys are hashed into this many virtual shards; a relay owns a shard through a lease.
@@ -120,6 +122,7 @@ message = Table(
             "OR (status = 'PENDING' AND resolution = 'UNKNOWN'))"
         ),
     ),
+    Index("message_stuck_idx", "topic", postgresql_where=text("status IN ('PARKED', 'DISCARDED')")),
     Index("message_delayed_idx", "deliver_after", postgresql_where=text("status = 'DELAYED'")),
     Index("message_created_at_idx", "created_at", postgresql_using="brin"),
 )
@@ -156,9 +159,41 @@ relay_member = Table(
     metadata,
     Column("worker_id", Text, primary_key=True),
     Column("seen_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("in_flight", Integer, nullable=False, server_default="0"),
 )
 
 
 def translate(schema: str) -> dict[str | None, str]:
     """The ``schema_translate_map`` that points the metadata at ``schema``."""
     return {DEFAULT_SCHEMA: schema}
+
+
+class RunOutcome(StrEnum):
+    """How a reconciliation run ended: no findings, findings within thresholds, or over one."""
+
+    CLEAN = "CLEAN"
+    FINDINGS = "FINDINGS"
+    FAILED = "FAILED"
+
+
+#: One summary row per reconciliation run; the newest is the next run's watermark.
+reconcile_run = Table(
+    "reconcile_run",
+    metadata,
+    Column("id", BigInteger, Identity(always=False), primary_key=True),
+    Column("started_at", DateTime(timezone=True), nullable=False),
+    Column("finished_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("window_since", DateTime(timezone=True)),
+    Column("window_until", DateTime(timezone=True), nullable=False),
+    Column("read_topics", Boolean, nullable=False),
+    #: {topic: {partition: next offset}} read up to, when the run read the topics.
+    Column("kafka_offsets", JSONB),
+    Column("messages", BigInteger, nullable=False),
+    Column("op_records", BigInteger, nullable=False),
+    Column("kafka_records", BigInteger),
+    #: {finding: count}
+    Column("findings", JSONB, nullable=False),
+    Column("outcome", Text, nullable=False),
+    Column("output_path", Text, nullable=False),
+    _one_of("outcome", RunOutcome),
+)

@@ -8,7 +8,7 @@ import socket
 from typing import Any
 
 from pydantic import Field, ValidationError, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 from sqlalchemy.engine import make_url
 
 from outbox.exceptions import ConfigurationError
@@ -70,8 +70,75 @@ class Settings(BaseSettings):
     relay_lease_seconds: float = Field(
         default=10.0, gt=0, description="a dead relay's shards are taken over after this"
     )
+    relay_max_attempts: int = Field(
+        default=5, gt=0, description="permanent rejections before a message is parked"
+    )
+    relay_metrics_port: int | None = Field(
+        default=None, ge=0, le=65535, description="serve Prometheus metrics on this port"
+    )
+    kafka_delivery_timeout_ms: int = Field(
+        default=120_000, gt=0, description="how long the producer retries a send"
+    )
+    kafka_max_request_size: int = Field(
+        default=2 * 1024 * 1024, gt=0, description="largest record the producer sends"
+    )
+    retention_hours: float = Field(
+        default=72.0, gt=0, description="delivered and rolled-back rows are pruned after this"
+    )
+    prune_interval: float = Field(
+        default=60.0, gt=0, description="seconds between the relay's retention passes"
+    )
+    prune_batch_size: int = Field(default=5000, gt=0, description="rows deleted per statement")
     worker_id: str = Field(default_factory=default_worker_id)
     log_level: str = "INFO"
+    reconcile_output_dir: str = Field(
+        default="reconcile-output", description="where reconciliation runs write their files"
+    )
+    reconcile_sla_seconds: float = Field(
+        default=300.0, gt=0,
+        description="a committed message not delivered this long after it was due is a finding",
+    )
+    reconcile_thresholds: dict[str, int | None] = Field(
+        default_factory=dict,
+        description="per finding, the count above which a run fails (None: report only); "
+        "overrides the defaults in spark/findings.py",
+    )
+    reconcile_read_topics: bool = Field(
+        default=False, description="also read the Kafka topics, not only the outbox tables"
+    )
+    reconcile_partitions: int = Field(
+        default=8, gt=0, le=1024, description="parallel JDBC reads per table"
+    )
+    reconcile_spark_master: str = Field(
+        default="", description="Spark master; empty: spark-submit's, or local[*] from the CLI"
+    )
+    reconcile_jdbc_jar: str = Field(
+        default="/usr/share/java/postgresql.jar",
+        description="the PostgreSQL JDBC driver jar (Debian: libpostgresql-jdbc-java)",
+    )
+    # Two-phase messages and their check-back (RocketMQ's names and defaults).
+    transaction_timeout: float = Field(
+        default=6.0, gt=0, description="seconds before an UNKNOWN message is first checked back"
+    )
+    check_interval: float = Field(
+        default=30.0, gt=0, description="seconds between check-backs of an UNKNOWN message"
+    )
+    check_max: int = Field(
+        default=15, gt=0, description="inconclusive check-backs before a message is discarded"
+    )
+    checker_timeout: float = Field(
+        default=5.0, gt=0, description="seconds a checker may take before it counts as UNKNOWN"
+    )
+    sweep_concurrency: int = Field(default=8, gt=0, le=256, description="checks run at once")
+    sweep_batch_size: int = Field(default=500, gt=0, le=100_000,
+                                  description="most messages claimed per sweep round")
+    sweep_poll_interval: float = Field(
+        default=1.0, gt=0, description="longest the sweeper sleeps before looking for due rows"
+    )
+    sql_checkers: dict[str, str] = Field(
+        default_factory=dict,
+        description="producer group -> SQL query returning COMMIT, ROLLBACK or UNKNOWN (JSON)",
+    )
 
     @field_validator("schema_name")
     @classmethod
@@ -80,6 +147,14 @@ class Settings(BaseSettings):
             return validate_identifier(value)
         except ConfigurationError as exc:
             raise ValueError(str(exc)) from None
+
+    @field_validator("sql_checkers")
+    @classmethod
+    def _sql_checkers(cls, value: dict[str, str]) -> dict[str, str]:
+        for group, sql in value.items():
+            if not group or not sql.strip():
+                raise ValueError("each entry maps a producer group to a non-empty SQL query")
+        return value
 
     def require(self, *names: str) -> None:
         """Fail with one clear line when a setting a command needs is empty."""
@@ -103,6 +178,8 @@ def load_settings(**overrides: Any) -> Settings:
         given["schema_name"] = given.pop("schema")
     try:
         return Settings(**given)
+    except SettingsError as exc:
+        raise ConfigurationError(f"invalid settings: {exc} (expected JSON)") from None
     except ValidationError as exc:
         lines = [
             f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()

@@ -1,62 +1,149 @@
 """Shard leases: which relay delivers which keys, so several relays keep per-key order.
 
-Keys hash into ``SHARDS`` virtual shards. Each relay heartbeats, renews its leases every
-third of a lease, takes a fair share of free or expired shards and sheds any surplus
-between batches. A relay killed with -9 loses its shards when their leases expire.
+Keys hash into ``SHARDS`` virtual shards. A keeper thread heartbeats and renews this relay's
+leases every third of a lease — also while the main loop waits on a slow broker — and takes
+a fair share of free or expired shards. Surplus shards are handed back by the main loop
+between batches, never while a batch of theirs is in flight. A relay killed with -9 loses
+its shards when their leases expire.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import threading
 import time
+from collections.abc import Callable
 
-from sqlalchemy import Connection
+from sqlalchemy import Connection, create_engine
 
 from outbox import store
 from outbox.schema import SHARDS
+from outbox.settings import Settings
+from relay import metrics
+
+log = logging.getLogger("outbox.relay")
 
 
 class Leases:
+    """This relay's view of its shards; safe to use from the keeper and the main loop."""
+
     def __init__(self, schema: str, worker_id: str, lease_seconds: float) -> None:
         self.schema = schema
         self.worker_id = worker_id
         self.lease_seconds = lease_seconds
-        self.owned: frozenset[int] = frozenset()
+        self._lock = threading.Lock()
+        self._owned: frozenset[int] = frozenset()
+        self._surplus: frozenset[int] = frozenset()
         self._valid_until = 0.0
-        self._next_tick = 0.0
 
     @property
     def valid(self) -> bool:
         """True while our leases certainly have not expired (with a safety margin)."""
         return time.monotonic() < self._valid_until
 
-    def due(self) -> bool:
-        return time.monotonic() >= self._next_tick
+    @property
+    def active(self) -> frozenset[int]:
+        """The shards to fetch from: owned and not about to be handed back."""
+        with self._lock:
+            return self._owned - self._surplus
 
-    def maintain(self, conn: Connection) -> tuple[frozenset[int], frozenset[int]]:
-        """Renew, claim and shed leases in one transaction; returns (gained, lost) shards."""
+    @property
+    def surplus(self) -> frozenset[int]:
+        return self._surplus
+
+    def tick(self, conn: Connection, in_flight: int = 0) -> None:
+        """Heartbeat, renew and claim in one transaction; note any surplus to shed."""
         started = time.monotonic()
         with conn.begin():
-            live = store.heartbeat(conn, self.schema, self.worker_id, self.lease_seconds)
+            live = store.heartbeat(conn, self.schema, self.worker_id, self.lease_seconds,
+                                   in_flight)
             mine = store.renew_leases(conn, self.schema, self.worker_id, self.lease_seconds)
             share = math.ceil(SHARDS / max(live, 1))
             if len(mine) < share:
                 mine |= store.claim_leases(
                     conn, self.schema, self.worker_id, self.lease_seconds, share - len(mine)
                 )
-            elif len(mine) > share:
-                surplus = sorted(mine)[share:]
-                store.release_leases(conn, self.schema, self.worker_id, surplus)
-                mine -= set(surplus)
-        owned = frozenset(mine)
-        gained, lost = owned - self.owned, self.owned - owned
-        self.owned = owned
-        self._valid_until = started + self.lease_seconds * 0.8
-        self._next_tick = started + self.lease_seconds / 3
-        return gained, lost
+        with self._lock:
+            before = self._owned
+            self._owned = frozenset(mine)
+            self._surplus = frozenset(sorted(mine)[share:])
+            self._valid_until = started + self.lease_seconds * 0.8
+        if before != self._owned:
+            log.info("relay %s owns %d shards (+%d -%d) of %d relays", self.worker_id,
+                     len(self._owned), len(self._owned - before), len(before - self._owned), live)
+        metrics.OWNED_SHARDS.set(len(self._owned))
+
+    def shed(self, conn: Connection) -> None:
+        """Hand the surplus shards back (call only with no batch of theirs in flight)."""
+        with self._lock:
+            surplus = self._surplus
+        if not surplus:
+            return
+        with conn.begin():
+            store.release_leases(conn, self.schema, self.worker_id, sorted(surplus))
+        with self._lock:
+            self._owned -= surplus
+            self._surplus = frozenset()
+        log.info("relay %s handed back %d shards", self.worker_id, len(surplus))
+        metrics.OWNED_SHARDS.set(len(self._owned))
 
     def leave(self, conn: Connection) -> None:
         with conn.begin():
             store.leave(conn, self.schema, self.worker_id)
-        self.owned = frozenset()
-        self._valid_until = 0.0
+        with self._lock:
+            self._owned = self._surplus = frozenset()
+            self._valid_until = 0.0
+        metrics.OWNED_SHARDS.set(0)
+
+
+class LeaseKeeper(threading.Thread):
+    """Keeps the leases (and the pending-messages gauge) fresh on its own connection."""
+
+    def __init__(self, settings: Settings, leases: Leases,
+                 in_flight: Callable[[], int] = lambda: 0) -> None:
+        super().__init__(name=f"leases-{leases.worker_id}", daemon=True)
+        self._engine = create_engine(settings.sqlalchemy_url, pool_size=1, max_overflow=0,
+                                     pool_pre_ping=True)
+        self._leases = leases
+        self._in_flight = in_flight
+        self._halt = threading.Event()
+        self._poke = threading.Event()
+        self._failing = False
+        self.first_tick = threading.Event()
+
+    def poke(self) -> None:
+        """Tick now: a relay joined or left."""
+        self._poke.set()
+
+    def stop(self) -> None:
+        self._halt.set()
+        self._poke.set()
+
+    def run(self) -> None:
+        interval = self._leases.lease_seconds / 3
+        while not self._halt.is_set():
+            try:
+                with self._engine.connect() as conn:
+                    while not self._halt.is_set():
+                        self._leases.tick(conn, self._in_flight())
+                        metrics.observe_backlog(conn, self._leases.schema)
+                        if self._failing:
+                            log.info("relay %s: lease renewals work again", self._leases.worker_id)
+                            self._failing = False
+                        self.first_tick.set()
+                        self._poke.wait(interval)
+                        self._poke.clear()
+            except Exception as exc:
+                if not self._failing:
+                    log.warning("relay %s cannot renew its leases (%s); retrying every %.1fs",
+                                self._leases.worker_id, _first_line(exc), interval)
+                    self._failing = True
+                self._engine.dispose()
+                self._halt.wait(interval)
+        self._engine.dispose()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(getattr(exc, "orig", None) or exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -15,16 +15,20 @@ PRODUCER_DEFAULTS: dict[str, Any] = {
     "enable_idempotence": True,
     # Idempotence keeps order with up to 5 requests in flight per partition.
     "max_in_flight_requests_per_connection": 5,
-    "linger_ms": 5,
+    "linger_ms": 1,
     "batch_size": 256 * 1024,
-    "max_request_size": 2 * 1024 * 1024,
     "bootstrap_timeout_ms": 15_000,
 }
 
 
 def make_producer(settings: Settings, **overrides: Any) -> KafkaProducer:
     settings.require("kafka_bootstrap")
-    config = {**PRODUCER_DEFAULTS, **overrides}
+    config = {
+        **PRODUCER_DEFAULTS,
+        "delivery_timeout_ms": settings.kafka_delivery_timeout_ms,
+        "max_request_size": settings.kafka_max_request_size,
+        **overrides,
+    }
     try:
         return KafkaProducer(
             bootstrap_servers=settings.kafka_bootstrap.split(","),

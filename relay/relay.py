@@ -1,33 +1,72 @@
 """The relay: promotes committed prepare rows to Kafka and writes an op record for each.
 
-One loop: keep shard leases, fetch the next batch of committed rows (id order), send them
-all, wait for the broker's acks, then record partition and offset in one statement. A crash
-anywhere before that statement leaves the rows pending, so they are sent again: at least
-once, never lost. Between batches it sleeps until a NOTIFY or the poll interval.
+The loop is pipelined two deep: while Kafka acknowledges batch N, the relay fetches and
+sends batch N+1, then records N's partitions and offsets in one statement. A crash anywhere
+before that statement leaves N's rows pending, so they are sent again: at least once, never
+lost. Leases (relay/leases.py) decide which shards — and so which keys — this relay owns.
+
+Faults: a broker that stops acknowledging, or a lost database connection, ends the current
+pass; the outer loop backs off (tenacity) and starts again from what the database says,
+logging the outage once and the recovery once. A record the broker rejects permanently is
+retried a bounded number of times, then parked.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
+import psycopg
 from kafka import KafkaProducer
-from kafka.errors import KafkaTimeoutError
+from kafka.errors import KafkaError, RetriableError
 from kafka.producer.future import FutureRecordMetadata
 from sqlalchemy import Connection, Engine, create_engine
+from sqlalchemy.exc import DBAPIError
+from tenacity import RetryCallState, Retrying, retry_if_exception_type, wait_exponential
 
 from outbox import store
+from outbox.exceptions import ServiceUnavailable
 from outbox.message import CONTENT_TYPE_HEADER, ID_HEADER
 from outbox.migrate import require_current
 from outbox.settings import Settings, mask_url
-from relay.leases import Leases
+from relay import metrics
+from relay.leases import LeaseKeeper, Leases
 from relay.producer import make_producer
+from relay.retention import Pruner
 from relay.wakeup import Wakeup
 
 log = logging.getLogger("outbox.relay")
+#: How long acks may lag before the relay says the broker seems unreachable.
+SLOW_ACK_SECONDS = 5.0
+
+
+class BrokerTrouble(Exception):
+    """Kafka did not acknowledge a batch (unreachable, or retries exhausted)."""
+
+
+class Abandoned(Exception):
+    """Told to stop without waiting for the batch in flight."""
+
+
+@dataclass
+class InFlight:
+    """A batch handed to the producer, waiting for its acknowledgements."""
+
+    rows: list[store.Deliverable]
+    #: per row: the producer's future, the error that refused it, or None if held back
+    futures: list[FutureRecordMetadata | BaseException | None]
+    done: threading.Event = field(default_factory=threading.Event)
+    remaining: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def arrived(self, _: object) -> None:
+        with self.lock:
+            self.remaining -= 1
+            if self.remaining == 0:
+                self.done.set()
 
 
 class Relay:
@@ -37,14 +76,22 @@ class Relay:
         settings.require("database_url", "kafka_bootstrap")
         self.settings = settings
         self.schema = settings.schema_name
+        self.worker_id = settings.worker_id
         self.stopping = threading.Event()
         self.abandon = threading.Event()
         self.delivered = 0
         self._producer = producer
-        self._leases = Leases(self.schema, settings.worker_id, settings.relay_lease_seconds)
         self._engine: Engine = create_engine(
-            settings.sqlalchemy_url, pool_size=1, max_overflow=0, pool_pre_ping=True
+            settings.sqlalchemy_url, pool_size=3, max_overflow=0, pool_pre_ping=True
         )
+        self._leases = Leases(self.schema, self.worker_id, settings.relay_lease_seconds)
+        self._keeper = LeaseKeeper(settings, self._leases, in_flight=self.in_flight)
+        self._in_flight_count = 0
+        self._outage_since: float | None = None
+
+    @property
+    def owned_shards(self) -> frozenset[int]:
+        return self._leases.active
 
     def stop(self, *, abandon_batch: bool = False) -> None:
         """Ask the loop to end after the current batch, or at once with ``abandon_batch``."""
@@ -55,101 +102,203 @@ class Relay:
     def run(self) -> None:
         with self._engine.connect() as conn:
             require_current(conn, self.schema)
-            conn.rollback()
         producer = self._producer or make_producer(self.settings)
+        pruner = Pruner(self.settings)
+        log.info("relay %s started: database %s, schema %s, Kafka %s", self.worker_id,
+                 mask_url(self.settings.database_url), self.schema,
+                 self.settings.kafka_bootstrap)
+        self._keeper.start()
+        pruner.start()
+        try:
+            retrying = Retrying(
+                retry=retry_if_exception_type(
+                    (BrokerTrouble, DBAPIError, psycopg.Error, ServiceUnavailable)),
+                wait=wait_exponential(multiplier=0.2, max=5),
+                sleep=self._pause,
+                before_sleep=self._report_outage,
+                reraise=True,
+            )
+            for attempt in retrying:
+                with attempt:
+                    self._serve(producer)
+        except Abandoned:
+            log.info("relay %s abandoned its batch in flight; it stays pending", self.worker_id)
+        finally:
+            self._keeper.stop()
+            pruner.stop()
+            self._keeper.join(5)
+            pruner.join(5)
+            self._leave()
+            producer.close(timeout=0 if self.abandon.is_set() else 10)
+            self._engine.dispose()
+            log.info("relay %s stopped after delivering %d messages", self.worker_id,
+                     self.delivered)
+
+    def _pause(self, seconds: float) -> None:
+        self.stopping.wait(seconds)
+
+    def _report_outage(self, state: RetryCallState) -> None:
+        """Say once that delivery stalls, with the reason; the recovery is said once too."""
+        if self._outage_since is None:
+            self._outage_since = time.monotonic()
+            exc = state.outcome.exception() if state.outcome else None
+            log.warning("relay %s paused: %s; retrying with backoff", self.worker_id,
+                        _describe(exc))
+
+    def _recovered(self) -> None:
+        if self._outage_since is not None:
+            log.warning("relay %s delivering again after %.1fs", self.worker_id,
+                        time.monotonic() - self._outage_since)
+            self._outage_since = None
+
+    def _leave(self) -> None:
+        if self.abandon.is_set():
+            return
+        try:
+            with self._engine.connect() as conn:
+                self._leases.leave(conn)
+        except DBAPIError as exc:
+            log.warning("relay %s could not hand back its shards (%s); they expire in %.0fs",
+                        self.worker_id, _describe(exc), self.settings.relay_lease_seconds)
+
+    def _serve(self, producer: KafkaProducer) -> None:
+        """One pass: deliver until stopped, or until the broker or the database fails."""
+        if self.stopping.is_set():
+            return
         wakeup = Wakeup(self.settings.database_url, self.schema)
-        log.info(
-            "relay %s started: database %s, schema %s, Kafka %s",
-            self.settings.worker_id, mask_url(self.settings.database_url), self.schema,
-            self.settings.kafka_bootstrap,
-        )
         try:
             with self._engine.connect() as conn:
                 self._loop(conn, producer, wakeup)
-                if not self.abandon.is_set():
-                    self._leases.leave(conn)
         finally:
             wakeup.close()
-            producer.close(timeout=0 if self.abandon.is_set() else 10)
-            self._engine.dispose()
-            log.info("relay %s stopped after delivering %d messages",
-                     self.settings.worker_id, self.delivered)
 
     def _loop(self, conn: Connection, producer: KafkaProducer, wakeup: Wakeup) -> None:
         limit = self.settings.relay_batch_size
         poll = self.settings.relay_poll_interval
         promote_at = 0.0  # monotonic time of the next look for due delayed rows
+        in_flight: InFlight | None = None
+        self._keeper.first_tick.wait(self.settings.relay_lease_seconds)
         while not self.stopping.is_set():
-            if self._leases.due() or not self._leases.valid:
-                gained, lost = self._leases.maintain(conn)
-                if gained or lost:
-                    log.info("relay %s owns %d shards (+%d -%d)", self.settings.worker_id,
-                             len(self._leases.owned), len(gained), len(lost))
-                    promote_at = 0.0
+            if self._leases.surplus:
+                self._settle(conn, in_flight)
+                in_flight = None
+                self._leases.shed(conn)
+            shards = self._leases.active if self._leases.valid else frozenset()
             batch: list[store.Deliverable] = []
-            owned = self._leases.owned
-            if owned:
+            if shards:
                 with conn.begin():
                     if time.monotonic() >= promote_at:
-                        _, next_due_in = store.promote_due(conn, self.schema, owned)
+                        _, next_due_in = store.promote_due(conn, self.schema, shards)
                         promote_at = time.monotonic() + min(poll, next_due_in or poll)
-                    batch = store.fetch_deliverable(conn, self.schema, owned, limit)
-            if batch:
-                self._deliver(conn, producer, batch)
-            if len(batch) < limit:
+                    batch = store.fetch_deliverable(
+                        conn, self.schema, shards, limit,
+                        in_flight=[row.id for row in in_flight.rows] if in_flight else (),
+                    )
+            sent = self._send(producer, batch) if batch else None
+            self._settle(conn, in_flight)
+            in_flight = sent
+            if sent is None:
                 timeout = max(0.0, min(poll, promote_at - time.monotonic()))
-                if wakeup.wait(timeout, self.stopping):
+                notes = wakeup.wait(timeout, self.stopping)
+                if notes:
                     promote_at = 0.0  # a new row may be due sooner than we knew
+                if "rebalance" in notes:
+                    self._keeper.poke()
+        self._settle(conn, in_flight)
 
-    def _deliver(
-        self, conn: Connection, producer: KafkaProducer, batch: list[store.Deliverable]
-    ) -> None:
-        sent: list[tuple[store.Deliverable, FutureRecordMetadata]] = []
-        failed: dict[int, str] = {}
-        blocked_keys: set[tuple[str, bytes | None]] = set()
+    def _send(self, producer: KafkaProducer, batch: list[store.Deliverable]) -> InFlight:
+        flight = InFlight(rows=batch, futures=[], remaining=len(batch))
+        blocked: set[tuple[str, bytes]] = set()
         for row in batch:
-            ordering_key = (row.topic, row.key)
-            if row.key is not None and ordering_key in blocked_keys:
-                continue  # an earlier message of this key failed: keep the key's order
-            try:
-                future = producer.send(
-                    row.topic, value=row.payload, key=row.key, headers=_headers(row)
-                )
-            except Exception as exc:  # rejected before sending (size, metadata, ...)
-                failed[row.id] = f"{type(exc).__name__}: {exc}"
-                blocked_keys.add(ordering_key)
-                continue
-            sent.append((row, future))
-        if not self._flush(producer, sent):
-            return  # abandoned: the rows stay pending and are sent again later
-        acks: list[tuple[int, int, int]] = []
-        for row, future in sent:
-            if future.succeeded():
-                metadata: Any = future.value
-                acks.append((row.id, metadata.partition, metadata.offset))
+            outcome: FutureRecordMetadata | BaseException | None = None
+            if row.key is not None and (row.topic, row.key) in blocked:
+                pass  # held back behind a refused message of its key; stays pending
             else:
-                failed[row.id] = f"{type(future.exception).__name__}: {future.exception}"
-        with conn.begin():
-            store.mark_delivered(conn, self.schema, self.settings.worker_id, acks)
-            for row_id, error in failed.items():
-                store.record_failure(conn, self.schema, [row_id], error)
-        self.delivered += len(acks)
-        log.debug("delivered %d messages (ids %d..%d)", len(acks), batch[0].id, batch[-1].id)
-        if failed:
-            first = next(iter(failed.items()))
-            log.warning("%d messages not delivered this round, e.g. id %d: %s",
-                        len(failed), *first)
+                try:
+                    outcome = producer.send(row.topic, value=row.payload, key=row.key,
+                                            headers=_headers(row))
+                except KafkaError as exc:  # refused before sending: size, metadata, ...
+                    outcome = exc
+                    if row.key is not None:
+                        blocked.add((row.topic, row.key))
+            flight.futures.append(outcome)
+            if isinstance(outcome, FutureRecordMetadata):
+                outcome.add_both(flight.arrived)
+            else:
+                flight.arrived(None)
+        self._in_flight_count = len(batch)
+        metrics.BATCH_SIZE.observe(len(batch))
+        return flight
 
-    def _flush(self, producer: KafkaProducer,
-               sent: list[tuple[store.Deliverable, FutureRecordMetadata]]) -> bool:
-        """Wait for every ack; False if told to abandon the batch meanwhile."""
-        while True:
-            with contextlib.suppress(KafkaTimeoutError):
-                producer.flush(timeout=1.0)
-            if all(future.is_done for _, future in sent):
-                return True
+    def _settle(self, conn: Connection, flight: InFlight | None) -> None:
+        """Wait for a batch's acks, then record them; raises BrokerTrouble if Kafka failed."""
+        if flight is None:
+            return
+        self._await_acks(flight)
+        acks: list[tuple[int, int, int]] = []
+        failures: list[store.Failure] = []
+        for row, outcome in zip(flight.rows, flight.futures, strict=True):
+            if outcome is None:
+                continue
+            if isinstance(outcome, FutureRecordMetadata) and outcome.succeeded():
+                meta: Any = outcome.value
+                acks.append((row.id, meta.partition, meta.offset))
+                continue
+            exc = outcome if isinstance(outcome, BaseException) else outcome.exception
+            failures.append(store.Failure(row.id, _describe(exc), _is_permanent(exc)))
+        with conn.begin():
+            closed = store.mark_delivered(conn, self.schema, self.worker_id, acks)
+            parked = store.record_failures(conn, self.schema, self.worker_id, failures,
+                                           self.settings.relay_max_attempts)
+        self._in_flight_count = 0
+        self.delivered += len(closed)
+        for topic, latency in closed:
+            metrics.DELIVERED.labels(topic).inc()
+            metrics.LATENCY.observe(latency)
+        for message_id, topic in parked:
+            metrics.PARKED.labels(topic).inc()
+            reason = next(f.error for f in failures if f.id == message_id)
+            log.error("message %d parked after %d permanent rejections: %s (resume it with "
+                      "`outbox resume %d`)", message_id, self.settings.relay_max_attempts,
+                      reason, message_id)
+        if acks:
+            self._recovered()
+        transient = [f for f in failures if not f.permanent]
+        for failure in failures:
+            metrics.FAILURES.labels("permanent" if failure.permanent else "retriable").inc()
+        if transient:
+            raise BrokerTrouble(f"{len(transient)} messages not acknowledged, e.g. message "
+                                f"{transient[0].id}: {transient[0].error}")
+
+    def _await_acks(self, flight: InFlight) -> None:
+        started = time.monotonic()
+        warned = False
+        while not flight.done.wait(0.25):
             if self.abandon.is_set():
-                return False
+                raise Abandoned
+            if not warned and time.monotonic() - started > SLOW_ACK_SECONDS:
+                warned = True
+                if self._outage_since is None:
+                    self._outage_since = started
+                    log.warning("relay %s: Kafka has not acknowledged %d messages for %.0fs; "
+                                "waiting (the producer retries for %.0fs)", self.worker_id,
+                                len(flight.rows), SLOW_ACK_SECONDS,
+                                self.settings.kafka_delivery_timeout_ms / 1000)
+
+    def in_flight(self) -> int:
+        return self._in_flight_count
+
+
+def _is_permanent(exc: BaseException | None) -> bool:
+    """Kafka's non-retriable errors (record too large, invalid or unauthorised topic, ...)."""
+    return isinstance(exc, KafkaError) and not isinstance(exc, RetriableError)
+
+
+def _describe(exc: BaseException | None) -> str:
+    if exc is None:
+        return "unknown error"
+    text = str(getattr(exc, "orig", None) or exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
 
 
 def _headers(row: store.Deliverable) -> list[tuple[str, bytes]]:

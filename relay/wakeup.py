@@ -20,20 +20,21 @@ class Wakeup:
         channel = sql.Identifier(store.notify_channel(schema))
         self._conn.execute(sql.SQL("LISTEN {}").format(channel))
 
-    def wait(self, timeout: float, stop: threading.Event, slice_seconds: float = 0.1) -> bool:
-        """Block until a notification, ``timeout`` or ``stop``; True if notified."""
+    def wait(self, timeout: float, stop: threading.Event, slice_seconds: float = 0.1
+             ) -> set[str]:
+        """Block until notified, ``timeout`` or ``stop``; returns the payloads received
+        (``""`` for a commit, ``"rebalance"`` when a relay joined or left)."""
         remaining = timeout
         while remaining > 0 and not stop.is_set():
             step = min(slice_seconds, remaining)
-            if any(True for _ in self._conn.notifies(timeout=step, stop_after=1)):
-                self.drain()
-                return True
+            payloads = {n.payload for n in self._conn.notifies(timeout=step, stop_after=1)}
+            if payloads:
+                return payloads | self.drain()
             remaining -= step
-        return False
+        return set()
 
-    def drain(self) -> None:
-        for _ in self._conn.notifies(timeout=0):
-            pass
+    def drain(self) -> set[str]:
+        return {n.payload for n in self._conn.notifies(timeout=0)}
 
     def close(self) -> None:
         self._conn.close()

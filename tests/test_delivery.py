@@ -150,7 +150,7 @@ def test_relay_wakes_on_commit_without_waiting_for_a_poll(
     thread = threading.Thread(target=daemon.run, daemon=True)
     thread.start()
     try:
-        wait_until(lambda: bool(daemon._leases.owned), 10, "relay to own its shards")
+        wait_until(lambda: bool(daemon.owned_shards), 10, "relay to own its shards")
         publish_orders(engine, outbox, topic, [("k", 1)])
         wait_delivered(engine, schema, 1, timeout=10)
     finally:

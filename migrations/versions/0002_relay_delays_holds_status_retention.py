@@ -1,7 +1,9 @@
-"""Delayed status, the key-hold index, and BRIN indexes for retention.
+"""Delayed status, key holds, status indexes, relay in-flight counts, retention indexes.
 
 A DELAYED row waits for its deliver_after time; rows still UNKNOWN or DELAYED hold back later
-rows of the same key (found through message_hold_idx). Retention prunes by created_at.
+rows of the same key (found through message_hold_idx). PARKED and DISCARDED rows are found
+through their own small index; relays report their in-flight messages for `outbox status`.
+Retention prunes by created_at (BRIN).
 
 Revision ID: 0002
 Revises: 0001
@@ -25,6 +27,7 @@ NEW_STATUSES = (
 HOLDS = (
     "key IS NOT NULL AND (status = 'DELAYED' OR (status = 'PENDING' AND resolution = 'UNKNOWN'))"
 )
+STUCK = "status IN ('PARKED', 'DISCARDED')"
 UNRESOLVED = "resolution = 'UNKNOWN' AND status IN ('PENDING', 'DELAYED')"
 
 
@@ -41,6 +44,10 @@ def upgrade() -> None:
                     postgresql_where=sa.text(HOLDS))
     op.create_index("message_delayed_idx", "message", ["deliver_after"], schema=schema,
                     postgresql_where=sa.text("status = 'DELAYED'"))
+    op.create_index("message_stuck_idx", "message", ["topic"], schema=schema,
+                    postgresql_where=sa.text(STUCK))
+    op.add_column("relay_member", sa.Column("in_flight", sa.Integer, nullable=False,
+                                            server_default="0"), schema=schema)
     op.create_index("message_created_at_idx", "message", ["created_at"], schema=schema,
                     postgresql_using="brin")
     op.create_index("op_record_created_at_idx", "op_record", ["created_at"], schema=schema,
@@ -51,6 +58,8 @@ def downgrade() -> None:
     schema = target_schema()
     op.drop_index("op_record_created_at_idx", "op_record", schema=schema)
     op.drop_index("message_created_at_idx", "message", schema=schema)
+    op.drop_column("relay_member", "in_flight", schema=schema)
+    op.drop_index("message_stuck_idx", "message", schema=schema)
     op.drop_index("message_delayed_idx", "message", schema=schema)
     op.drop_index("message_hold_idx", "message", schema=schema)
     op.drop_index("message_check_idx", "message", schema=schema)

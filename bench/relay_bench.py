@@ -1,0 +1,252 @@
+"""Relay benchmarks on the embedded services, each next to a baseline measured in the same run.
+
+    python bench/relay_bench.py [--messages 100000] [--history 1000000]
+
+1. throughput of 1 KiB messages with 1 and 2 relays vs raw kafka-python produce (no database);
+2. the same with --history delivered rows retained in the table (bounded cost);
+3. commit -> broker ack latency at a steady 1,000 msg/s (p50, p99);
+4. business insert + publish TPS vs business insert alone;
+5. table and index sizes after the runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from kafka import KafkaProducer
+from sqlalchemy import Engine, create_engine, text
+from sqlalchemy.orm import Session
+
+from outbox import Outbox, devservices, migrate
+from outbox.schema import SHARDS
+from outbox.settings import sqlalchemy_url
+from outbox.topic_reader import create_topic
+from relay.producer import PRODUCER_DEFAULTS
+
+PAYLOAD = b"x" * 1024
+KEYS = 1000
+
+
+def say(line: str) -> None:
+    print(line, flush=True)
+
+
+def raw_produce(bootstrap: str, topic: str, n: int) -> float:
+    producer = KafkaProducer(bootstrap_servers=bootstrap, **PRODUCER_DEFAULTS)
+    started = time.perf_counter()
+    futures = [
+        producer.send(topic, value=PAYLOAD, key=b"key-%d" % (i % KEYS),
+                      headers=[("outbox-id", str(i).encode()),
+                               ("content-type", b"application/octet-stream")])
+        for i in range(n)
+    ]
+    producer.flush()
+    for future in futures:
+        future.get()
+    elapsed = time.perf_counter() - started
+    producer.close()
+    return n / elapsed
+
+
+def preload(engine: Engine, schema: str, topic: str, n: int, status: str = "PENDING") -> None:
+    """Committed prepare rows, keyed like publish does (one key, one shard)."""
+    with engine.begin() as conn:
+        conn.execute(text(f"""
+            INSERT INTO {schema}.message
+                (topic, key, payload, content_type, resolution, status, shard, delivered_at)
+            SELECT :topic, convert_to('key-' || (i % {KEYS}), 'UTF8'), :payload,
+                   'application/octet-stream', 'COMMIT', :status, (i % {KEYS}) % {SHARDS},
+                   CASE WHEN :status = 'DELIVERED' THEN now() END
+            FROM generate_series(1, :n) AS i"""),
+            {"topic": topic, "payload": PAYLOAD, "n": n, "status": status})
+        conn.execute(text(f"ANALYZE {schema}.message"))
+
+
+def delivered(engine: Engine, schema: str) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(text(
+            f"SELECT count(*) FROM {schema}.op_record WHERE action = 'DELIVERED'")).scalar_one())
+
+
+def start_relays(env: dict[str, str], schema: str, count: int) -> list[subprocess.Popen[bytes]]:
+    return [
+        subprocess.Popen([sys.executable, "-m", "outbox", "relay", "--schema", schema,
+                          "--log-level", "WARNING"], env=env)
+        for _ in range(count)
+    ]
+
+
+def stop(relays: list[subprocess.Popen[bytes]]) -> None:
+    for relay in relays:
+        relay.send_signal(signal.SIGTERM)
+    for relay in relays:
+        relay.wait(60)
+
+
+def relay_throughput(services: devservices.Services, engine: Engine, env: dict[str, str],
+                     relays: int, n: int, history: int = 0) -> float:
+    schema = f"bench_{relays}_{history}"
+    topic = f"bench-{relays}-{history}"
+    migrate.upgrade(services.database_url, schema)
+    create_topic(services.kafka_bootstrap, topic, partitions=6)
+    if history:
+        preload(engine, schema, topic, history, status="DELIVERED")
+        with engine.begin() as conn:
+            conn.execute(text(f"""
+                INSERT INTO {schema}.op_record (message_id, action, actor, kafka_partition,
+                                                kafka_offset)
+                SELECT id, 'DELIVERED', 'history', 0, id FROM {schema}.message"""))
+    preload(engine, schema, topic, n)
+    baseline = delivered(engine, schema)
+    processes = start_relays(env, schema, relays)
+    try:
+        # Time from the first delivery, so process start-up is not counted.
+        while delivered(engine, schema) == baseline:
+            time.sleep(0.005)
+        started, first = time.perf_counter(), delivered(engine, schema)
+        while (done := delivered(engine, schema)) < baseline + n:
+            time.sleep(0.05)
+        rate = (done - first) / (time.perf_counter() - started)
+    finally:
+        stop(processes)
+    return rate
+
+
+def latency_at_steady_rate(services: devservices.Services, engine: Engine,
+                           env: dict[str, str], rate: int, seconds: float) -> tuple[float, ...]:
+    schema, topic = "bench_latency", "bench-latency"
+    migrate.upgrade(services.database_url, schema)
+    create_topic(services.kafka_bootstrap, topic, partitions=6)
+    processes = start_relays(env, schema, 1)
+    outbox = Outbox(schema=schema)
+    time.sleep(3)  # relay up and owning its shards
+    try:
+        interval = 1.0 / rate
+        next_at = time.perf_counter()
+        end = next_at + seconds
+        i = 0
+        with Session(engine) as session:
+            while next_at < end:
+                with session.begin():
+                    outbox.publish(session, topic, PAYLOAD, key=f"key-{i % KEYS}")
+                i += 1
+                next_at += interval
+                pause = next_at - time.perf_counter()
+                if pause > 0:
+                    time.sleep(pause)
+        deadline = time.monotonic() + 30
+        while delivered(engine, schema) < i and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        stop(processes)
+    with engine.connect() as conn:
+        latencies = [float(x) for x in conn.execute(text(f"""
+            SELECT extract(epoch FROM o.created_at - m.created_at) * 1000
+            FROM {schema}.op_record o JOIN {schema}.message m ON m.id = o.message_id
+            WHERE o.action = 'DELIVERED'""")).scalars()]
+    cuts = statistics.quantiles(latencies, n=100)
+    return len(latencies) / seconds, cuts[49], cuts[98], max(latencies)
+
+
+def publish_cost(services: devservices.Services, engine: Engine, seconds: float,
+                 threads: int = 4) -> tuple[float, float]:
+    schema = "bench_publish"
+    migrate.upgrade(services.database_url, schema)
+    with engine.begin() as conn:
+        conn.execute(text("CREATE TABLE IF NOT EXISTS bench_orders "
+                          "(id bigserial PRIMARY KEY, customer text, total numeric)"))
+    outbox = Outbox(schema=schema)
+
+    def run(with_publish: bool) -> float:
+        counts = [0] * threads
+        stop_at = time.perf_counter() + seconds
+
+        def worker(slot: int) -> None:
+            with Session(engine) as session:
+                while time.perf_counter() < stop_at:
+                    with session.begin():
+                        session.execute(text("INSERT INTO bench_orders (customer, total) "
+                                             "VALUES (:c, 10.5)"), {"c": f"c{slot}"})
+                        if with_publish:
+                            outbox.publish(session, "orders", {"customer": f"c{slot}"},
+                                           key=f"c{slot}-{counts[slot] % 100}")
+                    counts[slot] += 1
+
+        workers = [threading.Thread(target=worker, args=(s,)) for s in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        return sum(counts) / seconds
+
+    bare = run(False)
+    with_publish = run(True)
+    return bare, with_publish
+
+
+def sizes(engine: Engine) -> list[Any]:
+    with engine.connect() as conn:
+        return list(conn.execute(text("""
+            SELECT n.nspname || '.' || c.relname AS name,
+                   pg_size_pretty(pg_relation_size(c.oid)) AS size, c.relkind
+            FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+            WHERE n.nspname LIKE 'bench_%' AND c.relkind IN ('r', 'i')
+              AND pg_relation_size(c.oid) > 0
+            ORDER BY n.nspname, c.relkind DESC, c.relname""")))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--messages", type=int, default=100_000)
+    parser.add_argument("--history", type=int, default=1_000_000)
+    parser.add_argument("--latency-seconds", type=float, default=20)
+    parser.add_argument("--publish-seconds", type=float, default=10)
+    args = parser.parse_args()
+
+    say("starting embedded PostgreSQL (durable: fsync on) and Kafka broker ...")
+    services = devservices.start(durable=True)
+    env = {**os.environ, **services.env()}
+    engine = create_engine(sqlalchemy_url(services.database_url), pool_size=8)
+    try:
+        say(f"\n1. throughput, {args.messages:,} messages of 1 KiB, 1000 keys")
+        create_topic(services.kafka_bootstrap, "bench-raw", partitions=6)
+        raw = raw_produce(services.kafka_bootstrap, "bench-raw", args.messages)
+        say(f"   raw kafka-python produce (no database): {raw:10,.0f} msg/s  1.00x")
+        for relays in (1, 2):
+            rate = relay_throughput(services, engine, env, relays, args.messages)
+            say(f"   outbox relay x{relays}:                     {rate:10,.0f} msg/s  "
+                f"{rate / raw:.2f}x raw")
+        if args.history:
+            say(f"\n2. bounded cost: 1 relay with {args.history:,} delivered rows retained")
+            rate = relay_throughput(services, engine, env, 1, args.messages, args.history)
+            say(f"   outbox relay x1 over history:          {rate:10,.0f} msg/s  "
+                f"{rate / raw:.2f}x raw")
+        say("\n3. latency commit -> broker ack at a steady 1,000 msg/s, 1 relay")
+        achieved, p50, p99, worst = latency_at_steady_rate(
+            services, engine, env, 1000, args.latency_seconds)
+        say(f"   achieved {achieved:,.0f} msg/s: p50 {p50:.1f} ms, p99 {p99:.1f} ms, "
+            f"max {worst:.1f} ms")
+        say("\n4. cost of publish in a business transaction (4 client threads)")
+        bare, with_publish = publish_cost(services, engine, args.publish_seconds)
+        say(f"   business insert alone:    {bare:8,.0f} TPS  1.00x")
+        say(f"   business insert + publish: {with_publish:7,.0f} TPS  "
+            f"{with_publish / bare:.2f}x")
+        say("\n5. table and index sizes after the runs")
+        for row in sizes(engine):
+            say(f"   {'table' if row.relkind == 'r' else 'index'} {row.name:45} {row.size}")
+    finally:
+        engine.dispose()
+        devservices.stop(services)
+
+
+if __name__ == "__main__":
+    main()

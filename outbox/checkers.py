@@ -1,0 +1,47 @@
+"""Checkers: how the sweeper asks whether an UNKNOWN message's local transaction committed.
+
+A checker is a Python callable registered on an ``Outbox`` for its producer group
+(``@outbox.checker("orders")``), or a SQL query over the business tables declared in
+``OUTBOX_SQL_CHECKERS`` so that a sweeper needs no application code. Either answers
+COMMIT, ROLLBACK or UNKNOWN (None counts as UNKNOWN), like RocketMQ's checkLocalTransaction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Connection
+
+from outbox import store
+from outbox.schema import Resolution
+from outbox.store import Message
+
+#: ``checker(message, connection)``; the connection is in a read-only transaction whose
+#: statements are cut off at the checker timeout.
+Checker = Callable[[Message, Connection], Any]
+
+
+def to_resolution(answer: object, who: str) -> Resolution:
+    """The resolution a local transaction or checker answered; a wrong type is a bug in it."""
+    if answer is None:
+        return Resolution.UNKNOWN
+    if isinstance(answer, str) and answer.strip().upper() in Resolution.__members__:
+        return Resolution(answer.strip().upper())
+    raise TypeError(f"{who} answered {answer!r}; answer COMMIT, ROLLBACK or UNKNOWN (or None)")
+
+
+@dataclass(frozen=True, slots=True)
+class SqlChecker:
+    """A checker that is one query, e.g. ``SELECT CASE WHEN paid THEN 'COMMIT' END ...``.
+
+    Binds: ``:id``, ``:producer_group``, ``:topic``, ``:key`` and ``:payload`` (text; use
+    ``CAST(:payload AS jsonb)``), ``:check_count``. The first column of the first row is the
+    answer; no row or NULL is UNKNOWN.
+    """
+
+    sql: str
+
+    def __call__(self, message: Message, conn: Connection) -> Any:
+        return store.run_sql_checker(conn, self.sql, message)

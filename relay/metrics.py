@@ -1,0 +1,36 @@
+"""Prometheus metrics of the relay (served with ``outbox relay --metrics-port``)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from sqlalchemy import Connection
+
+from outbox import store
+
+DELIVERED = Counter("outbox_messages_delivered", "Messages acknowledged by Kafka", ["topic"])
+PARKED = Counter("outbox_messages_parked", "Messages parked after permanent rejection",
+                 ["topic"])
+FAILURES = Counter("outbox_delivery_failures", "Failed delivery attempts", ["kind"])
+LATENCY = Histogram(
+    "outbox_delivery_latency_seconds", "Commit of the prepare row to the broker's ack",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)
+BATCH_SIZE = Histogram(
+    "outbox_relay_batch_size", "Messages per relay batch",
+    buckets=(1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000),
+)
+OWNED_SHARDS = Gauge("outbox_relay_owned_shards", "Shards whose lease this relay holds")
+BACKLOG = Gauge(
+    "outbox_messages", "Undelivered messages by state (pending is like rocketmq_half_messages)",
+    ["state"],
+)
+
+
+def observe_backlog(conn: Connection, schema: str) -> None:
+    with conn.begin():
+        for state, count in store.backlog(conn, schema).items():
+            BACKLOG.labels(state).set(count)
+
+
+def serve(port: int, address: str = "0.0.0.0") -> None:
+    start_http_server(port, addr=address)
