@@ -1,9 +1,11 @@
 """Transactional outbox on PostgreSQL: publish inside your transaction, the relay delivers."""
 
-from outbox.app import Outbox
+from outbox.app import Outbox, TransactionResult
 from outbox.exceptions import (
     ConfigurationError,
+    DecisionConflict,
     InvalidMessage,
+    MessageNotFound,
     NotInTransaction,
     OutboxError,
     SchemaNotMigrated,
@@ -11,10 +13,14 @@ from outbox.exceptions import (
 )
 from outbox.schema import Resolution, Status
 from outbox.settings import Settings
+from outbox.store import Message
 
 __all__ = [
     "ConfigurationError",
+    "DecisionConflict",
     "InvalidMessage",
+    "Message",
+    "MessageNotFound",
     "NotInTransaction",
     "Outbox",
     "OutboxError",
@@ -23,4 +29,5 @@ __all__ = [
     "ServiceUnavailable",
     "Settings",
     "Status",
+    "TransactionResult",
 ]

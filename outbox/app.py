@@ -126,6 +126,7 @@ class Outbox:
             self.schema,
             message,
             producer_group=self.producer_group,
+            notify=self.settings.notify,
             **delivery_time(deliver_after, deliver_at),
         )
         _refuse_engine(session)
@@ -276,6 +277,7 @@ class Outbox:
             self.schema,
             message,
             producer_group=self.producer_group,
+            notify=self.settings.notify,
             resolution=Resolution.UNKNOWN,
             check_after_seconds=check_after,
             **delivery_time(deliver_after, deliver_at),
@@ -310,15 +312,16 @@ class Outbox:
 
     def _decide(self, bind: SyncBind | AsyncBind, message_id: int, resolution: Resolution
                 ) -> Coroutine[Any, Any, None] | None:
-        statement, params = store.decide(self.schema, message_id, resolution, self._actor)
         if isinstance(bind, AsyncSession | AsyncConnection | AsyncEngine):
-            return self._decide_async(bind, message_id, resolution, statement, params)
-        _check_decision(self._execute(bind, statement, params, _one_or_none), message_id,
-                        resolution, self.schema)
+            return self._decide_async(bind, message_id, resolution)
+        statement, params = store.decide(self.schema, message_id, resolution, self._actor)
+        row = self._execute(bind, statement, params, _one_or_none)
+        _check_decision(row, message_id, resolution, self.schema)
         return None
 
-    async def _decide_async(self, bind: AsyncBind, message_id: int, resolution: Resolution,
-                            statement: TextClause, params: dict[str, Any]) -> None:
+    async def _decide_async(self, bind: AsyncBind, message_id: int, resolution: Resolution
+                            ) -> None:
+        statement, params = store.decide(self.schema, message_id, resolution, self._actor)
         row = await self._execute(bind, statement, params, _one_or_none)
         _check_decision(row, message_id, resolution, self.schema)
 
@@ -410,9 +413,7 @@ class Outbox:
                 returned = await returned
             answer = to_resolution(returned, "the local transaction")
             if answer is not Resolution.UNKNOWN:
-                await self._decide_async(engine, message_id, answer,
-                                         *store.decide(self.schema, message_id, answer,
-                                                       self._actor))
+                await self._decide_async(engine, message_id, answer)
         return TransactionResult(message_id, answer)
 
     def _message(self, message: EncodedMessage, message_id: int) -> Message:

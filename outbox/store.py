@@ -55,11 +55,13 @@ def publish(
     deliver_at: datetime | None = None,
     delay_seconds: float = 0.0,
     check_after_seconds: float | None = None,
+    notify: bool = True,
 ) -> tuple[TextClause, dict[str, Any]]:
     """The statement and parameters that write one prepare row (run by the caller).
 
     ``deliver_at`` or ``delay_seconds`` (from the database's now) holds a message back;
-    ``check_after_seconds`` is when an UNKNOWN row is first checked back.
+    ``check_after_seconds`` is when an UNKNOWN row is first checked back; ``notify`` wakes
+    the relays at commit (PostgreSQL serialises committing transactions that NOTIFY).
     """
     return query("publish", schema), {
         "producer_group": producer_group,
@@ -77,6 +79,7 @@ def publish(
         "lock_class": LOCK_CLASS,
         "lock_key": message.lock_key,
         "channel": notify_channel(schema),
+        "notify": notify,
     }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
@@ -64,9 +65,9 @@ def outbox(settings: Settings) -> Outbox:
     return Outbox(settings=settings)
 
 
-@pytest.fixture
-def relay(settings: Settings) -> Iterator[Relay]:
-    """A relay running in a thread for the duration of the test."""
+@contextlib.contextmanager
+def running_relay(settings: Settings) -> Iterator[Relay]:
+    """A relay running in a thread until the block ends; its crash fails the test."""
     daemon = Relay(settings)
     failure: list[BaseException] = []
 
@@ -78,11 +79,20 @@ def relay(settings: Settings) -> Iterator[Relay]:
 
     thread = threading.Thread(target=run, name="relay", daemon=True)
     thread.start()
-    yield daemon
-    daemon.stop()
-    thread.join(30)
+    try:
+        yield daemon
+    finally:
+        daemon.stop()
+        thread.join(30)
     assert not thread.is_alive(), "relay did not stop within 30 s"
     assert not failure, f"relay crashed: {failure[0]!r}"
+
+
+@pytest.fixture
+def relay(settings: Settings) -> Iterator[Relay]:
+    """A relay running in a thread for the duration of the test."""
+    with running_relay(settings) as daemon:
+        yield daemon
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 30, what: str = "condition"

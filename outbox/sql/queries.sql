@@ -4,8 +4,8 @@
 -- name: publish
 -- Write a prepare row in the caller's transaction. A keyed row first takes a
 -- transaction-scoped advisory lock on its (topic, key) hash, so rows of one key get their
--- ids in commit order and the relay's id order is the key's order. pg_notify is queued and
--- sent by PostgreSQL only if the transaction commits. A row due later starts DELAYED;
+-- ids in commit order and the relay's id order is the key's order. pg_notify (unless turned
+-- off) is queued and sent by PostgreSQL only if the transaction commits. A row due later starts DELAYED;
 -- times are the database's clock, not the application's.
 INSERT INTO {schema}.message
     (producer_group, topic, key, header_keys, header_values, payload, content_type,
@@ -21,7 +21,7 @@ FROM (SELECT count(pg_advisory_xact_lock(:lock_class, :lock_key))
      (SELECT coalesce(CAST(:deliver_at AS timestamptz),
                       now() + make_interval(secs => CAST(:delay_seconds AS double precision)))
              AS at) AS due
-RETURNING id, pg_notify(:channel, '');
+RETURNING id, CASE WHEN CAST(:notify AS boolean) THEN pg_notify(:channel, '') END;
 
 -- name: fetch_deliverable
 -- The relay's next batch: committed, undelivered rows of the shards it owns, in id order,

@@ -1,0 +1,288 @@
+"""The check-back sweeper: asks checkers about UNKNOWN messages, at most ``check_max`` times.
+
+RocketMQ's transactional check on PostgreSQL. A row whose resolution is UNKNOWN is due
+``transaction_timeout`` (or its own check immunity) after it was written, then every
+``check_interval``. The sweeper claims due rows with FOR UPDATE SKIP LOCKED, pushing their
+``next_check_at`` past the checker timeout: several sweepers never check one row at the same
+time, and a crashed sweeper's claims simply expire. Each check runs its producer group's
+checker in a worker thread (at most ``sweep_concurrency`` at once, so one slow checker does
+not starve the others), in a read-only transaction with a statement timeout. COMMIT hands
+the row to the relay, ROLLBACK closes it; an UNKNOWN answer, an error or a timeout is
+counted, and the ``check_max``-th such check discards the row: kept, logged, counted,
+listed by ``outbox discarded`` and re-armed by ``outbox resume``.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+
+import psycopg
+from prometheus_client import Counter, Gauge
+from sqlalchemy import Connection, Engine, create_engine
+
+from outbox import store
+from outbox.app import Outbox
+from outbox.checkers import Checker, SqlChecker, to_resolution
+from outbox.exceptions import ConfigurationError
+from outbox.migrate import require_current
+from outbox.schema import Resolution, Status
+from outbox.settings import Settings, mask_url
+
+log = logging.getLogger("outbox.sweeper")
+
+CHECKS = Counter(
+    "outbox_check_backs", "Check-backs recorded, by producer group and outcome "
+    "(COMMIT, ROLLBACK, UNKNOWN, ERROR, TIMEOUT)", ["producer_group", "outcome"],
+)
+DISCARDED = Counter(
+    "outbox_messages_discarded", "Messages discarded after check_max inconclusive check-backs",
+    ["producer_group"],
+)
+UNCHECKED = Gauge(
+    "outbox_unchecked_messages",
+    "Due UNKNOWN messages of producer groups this sweeper has no checker for",
+    ["producer_group"],
+)
+
+#: A claim outlives the checker timeout by this much, so a timeout is recorded before
+#: another sweeper may claim the row.
+CLAIM_MARGIN = 2.0
+#: The shortest sleep when rows are due but held by another sweeper's claim.
+MIN_SLEEP = 0.05
+
+
+def load_app(path: str) -> Outbox:
+    """The ``Outbox`` at ``module:attribute`` (attribute ``outbox`` if omitted)."""
+    module_name, _, attribute = path.partition(":")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # like `python -m`: the service's own modules import
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigurationError(f"--app {path}: cannot import {module_name!r} ({exc})") from None
+    app = getattr(module, attribute or "outbox", None)
+    if not isinstance(app, Outbox):
+        raise ConfigurationError(
+            f"--app {path}: {module_name}.{attribute or 'outbox'} is not an outbox.Outbox "
+            "(give module:attribute of the Outbox your checkers are registered on)"
+        )
+    return app
+
+
+def checkers_for(settings: Settings, checkers: Mapping[str, Checker]) -> dict[str, Checker]:
+    """Python checkers and the SQL checkers of ``OUTBOX_SQL_CHECKERS``, by producer group."""
+    found: dict[str, Checker] = {
+        group: SqlChecker(sql) for group, sql in settings.sql_checkers.items()
+    }
+    for group, checker in checkers.items():
+        if group in found:
+            raise ConfigurationError(
+                f"producer group {group!r} has a Python checker and a SQL checker "
+                "(OUTBOX_SQL_CHECKERS): keep one"
+            )
+        found[group] = checker
+    if not found:
+        raise ConfigurationError(
+            "the sweeper has no checkers: pass --app module:outbox (an Outbox with "
+            "@outbox.checker functions) or set OUTBOX_SQL_CHECKERS"
+        )
+    return found
+
+
+@dataclass
+class _Running:
+    claim: store.Claim
+    deadline: float
+    expired: bool = False
+
+
+@dataclass
+class SweepCounts:
+    """What this sweeper has recorded, and what it cannot check (its status)."""
+
+    outcomes: collections.Counter[str] = field(default_factory=collections.Counter)
+    discarded: int = 0
+    #: Due messages per producer group without a checker here; they wait, uncounted.
+    unchecked: dict[str, int] = field(default_factory=dict)
+
+
+class Sweeper:
+    """Run with :meth:`run`; :meth:`stop` (or SIGTERM via the CLI) ends it."""
+
+    def __init__(self, settings: Settings, checkers: Mapping[str, Checker] | None = None
+                 ) -> None:
+        settings.require("database_url")
+        self.settings = settings
+        self.schema = settings.schema_name
+        self.checkers = checkers_for(settings, checkers or {})
+        self.groups = sorted(self.checkers)
+        self.actor = f"sweeper:{settings.worker_id}"
+        self.counts = SweepCounts()
+        self.stopping = threading.Event()
+        self._stopped: Future[None] = Future()  # completed by stop(): wakes the loop's wait
+        self._lock = threading.Lock()
+        self._reported: set[str] = set()
+        self._engine: Engine = create_engine(
+            settings.sqlalchemy_url, pool_size=settings.sweep_concurrency + 1, max_overflow=2,
+            pool_pre_ping=True,
+        )
+
+    def stop(self) -> None:
+        self.stopping.set()
+        if not self._stopped.done():
+            self._stopped.set_result(None)
+
+    def run(self) -> None:
+        with self._engine.connect() as conn:
+            require_current(conn, self.schema)
+            conn.rollback()
+        log.info("sweeper %s started: database %s, schema %s, checkers for %s",
+                 self.settings.worker_id, mask_url(self.settings.database_url), self.schema,
+                 ", ".join(self.groups))
+        executor = ThreadPoolExecutor(self.settings.sweep_concurrency, "checker")
+        running: dict[Future[None], _Running] = {}
+        try:
+            with self._engine.connect() as conn:
+                self._loop(conn, executor, running)
+        finally:
+            executor.shutdown(wait=False, cancel_futures=True)
+            wait(running, timeout=self.settings.checker_timeout)  # let their answers land
+            self._engine.dispose()
+            log.info("sweeper %s stopped after %d check-backs", self.settings.worker_id,
+                     sum(self.counts.outcomes.values()))
+
+    def _loop(self, conn: Connection, executor: ThreadPoolExecutor,
+              running: dict[Future[None], _Running]) -> None:
+        settings = self.settings
+        report_at = 0.0
+        while not self.stopping.is_set():
+            now = time.monotonic()
+            self._expire(conn, running, now)
+            if now >= report_at:
+                self._report_unchecked(conn)
+                report_at = now + settings.check_interval
+            wanted = min(settings.sweep_concurrency - len(running), settings.sweep_batch_size)
+            claims: list[store.Claim] = []
+            if wanted > 0:
+                with conn.begin():
+                    claims = store.claim_checks(conn, self.schema, self.groups, wanted,
+                                                settings.checker_timeout + CLAIM_MARGIN)
+            started = time.monotonic()
+            for claim in claims:
+                future = executor.submit(self._check, claim)
+                running[future] = _Running(claim, started + settings.checker_timeout)
+            timeout = settings.sweep_poll_interval
+            deadlines = [r.deadline for r in running.values() if not r.expired]
+            if deadlines:
+                timeout = min(timeout, min(deadlines) - time.monotonic())
+            if len(claims) < wanted:  # nothing more is due now: sleep until the next one is
+                with conn.begin():
+                    due_in = store.next_check_in(conn, self.schema, self.groups)
+                if due_in is not None:
+                    timeout = min(timeout, max(due_in, MIN_SLEEP))
+            done, _ = wait([*running, self._stopped], max(timeout, 0.0),
+                           return_when=FIRST_COMPLETED)
+            for future in done:
+                if running.pop(future, None) is not None and future.exception() is not None:
+                    log.warning("check-back failed, retried when its claim expires: %s",
+                                _first_line(future.exception()))
+
+    def _check(self, claim: store.Claim) -> None:
+        """One check-back, in a worker thread; records its own outcome."""
+        message = claim.message
+        group = message.producer_group
+        try:
+            with self._engine.connect() as conn, conn.begin() as transaction:
+                store.begin_check(conn, self.schema, self.settings.checker_timeout)
+                answer = self.checkers[group](message, conn)
+                transaction.rollback()
+            resolution = to_resolution(answer, f"the checker of producer group {group!r}")
+            kind, detail = resolution.value, f"checker answered {resolution}"
+        except Exception as exc:
+            resolution = Resolution.UNKNOWN
+            if isinstance(getattr(exc, "orig", None), psycopg.errors.QueryCanceled):
+                kind, detail = "TIMEOUT", _timed_out(self.settings.checker_timeout)
+            else:
+                kind, detail = "ERROR", f"checker raised {type(exc).__name__}: {_first_line(exc)}"
+            log.warning("message %d (producer group %r): %s; counted as inconclusive",
+                        message.id, group, detail)
+        with self._engine.connect() as conn:
+            self._record(conn, [(store.CheckOutcome(message.id, claim.token, resolution, detail),
+                                 kind)])
+
+    def _expire(self, conn: Connection, running: dict[Future[None], _Running], now: float
+                ) -> None:
+        """Count checks past the checker timeout as inconclusive, before their claim lapses.
+
+        The thread may still finish; its late answer then finds the claim gone and is ignored.
+        """
+        overdue = [r for r in running.values() if not r.expired and r.deadline <= now]
+        if not overdue:
+            return
+        detail = _timed_out(self.settings.checker_timeout)
+        for item in overdue:
+            item.expired = True
+            log.warning("message %d (producer group %r): %s; counted as inconclusive",
+                        item.claim.message.id, item.claim.message.producer_group, detail)
+        self._record(conn, [
+            (store.CheckOutcome(r.claim.message.id, r.claim.token, Resolution.UNKNOWN, detail),
+             "TIMEOUT")
+            for r in overdue
+        ])
+
+    def _record(self, conn: Connection, outcomes: list[tuple[store.CheckOutcome, str]]) -> None:
+        with conn.begin():
+            recorded = store.record_checks(
+                conn, self.schema, self.actor, [outcome for outcome, _ in outcomes],
+                check_interval=self.settings.check_interval, check_max=self.settings.check_max,
+            )
+        kinds = {outcome.id: kind for outcome, kind in outcomes}
+        for row in recorded:
+            CHECKS.labels(row.producer_group, kinds[row.id]).inc()
+            with self._lock:
+                self.counts.outcomes[kinds[row.id]] += 1
+            if row.status == Status.DISCARDED:
+                DISCARDED.labels(row.producer_group).inc()
+                with self._lock:
+                    self.counts.discarded += 1
+                log.warning("message %d (producer group %r) discarded after %d inconclusive "
+                            "check-backs; `outbox resume %d` checks it again",
+                            row.id, row.producer_group, row.check_count, row.id)
+            elif row.resolution != Resolution.UNKNOWN:
+                log.info("message %d (producer group %r) resolved %s by check-back %d",
+                         row.id, row.producer_group, row.resolution, row.check_count)
+
+    def _report_unchecked(self, conn: Connection) -> None:
+        """Report due messages no checker here can answer: logged once per group, counted."""
+        with conn.begin():
+            unchecked = store.unchecked_groups(conn, self.schema, self.groups)
+        for group in self.counts.unchecked.keys() - unchecked.keys():
+            UNCHECKED.labels(group).set(0)
+        for group, due in unchecked.items():
+            UNCHECKED.labels(group).set(due)
+            if group not in self._reported:
+                self._reported.add(group)
+                log.warning(
+                    "%d messages of producer group %r are due for a check-back, but this sweeper "
+                    "has no checker for it: register one with @outbox.checker(%r) and pass "
+                    "--app, or add it to OUTBOX_SQL_CHECKERS (they wait, uncounted)",
+                    due, group, group)
+        self.counts.unchecked = unchecked
+
+
+def _timed_out(seconds: float) -> str:
+    return f"checker timed out after {seconds:g} s"
+
+
+def _first_line(exc: BaseException | None) -> str:
+    text = str(getattr(exc, "orig", None) or exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -1,0 +1,216 @@
+"""Every SQL statement of the reconciliation: JDBC subqueries, window bounds, run summaries.
+
+Statements are built with SQLAlchemy Core from ``outbox.schema``, so table and column names
+have one source. The JDBC subqueries are rendered to text with literal values; only typed
+Python values (datetimes, integers) are rendered, and the schema is a validated identifier.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime
+from functools import cache
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy import Connection, Dialect, Table
+from sqlalchemy.dialects import postgresql
+
+from outbox import schema as outbox_schema
+from outbox.settings import validate_identifier
+
+#: Message ids sent per ``= ANY(...)`` lookup.
+LOOKUP_CHUNK = 10_000
+_POSTGRESQL: Dialect = postgresql.dialect()  # type: ignore[no-untyped-call]
+
+_activity = sa.table(
+    "pg_stat_activity",
+    sa.column("pid"),
+    sa.column("datname"),
+    sa.column("backend_type"),
+    sa.column("xact_start"),
+    schema="pg_catalog",
+)
+
+
+@dataclass(frozen=True)
+class Tables:
+    """The outbox tables as they live in one schema."""
+
+    message: Table
+    op_record: Table
+    reconcile_run: Table
+
+
+@cache
+def tables(schema: str) -> Tables:
+    copy = sa.MetaData()
+    name = validate_identifier(schema)
+    return Tables(
+        message=outbox_schema.message.to_metadata(copy, schema=name),
+        op_record=outbox_schema.op_record.to_metadata(copy, schema=name),
+        reconcile_run=outbox_schema.reconcile_run.to_metadata(copy, schema=name),
+    )
+
+
+@dataclass(frozen=True)
+class Window:
+    """Messages created in ``[since, until)``; ``since`` None means from the beginning."""
+
+    since: datetime | None
+    until: datetime
+
+
+def _in_window(column: sa.ColumnElement[Any], window: Window) -> sa.ColumnElement[bool]:
+    upper = column < window.until
+    return upper if window.since is None else sa.and_(column >= window.since, upper)
+
+
+def as_subquery(statement: sa.Select[Any], alias: str) -> str:
+    """A JDBC ``dbtable`` value: the statement with its values rendered as literals."""
+    compiled = statement.compile(dialect=_POSTGRESQL, compile_kwargs={"literal_binds": True})
+    return f"({compiled}) AS {validate_identifier(alias, 'alias')}"
+
+
+# --- the window ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Clock:
+    """The database's now, and the window end no still-open transaction can write before."""
+
+    now: datetime
+    until: datetime
+    requested_until: datetime
+
+
+def window_end(conn: Connection, requested: datetime | None, sla_seconds: float) -> Clock:
+    """Clamp the window's end to the start of the oldest open transaction.
+
+    A prepare row's created_at is its transaction's start, so no row older than the oldest
+    open transaction can still commit: a window ending there never skips a late commit.
+    """
+    oldest_open = (
+        sa.select(sa.func.min(_activity.c.xact_start))
+        .where(
+            _activity.c.datname == sa.func.current_database(),
+            _activity.c.backend_type == "client backend",
+            _activity.c.pid != sa.func.pg_backend_pid(),
+        )
+        .scalar_subquery()
+    )
+    wanted = (
+        sa.cast(sa.literal(requested), sa.DateTime(timezone=True)) if requested is not None
+        else sa.func.now() - sa.func.make_interval(0, 0, 0, 0, 0, 0, sla_seconds)
+    )
+    row = conn.execute(sa.select(
+        sa.func.now().label("now"),
+        wanted.label("requested"),
+        sa.func.least(wanted, oldest_open).label("until"),
+    )).one()
+    return Clock(now=row.now, until=row.until, requested_until=row.requested)
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """How many messages a window holds and their id range (for partitioned reads)."""
+
+    count: int
+    min_id: int | None
+    max_id: int | None
+
+
+def window_bounds(conn: Connection, schema: str, window: Window) -> Bounds:
+    message = tables(schema).message
+    row = conn.execute(
+        sa.select(sa.func.count(), sa.func.min(message.c.id), sa.func.max(message.c.id))
+        .where(_in_window(message.c.created_at, window))
+    ).one()
+    return Bounds(count=int(row[0]), min_id=row[1], max_id=row[2])
+
+
+# --- JDBC subqueries -------------------------------------------------------------------------
+
+
+def messages_in_window(schema: str, window: Window) -> str:
+    """The window's prepare rows, without payloads (reconciliation never needs them)."""
+    m = tables(schema).message
+    return as_subquery(
+        sa.select(
+            m.c.id, m.c.producer_group, m.c.topic, m.c.key, m.c.resolution, m.c.status,
+            m.c.check_count, m.c.next_check_at, m.c.deliver_after, m.c.attempts,
+            m.c.last_error, m.c.created_at, m.c.delivered_at,
+        ).where(_in_window(m.c.created_at, window)),
+        "m",
+    )
+
+
+def op_records_for_ids(schema: str, min_id: int, max_id: int) -> str:
+    """Op records of messages in an id range: a superset of the window's, read by index."""
+    o = tables(schema).op_record
+    return as_subquery(
+        sa.select(
+            o.c.id, o.c.message_id, o.c.action, o.c.actor, o.c.kafka_partition,
+            o.c.kafka_offset, o.c.created_at,
+        ).where(o.c.message_id.between(min_id, max_id)),
+        "o",
+    )
+
+
+def orphan_op_records(schema: str, window: Window) -> str:
+    """Op records written in the window whose prepare row does not exist (anti-join in SQL)."""
+    t = tables(schema)
+    o, m = t.op_record, t.message
+    return as_subquery(
+        sa.select(
+            o.c.id, o.c.message_id, o.c.action, o.c.actor, o.c.kafka_partition,
+            o.c.kafka_offset, o.c.created_at,
+        ).where(
+            _in_window(o.c.created_at, window),
+            ~sa.exists().where(m.c.id == o.c.message_id),
+        ),
+        "orphan",
+    )
+
+
+def existing_message_ids(conn: Connection, schema: str, ids: Iterable[int]) -> set[int]:
+    """Which of ``ids`` have a prepare row (for Kafka records outside the window)."""
+    message = tables(schema).message
+    wanted = sorted(set(ids))
+    found: set[int] = set()
+    for start in range(0, len(wanted), LOOKUP_CHUNK):
+        chunk = wanted[start:start + LOOKUP_CHUNK]
+        found.update(conn.execute(
+            sa.select(message.c.id).where(message.c.id == sa.any_(sa.literal(
+                chunk, sa.ARRAY(sa.BigInteger))))
+        ).scalars())
+    return found
+
+
+# --- run summaries ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Watermark:
+    """Where the previous runs stopped: the newest window end and Kafka offsets read."""
+
+    until: datetime | None
+    kafka_offsets: dict[str, dict[str, int]] | None
+
+
+def watermark(conn: Connection, schema: str) -> Watermark:
+    """The latest window end (a re-audit of an old window never moves it back)."""
+    run = tables(schema).reconcile_run
+    until = conn.execute(sa.select(sa.func.max(run.c.window_until))).scalar_one()
+    offsets = conn.execute(
+        sa.select(run.c.kafka_offsets).where(run.c.kafka_offsets.is_not(None))
+        .order_by(run.c.id.desc()).limit(1)
+    ).scalar_one_or_none()
+    return Watermark(until=until, kafka_offsets=offsets)
+
+
+def record_run(conn: Connection, schema: str, values: dict[str, Any]) -> int:
+    """Insert a run's summary row; returns its id."""
+    run = tables(schema).reconcile_run
+    return int(conn.execute(sa.insert(run).values(**values).returning(run.c.id)).scalar_one())

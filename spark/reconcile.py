@@ -1,0 +1,274 @@
+"""The reconciliation job: ``outbox reconcile`` locally, ``spark-submit spark/reconcile.py``
+on a cluster (same options; pass the JDBC driver with ``--jars``).
+
+A run covers a window of prepare rows by created_at: from the last run's end (or
+``--since``) to ``--until`` (default: now minus the SLA, never past the oldest open
+transaction). It reads the window's rows and op records over partitioned JDBC and, with
+``read_topics``, the topics from where the last run stopped to their high-watermark; finds
+what contradicts "every committed message is in Kafka exactly where its op record says";
+writes Parquet and a short report under the output directory; records a summary row. Its
+cost follows the window, not the history.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from pyspark.sql import DataFrame, SparkSession, Window
+from pyspark.sql import functions as F
+from sqlalchemy import create_engine
+
+from outbox.exceptions import ConfigurationError
+from outbox.migrate import require_current
+from outbox.schema import Action, RunOutcome
+from outbox.settings import Settings
+from spark import findings, queries, report, sources
+from spark.kafka_source import high_watermarks
+
+log = logging.getLogger("outbox.reconcile")
+#: Message ids listed per finding in the report and summary (all are in the Parquet files).
+SAMPLE_IDS = 10
+
+
+@dataclass(frozen=True)
+class Result:
+    run_id: int
+    outcome: RunOutcome
+    window: queries.Window
+    #: Count per finding that was checked.
+    counts: dict[str, int]
+    exceeded: list[str]
+    output_path: Path
+    summary: dict[str, Any]
+    report: str
+
+    @property
+    def exit_code(self) -> int:
+        """0 when no finding is over its threshold, 1 otherwise (for cron and orchestrators)."""
+        return 1 if self.outcome is RunOutcome.FAILED else 0
+
+
+def local_session(settings: Settings) -> SparkSession:
+    """The session: spark-submit's when launched by it, else local[*] with the JDBC jar."""
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    builder = SparkSession.builder.appName("outbox-reconcile").config(
+        "spark.sql.session.timeZone", "UTC")
+    submitted = "PYSPARK_GATEWAY_PORT" in os.environ
+    master = settings.reconcile_spark_master or (None if submitted else "local[*]")
+    if master:
+        builder = builder.master(master)
+    if not submitted:
+        if not Path(settings.reconcile_jdbc_jar).is_file():
+            raise ConfigurationError(
+                f"PostgreSQL JDBC driver not found at {settings.reconcile_jdbc_jar}: install "
+                "libpostgresql-jdbc-java or set OUTBOX_RECONCILE_JDBC_JAR")
+        builder = (builder.config("spark.jars", settings.reconcile_jdbc_jar)
+                   .config("spark.driver.memory", "4g")
+                   .config("spark.sql.shuffle.partitions", "8"))
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("WARN")
+    return spark
+
+
+def run(spark: SparkSession, settings: Settings, *, since: datetime | None = None,
+        until: datetime | None = None) -> Result:
+    """Reconcile one window and record it; see the module docstring."""
+    started_at = datetime.now(UTC)
+    clock_start = time.monotonic()
+    limits = findings.thresholds(settings.reconcile_thresholds)
+    schema = settings.schema_name
+    if settings.reconcile_read_topics:
+        settings.require("kafka_bootstrap")
+    engine = create_engine(settings.sqlalchemy_url, pool_size=1)
+    cached: list[DataFrame] = []
+    try:
+        with engine.connect() as conn:
+            require_current(conn, schema)
+            clock = queries.window_end(conn, until, settings.reconcile_sla_seconds)
+            mark = queries.watermark(conn, schema)
+            conn.rollback()
+        window, source = _window(since, mark, clock)
+        with engine.connect() as conn:
+            bounds = queries.window_bounds(conn, schema, window)
+            conn.rollback()
+        log.info("window %s .. %s (%s): %d messages", _iso(window.since) or "beginning",
+                 _iso(window.until), source, bounds.count)
+
+        spark.sparkContext.setJobDescription("outbox reconcile: reading the outbox tables")
+        jdbc = sources.jdbc_options(settings.database_url)
+        ids = (bounds.min_id or 0, bounds.max_id or 0)
+        parts = max(1, min(settings.reconcile_partitions, bounds.count // 10_000 + 1))
+        messages = _cache(cached, sources.read_jdbc(
+            spark, jdbc, queries.messages_in_window(schema, window), "id", ids, parts))
+        ops = _cache(cached, findings.window_op_records(sources.read_jdbc(
+            spark, jdbc, queries.op_records_for_ids(schema, *ids), "message_id", ids, parts),
+            messages))
+        orphans = sources.read_jdbc(spark, jdbc, queries.orphan_op_records(schema, window))
+        message_count, op_count = messages.count(), ops.count()
+        log.info("read %d messages and %d op records (%.1fs)", message_count, op_count,
+                 time.monotonic() - clock_start)
+
+        records = unknown_ids = None
+        read_to = None
+        if settings.reconcile_read_topics:
+            records, unknown_ids, read_to = _read_topics(
+                spark, settings, engine, messages, ops, mark, window, cached)
+        inputs = findings.Inputs(messages, ops, orphans, records, unknown_ids, clock.now,
+                                 settings.reconcile_sla_seconds)
+        facts = _cache(cached, findings.facts(inputs))
+
+        output = _output_dir(Path(settings.reconcile_output_dir), started_at)
+        spark.sparkContext.setJobDescription("outbox reconcile: findings")
+        found = _cache(cached, findings.find(inputs, facts))
+        found.write.mode("error").parquet(str(output / "findings"))
+        counts, samples = _count(found, checked=[
+            f.name for f in findings.FINDINGS if records is not None or not f.needs_topics])
+        log.info("findings: %s (%.1fs)", ", ".join(
+            f"{name} {n}" for name, n in counts.items() if n) or "none",
+            time.monotonic() - clock_start)
+        spark.sparkContext.setJobDescription("outbox reconcile: statistics")
+        stats = findings.stats(messages)
+
+        exceeded = [name for name, n in counts.items()
+                    if limits[name] is not None and n > limits[name]]  # type: ignore[operator]
+        outcome = (RunOutcome.FAILED if exceeded
+                   else RunOutcome.FINDINGS if any(counts.values()) else RunOutcome.CLEAN)
+        kafka_count = None if records is None else records.count()
+        with engine.begin() as conn:
+            run_id = queries.record_run(conn, schema, {
+                "started_at": started_at, "window_since": window.since,
+                "window_until": window.until, "read_topics": records is not None,
+                "kafka_offsets": read_to, "messages": message_count, "op_records": op_count,
+                "kafka_records": kafka_count, "findings": counts, "outcome": outcome.value,
+                "output_path": str(output),
+            })
+        summary = {
+            "run_id": run_id,
+            "outcome": outcome.value,
+            "started_at": _iso(started_at),
+            "seconds": round(time.monotonic() - clock_start, 3),
+            "window": {"since": _iso(window.since), "until": _iso(window.until),
+                       "requested_until": _iso(clock.requested_until), "source": source},
+            "read_topics": records is not None,
+            "sla_seconds": settings.reconcile_sla_seconds,
+            "counts": {"messages": message_count, "op_records": op_count,
+                       "kafka_records": kafka_count},
+            "findings": [
+                {"name": f.name, "title": f.title, "checked": f.name in counts,
+                 "count": counts.get(f.name, 0), "threshold": limits[f.name],
+                 "exceeded": f.name in exceeded, "sample_ids": samples.get(f.name, [])}
+                for f in findings.FINDINGS
+            ],
+            "kafka_offsets": read_to,
+            "stats": stats,
+            "output_path": str(output),
+        }
+        text = report.render(summary)
+        (output / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+        (output / "report.txt").write_text(text)
+        log.info("run %d %s in %.1fs: %s", run_id, outcome.value,
+                 time.monotonic() - clock_start, output)
+        return Result(run_id, outcome, window, counts, exceeded, output, summary, text)
+    finally:
+        for df in cached:
+            df.unpersist()
+        spark.sparkContext.setJobDescription(None)  # type: ignore[arg-type]
+        engine.dispose()
+
+
+def _window(since: datetime | None, mark: queries.Watermark, clock: queries.Clock
+            ) -> tuple[queries.Window, str]:
+    if clock.until < clock.requested_until:
+        log.warning("window end held back from %s to %s by a transaction still open",
+                    _iso(clock.requested_until), _iso(clock.until))
+    if since is not None:
+        start, source = since, "--since"
+    elif mark.until is not None:
+        start, source = mark.until, "since the last run"
+    else:
+        start, source = None, "first run"
+    if start is not None and start >= clock.until:
+        log.info("nothing new: the window would end at %s, before it starts", _iso(clock.until))
+        return queries.Window(start, start), source
+    return queries.Window(start, clock.until), source
+
+
+def _read_topics(spark: SparkSession, settings: Settings, engine: Any, messages: DataFrame,
+                 ops: DataFrame, mark: queries.Watermark, window: queries.Window,
+                 cached: list[DataFrame]
+                 ) -> tuple[DataFrame, DataFrame, dict[str, dict[str, int]]]:
+    """The topics' planned ranges, and the outbox ids in them that match no prepare row."""
+    spark.sparkContext.setJobDescription("outbox reconcile: reading the topics")
+    topics = {r.topic for r in messages.select("topic").distinct().collect()}
+    topics |= set(mark.kafka_offsets or {})
+    ends = high_watermarks(settings.kafka_bootstrap, sorted(topics))
+    first_ops = {
+        (r.topic, r.kafka_partition): r.first for r in ops
+        .where((F.col("action") == Action.DELIVERED.value) & F.col("kafka_offset").isNotNull())
+        .groupBy("topic", "kafka_partition").agg(F.min("kafka_offset").alias("first"))
+        .collect()
+    }
+    plan = sources.plan_topics(ends, first_ops, mark.kafka_offsets, window.since is None)
+    log.info("reading %d offset ranges of %d topics (%d records)", len(plan.ranges),
+             len(topics), sum(r.end - r.start for r in plan.ranges))
+    records = _cache(cached, sources.read_topics(spark, settings.kafka_bootstrap, plan))
+    foreign = (records.where(F.col("fresh") & F.col("outbox_id").isNotNull())
+               .join(messages.select(F.col("id").alias("outbox_id")), "outbox_id", "left_anti")
+               .select("outbox_id").distinct())
+    candidates = [r.outbox_id for r in foreign.collect()]
+    with engine.connect() as conn:
+        known = queries.existing_message_ids(conn, settings.schema_name, candidates)
+        conn.rollback()
+    unknown = spark.createDataFrame([(i,) for i in sorted(set(candidates) - known)],
+                                    "outbox_id long")
+    return records, unknown, plan.read_to
+
+
+def _cache(cached: list[DataFrame], df: DataFrame) -> DataFrame:
+    cached.append(df.cache())
+    return df
+
+
+def _count(found: DataFrame, checked: list[str]) -> tuple[dict[str, int], dict[str, list[int]]]:
+    counts = dict.fromkeys(checked, 0)
+    for row in found.groupBy("finding").count().collect():
+        counts[row.finding] = row["count"]
+    first = Window.partitionBy("finding").orderBy("message_id")
+    samples: dict[str, list[int]] = {}
+    for row in (found.where(F.col("message_id").isNotNull()).select("finding", "message_id")
+                .distinct().withColumn("n", F.row_number().over(first))
+                .where(F.col("n") <= SAMPLE_IDS).orderBy("finding", "message_id").collect()):
+        samples.setdefault(row.finding, []).append(row.message_id)
+    return counts, samples
+
+
+def _output_dir(root: Path, started_at: datetime) -> Path:
+    """A new folder per run, named for when it started."""
+    name = f"run-{started_at:%Y%m%dT%H%M%S}Z"
+    for n in range(1, 1000):
+        path = root / (name if n == 1 else f"{name}-{n}")
+        try:
+            path.mkdir(parents=True)
+            return path
+        except FileExistsError:
+            continue
+    raise ConfigurationError(f"cannot create a run folder under {root}")
+
+
+def _iso(value: datetime | None) -> str | None:
+    return None if value is None else value.astimezone(UTC).isoformat().replace("+00:00", "Z")
+
+
+if __name__ == "__main__":
+    from outbox.cli import reconcile
+
+    reconcile(prog_name="spark-submit spark/reconcile.py")

@@ -1,0 +1,110 @@
+"""Reading the outbox tables over partitioned JDBC, and the topics' new offset ranges."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from urllib.parse import urlencode
+
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+from sqlalchemy.engine import make_url
+
+from outbox.exceptions import ConfigurationError
+from spark.kafka_source import FORMAT, SPARK_SCHEMA, KafkaRangeSource, OffsetRange
+
+JDBC_DRIVER = "org.postgresql.Driver"
+FETCH_SIZE = 10_000
+
+
+def jdbc_options(database_url: str) -> dict[str, str]:
+    """A ``postgresql://`` URL as the JDBC reader's options (the password stays an option)."""
+    url = make_url(database_url)
+    if not url.host or not url.database:
+        raise ConfigurationError("the database URL needs a host and a database name for JDBC")
+    query = urlencode({k: v if isinstance(v, str) else v[-1] for k, v in url.query.items()})
+    options = {
+        "url": f"jdbc:postgresql://{url.host}:{url.port or 5432}/{url.database}"
+               + (f"?{query}" if query else ""),
+        "driver": JDBC_DRIVER,
+        "fetchsize": str(FETCH_SIZE),
+        "ApplicationName": "outbox-reconcile",
+    }
+    if url.username:
+        options["user"] = url.username
+    if url.password:
+        options["password"] = str(url.password)
+    return options
+
+
+def read_jdbc(spark: SparkSession, options: Mapping[str, str], subquery: str,
+              partition_column: str | None = None, bounds: tuple[int, int] | None = None,
+              partitions: int = 1) -> DataFrame:
+    """Read a subquery, split into ``partitions`` ranges of ``partition_column`` when given."""
+    reader = spark.read.format("jdbc").options(**options).option("dbtable", subquery)
+    if partition_column and bounds and partitions > 1:
+        low, high = bounds
+        reader = (reader.option("partitionColumn", partition_column)
+                  .option("lowerBound", str(low)).option("upperBound", str(high + 1))
+                  .option("numPartitions", str(partitions)))
+    return reader.load()
+
+
+@dataclass(frozen=True)
+class TopicPlan:
+    """What to read of the topics, and which records are new since the last run."""
+
+    ranges: list[OffsetRange]
+    #: Records at or after these offsets were never seen by an earlier run.
+    fresh_from: dict[tuple[str, int], int]
+    #: The watermark this run leaves: {topic: {partition: next offset}}.
+    read_to: dict[str, dict[str, int]]
+
+
+def plan_topics(ends: Mapping[tuple[str, int], int],
+                window_offsets: Mapping[tuple[str, int], int],
+                previous: Mapping[str, Mapping[str, int]] | None,
+                from_beginning: bool) -> TopicPlan:
+    """Read from the last run's end (or the window's first op record, if earlier) to the end.
+
+    ``window_offsets`` are the lowest offsets the window's op records name, so every record
+    they point at is read. Without an earlier run, everything is new when the window starts
+    at the beginning of time; otherwise only what lies at or after the window's op records.
+    """
+    ranges, fresh_from = [], {}
+    for (topic, partition), end in sorted(ends.items()):
+        seen = None if previous is None else previous.get(topic, {}).get(str(partition))
+        first_op = window_offsets.get((topic, partition))
+        if seen is not None:
+            fresh = seen
+        elif previous is not None or from_beginning:
+            fresh = 0
+        else:
+            fresh = first_op if first_op is not None else end
+        start = min(fresh, first_op) if first_op is not None else fresh
+        fresh_from[(topic, partition)] = fresh
+        if start < end:
+            ranges.append(OffsetRange(topic, partition, start, end))
+    read_to: dict[str, dict[str, int]] = {t: dict(p) for t, p in (previous or {}).items()}
+    for (topic, partition), end in ends.items():
+        read_to.setdefault(topic, {})[str(partition)] = end
+    return TopicPlan(ranges, fresh_from, read_to)
+
+
+def read_topics(spark: SparkSession, bootstrap: str, plan: TopicPlan,
+                max_records_per_split: int = 1_000_000) -> DataFrame:
+    """The planned offset ranges as records, each marked ``fresh`` or not."""
+    if plan.ranges:
+        spark.dataSource.register(KafkaRangeSource)
+        records = (spark.read.format(FORMAT).option("bootstrap", bootstrap)
+                   .option("ranges", json.dumps([[r.topic, r.partition, r.start, r.end]
+                                                 for r in plan.ranges]))
+                   .option("max_records_per_split", str(max_records_per_split)).load())
+    else:
+        records = spark.createDataFrame([], SPARK_SCHEMA)
+    marks = spark.createDataFrame(
+        [(t, p, o) for (t, p), o in plan.fresh_from.items()] or [("", -1, 0)],
+        "topic string, partition int, fresh_from long")
+    return (records.join(F.broadcast(marks), ["topic", "partition"], "left")
+            .select(records["*"], (F.col("offset") >= F.col("fresh_from")).alias("fresh")))

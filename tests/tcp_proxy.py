@@ -1,0 +1,77 @@
+"""A loopback TCP proxy whose connections the tests can cut, to take the broker away."""
+
+from __future__ import annotations
+
+import contextlib
+import select
+import socket
+import threading
+
+from outbox.devservices import free_port
+
+
+class TcpProxy:
+    def __init__(self, target_port: int, port: int | None = None) -> None:
+        self.target_port = target_port
+        self.port = port or free_port()
+        self._listener = socket.create_server(("127.0.0.1", self.port), reuse_port=False)
+        self._listener.settimeout(0.1)
+        self._open = threading.Event()
+        self._open.set()
+        self._closed = threading.Event()
+        self._lock = threading.Lock()
+        self._pairs: list[tuple[socket.socket, socket.socket]] = []
+        threading.Thread(target=self._accept, daemon=True, name="proxy-accept").start()
+
+    def cut(self) -> None:
+        """Drop every connection and refuse new ones until :meth:`restore`."""
+        self._open.clear()
+        with self._lock:
+            pairs, self._pairs = self._pairs, []
+        for pair in pairs:
+            for sock in pair:
+                with contextlib.suppress(OSError):
+                    sock.close()
+
+    def restore(self) -> None:
+        self._open.set()
+
+    def close(self) -> None:
+        self._closed.set()
+        self.cut()
+        self._listener.close()
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except (TimeoutError, OSError):
+                continue
+            if not self._open.is_set():
+                client.close()
+                continue
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target_port), 2)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._pairs.append((client, upstream))
+            threading.Thread(target=self._pump, args=(client, upstream), daemon=True).start()
+
+    def _pump(self, a: socket.socket, b: socket.socket) -> None:
+        peers = {a: b, b: a}
+        try:
+            while True:
+                readable, _, _ = select.select([a, b], [], [], 0.5)
+                for sock in readable:
+                    data = sock.recv(65536)
+                    if not data:
+                        return
+                    peers[sock].sendall(data)
+        except (OSError, ValueError):
+            return
+        finally:
+            for sock in (a, b):
+                with contextlib.suppress(OSError):
+                    sock.close()

@@ -1,0 +1,173 @@
+"""Faults injected for real: the broker's connections cut, PostgreSQL restarted, records the
+broker refuses, a session idle in transaction (DESIGN §3.2, §3.8, §3.9)."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+from sqlalchemy import Engine, create_engine, text
+from sqlalchemy.orm import Session
+
+from outbox import Outbox, devservices, migrate
+from outbox.settings import Settings, sqlalchemy_url
+from outbox.topic_reader import Record, create_topic, read_topic
+from tests.conftest import count_status, publish_orders, running_relay, wait_delivered, wait_until
+from tests.processes import run_outbox
+from tests.tcp_proxy import TcpProxy
+
+
+@dataclass
+class Isolated:
+    """Services of one test's own, the broker behind a proxy it can cut."""
+
+    services: devservices.Services
+    proxy: TcpProxy
+    engine: Engine
+    settings: Settings
+    outbox: Outbox
+    topic: str
+
+
+@pytest.fixture
+def isolated() -> Iterator[Isolated]:
+    proxy_port = devservices.free_port()
+    services = devservices.start(kafka_advertised_port=proxy_port)
+    proxy = TcpProxy(services.kafka_port, proxy_port)
+    engine = create_engine(sqlalchemy_url(services.database_url), pool_pre_ping=True)
+    try:
+        migrate.upgrade(services.database_url, "outbox")
+        topic = f"faults-{uuid.uuid4().hex[:6]}"
+        create_topic(services.kafka_bootstrap, topic, partitions=3)
+        settings = Settings(database_url=services.database_url,
+                            kafka_bootstrap=services.kafka_bootstrap, relay_lease_seconds=3,
+                            relay_poll_interval=0.2)
+        yield Isolated(services, proxy, engine, settings, Outbox(settings=settings), topic)
+    finally:
+        engine.dispose()
+        proxy.close()
+        devservices.stop(services)
+
+
+def first_occurrences_in_order(records: list[Record]) -> bool:
+    seen: set[int] = set()
+    last: dict[bytes | None, int] = {}
+    for record in records:
+        mid = record.message_id
+        assert mid is not None
+        if mid in seen:
+            continue
+        seen.add(mid)
+        if record.key in last and last[record.key] > mid:
+            return False
+        last[record.key] = mid
+    return True
+
+
+def test_broker_cut_delays_delivery_then_it_resumes_with_nothing_lost(
+    isolated: Isolated, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="outbox.relay")
+    iso = isolated
+    with running_relay(iso.settings):
+        first = publish_orders(iso.engine, iso.outbox, iso.topic,
+                               [(f"k{i % 10}", i) for i in range(100)])
+        wait_delivered(iso.engine, "outbox", 100)
+        iso.proxy.cut()
+        during = []
+        for batch in range(5):
+            during += publish_orders(iso.engine, iso.outbox, iso.topic,
+                                     [(f"k{i % 10}", i) for i in range(batch * 50, batch * 50 + 50)])
+        wait_until(lambda: "has not acknowledged" in caplog.text, 20, "the outage to be logged")
+        assert count_status(iso.engine, "outbox", "DELIVERED") == 100
+        iso.proxy.restore()
+        wait_delivered(iso.engine, "outbox", 350, timeout=90)
+    records = read_topic(iso.settings.kafka_bootstrap, iso.topic)
+    assert {r.message_id for r in records} == set(first + during)
+    assert first_occurrences_in_order(records)
+    outage_lines = [r for r in caplog.records if "has not acknowledged" in r.getMessage()]
+    assert len(outage_lines) == 1, "the outage is reported once, not per message"
+    assert "delivering again after" in caplog.text
+
+
+def test_postgres_restart_is_survived(isolated: Isolated,
+                                      caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="outbox.relay")
+    iso = isolated
+    with running_relay(iso.settings):
+        before = publish_orders(iso.engine, iso.outbox, iso.topic,
+                                [(f"k{i % 5}", i) for i in range(50)])
+        wait_delivered(iso.engine, "outbox", 50)
+        devservices.stop_postgres(iso.services)
+        devservices.start_postgres(iso.services, durable=False)
+        after = publish_orders(iso.engine, iso.outbox, iso.topic,
+                               [(f"k{i % 5}", i) for i in range(50, 100)])
+        wait_delivered(iso.engine, "outbox", 100, timeout=60)
+    records = read_topic(iso.settings.kafka_bootstrap, iso.topic)
+    assert {r.message_id for r in records} == set(before + after)
+    assert first_occurrences_in_order(records)
+    assert "paused" in caplog.text or "cannot renew" in caplog.text
+
+
+def test_permanently_rejected_message_is_parked_and_other_keys_flow(
+    engine: Engine, settings: Settings, schema: str, topic: str
+) -> None:
+    strict = settings.model_copy(update={"kafka_max_request_size": 20_000,
+                                         "relay_max_attempts": 3})
+    outbox = Outbox(settings=strict)
+    with Session(engine) as session, session.begin():
+        too_big = outbox.publish(session, topic, b"x" * 50_000, key="a")
+        after_it = outbox.publish(session, topic, b"small", key="a")
+        other = outbox.publish(session, topic, b"small", key="b")
+    with running_relay(strict):
+        wait_delivered(engine, schema, 2)
+        wait_until(lambda: count_status(engine, schema, "PARKED") == 1, 20, "parking")
+        with engine.connect() as conn:
+            row = conn.execute(text(
+                f"SELECT attempts, last_error FROM {schema}.message WHERE id = :id"),
+                {"id": too_big}).one()
+            parked_op = conn.execute(text(
+                f"SELECT detail FROM {schema}.op_record WHERE message_id = :id "
+                f"AND action = 'PARKED'"), {"id": too_big}).scalar_one()
+        assert row.attempts == 3
+        assert "MessageSizeTooLarge" in row.last_error and "MessageSizeTooLarge" in parked_op
+        resumed = run_outbox(strict, "resume", str(too_big))
+        assert resumed.returncode == 0, resumed.stderr
+        assert f"resumed message {too_big} (was PARKED)" in resumed.stdout
+        wait_until(lambda: _ops(engine, schema, too_big) == ["PARKED", "RESUMED", "PARKED"],
+                   20, "the resumed message to be tried and parked again")
+    delivered = {r.message_id for r in read_topic(settings.kafka_bootstrap, topic)}
+    assert delivered == {after_it, other}
+
+
+def _ops(engine: Engine, schema: str, message_id: int) -> list[str]:
+    with engine.connect() as conn:
+        return list(conn.execute(text(
+            f"SELECT action FROM {schema}.op_record WHERE message_id = :id ORDER BY id"),
+            {"id": message_id}).scalars())
+
+
+def test_idle_in_transaction_session_does_not_stall_other_deliveries(
+    engine: Engine, outbox: Outbox, settings: Settings, schema: str, topic: str
+) -> None:
+    with engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {schema}.unrelated (id int)"))
+    with running_relay(settings), Session(engine) as idle:
+        idle.begin()
+        idle.execute(text(f"INSERT INTO {schema}.unrelated VALUES (1)"))
+        outbox.publish(idle, topic, {"held": True}, key="idle-key")  # never committed
+        ids = []
+        for n in range(5):
+            ids += publish_orders(engine, outbox, topic,
+                                  [(f"k{i}", i) for i in range(n * 20, n * 20 + 20)])
+        wait_delivered(engine, schema, 100, timeout=20)
+        with engine.connect() as conn:
+            state = conn.execute(text(
+                "SELECT state FROM pg_stat_activity WHERE state LIKE 'idle in transaction%'"
+            )).scalars().all()
+        assert state, "the idle transaction stayed open while the others were delivered"
+        idle.rollback()
+    assert sorted(r.message_id for r in read_topic(settings.kafka_bootstrap, topic)) == ids

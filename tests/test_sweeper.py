@@ -1,0 +1,504 @@
+"""The check-back sweeper: UNKNOWN messages are asked about, at most check_max times (§3.6)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+from prometheus_client import REGISTRY
+from sqlalchemy import Connection, Engine, Row, text
+from sqlalchemy.orm import Session
+
+from outbox import Message, Outbox, store
+from outbox.checkers import Checker
+from outbox.settings import Settings
+from outbox.topic_reader import read_topic
+from relay.relay import Relay
+from relay.sweeper import Sweeper
+from tests.conftest import publish_orders, wait_delivered, wait_until
+from tests.processes import outbox_env, run_outbox, start_outbox
+
+GROUP = "orders"
+
+
+@pytest.fixture
+def fast(settings: Settings) -> Settings:
+    """RocketMQ's check-back, with intervals short enough for tests (check_max stays 15)."""
+    return settings.model_copy(update={
+        "transaction_timeout": 0.2, "check_interval": 0.1, "checker_timeout": 2.0,
+        "sweep_poll_interval": 0.1,
+    })
+
+
+@pytest.fixture
+def orders(fast: Settings) -> Outbox:
+    return Outbox(settings=fast, producer_group=GROUP)
+
+
+@contextmanager
+def sweeping(settings: Settings, checkers: Mapping[str, Checker] | None = None,
+             **overrides: Any) -> Iterator[Sweeper]:
+    """A sweeper running in a thread; stopping it waits for the checks in flight."""
+    sweeper = Sweeper(settings.model_copy(update=overrides), checkers)
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            sweeper.run()
+        except BaseException as exc:
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name="sweeper", daemon=True)
+    thread.start()
+    try:
+        yield sweeper
+    finally:
+        sweeper.stop()
+        thread.join(30)
+        assert not thread.is_alive(), "sweeper did not stop within 30 s"
+        assert not failure, f"sweeper crashed: {failure[0]!r}"
+
+
+def prepare(engine: Engine, outbox: Outbox, topic: str = "orders", payload: object = "x",
+            key: str | None = None) -> int:
+    with Session(engine) as session, session.begin():
+        return outbox.prepare(session, topic, payload, key=key)
+
+
+def row(engine: Engine, schema: str, message_id: int) -> Row[Any]:
+    with engine.connect() as conn:
+        return conn.execute(text(
+            f"SELECT resolution, status, check_count FROM {schema}.message WHERE id = :id"),
+            {"id": message_id}).one()
+
+
+def ops(engine: Engine, schema: str, message_id: int) -> list[tuple[str, str]]:
+    with engine.connect() as conn:
+        return [(r.action, r.detail) for r in conn.execute(text(
+            f"SELECT action, detail FROM {schema}.op_record WHERE message_id = :id ORDER BY id"),
+            {"id": message_id})]
+
+
+def wait_status(engine: Engine, schema: str, message_id: int, status: str,
+                timeout: float = 30) -> None:
+    wait_until(lambda: row(engine, schema, message_id).status == status, timeout,
+               f"message {message_id} to be {status}")
+
+
+def wait_resolution(engine: Engine, schema: str, message_id: int, resolution: str,
+                    timeout: float = 30) -> None:
+    wait_until(lambda: row(engine, schema, message_id).resolution == resolution, timeout,
+               f"message {message_id} to be resolved {resolution}")
+
+
+def answering(answer: str | None, calls: list[int] | None = None) -> Checker:
+    def checker(message: Message, conn: Connection) -> str | None:
+        if calls is not None:
+            calls.append(message.id)
+        return answer
+
+    return checker
+
+
+def discarded_metric(group: str) -> float:
+    return REGISTRY.get_sample_value("outbox_messages_discarded_total",
+                                     {"producer_group": group}) or 0.0
+
+
+# --- each resolution -----------------------------------------------------------------------
+
+def test_checker_commit_hands_the_message_to_the_relay(
+    engine: Engine, orders: Outbox, fast: Settings, topic: str, schema: str, relay: Relay
+) -> None:
+    message_id = prepare(engine, orders, topic, {"order": 1}, key="a")
+    with sweeping(fast, {GROUP: answering("COMMIT")}):
+        wait_delivered(engine, schema, 1)
+    assert [r.message_id for r in read_topic(fast.kafka_bootstrap, topic)] == [message_id]
+    assert tuple(row(engine, schema, message_id)) == ("COMMIT", "DELIVERED", 1)
+
+
+def test_checker_rollback_closes_the_message_and_it_is_never_delivered(
+    engine: Engine, orders: Outbox, fast: Settings, topic: str, schema: str, relay: Relay
+) -> None:
+    rolled_back = prepare(engine, orders, topic, {"order": 1}, key="a")
+    with sweeping(fast, {GROUP: answering("ROLLBACK")}):
+        wait_status(engine, schema, rolled_back, "ROLLED_BACK")
+    committed = publish_orders(engine, orders, topic, [("a", 2)])
+    wait_delivered(engine, schema, 1)
+
+    assert [r.message_id for r in read_topic(fast.kafka_bootstrap, topic)] == committed
+    assert ops(engine, schema, rolled_back) == [
+        ("ROLLED_BACK", "check-back 1: checker answered ROLLBACK")]
+
+
+def test_unknown_answers_are_checked_exactly_check_max_times_then_discarded(
+    engine: Engine, orders: Outbox, fast: Settings, schema: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    assert fast.check_max == 15
+    calls: list[int] = []
+    before = discarded_metric(GROUP)
+    message_id = prepare(engine, orders)
+    with caplog.at_level(logging.WARNING, "outbox.sweeper"), \
+            sweeping(fast, {GROUP: answering("UNKNOWN", calls)}):
+        wait_status(engine, schema, message_id, "DISCARDED")
+        time.sleep(10 * fast.check_interval)  # time enough for a 16th check, were it made
+
+    assert calls == [message_id] * 15
+    assert tuple(row(engine, schema, message_id)) == ("UNKNOWN", "DISCARDED", 15)
+    assert ops(engine, schema, message_id) == [
+        ("DISCARDED", "15 inconclusive check-backs, the last: checker answered UNKNOWN")]
+    assert discarded_metric(GROUP) == before + 1
+    assert [r.getMessage() for r in caplog.records if "discarded" in r.getMessage()] == [
+        f"message {message_id} (producer group 'orders') discarded after 15 inconclusive "
+        f"check-backs; `outbox resume {message_id}` checks it again"]
+
+
+def test_a_checker_that_raises_counts_as_inconclusive(
+    engine: Engine, orders: Outbox, fast: Settings, schema: str
+) -> None:
+    def broken(message: Message, conn: Connection) -> str:
+        raise ConnectionError("inventory service unreachable")
+
+    message_id = prepare(engine, orders)
+    with sweeping(fast, {GROUP: broken}, check_max=3):
+        wait_status(engine, schema, message_id, "DISCARDED")
+    assert ops(engine, schema, message_id) == [
+        ("DISCARDED", "3 inconclusive check-backs, the last: checker raised ConnectionError: "
+                      "inventory service unreachable")]
+
+
+def test_a_checker_that_times_out_counts_as_inconclusive_and_its_late_answer_is_ignored(
+    engine: Engine, orders: Outbox, fast: Settings, schema: str
+) -> None:
+    def slow(message: Message, conn: Connection) -> str:
+        time.sleep(0.6)
+        return "COMMIT"
+
+    message_id = prepare(engine, orders)
+    with sweeping(fast, {GROUP: slow}, check_max=2, checker_timeout=0.2):
+        wait_status(engine, schema, message_id, "DISCARDED")
+    assert tuple(row(engine, schema, message_id)) == ("UNKNOWN", "DISCARDED", 2)
+    assert ops(engine, schema, message_id) == [
+        ("DISCARDED", "2 inconclusive check-backs, the last: checker timed out after 0.2 s")]
+
+
+def test_a_slow_checker_does_not_starve_the_others(
+    engine: Engine, orders: Outbox, fast: Settings, schema: str
+) -> None:
+    release = threading.Event()
+
+    def stuck(message: Message, conn: Connection) -> str:
+        release.wait(20)
+        return "COMMIT"
+
+    stuck_id = prepare(engine, Outbox(settings=fast, producer_group="stuck"))
+    quick_ids = [prepare(engine, orders) for _ in range(6)]
+    with sweeping(fast, {"stuck": stuck, GROUP: answering("COMMIT")}, sweep_concurrency=3,
+                  checker_timeout=30):
+        for message_id in quick_ids:
+            wait_resolution(engine, schema, message_id, "COMMIT")
+        assert row(engine, schema, stuck_id).resolution == "UNKNOWN"
+        release.set()
+        wait_resolution(engine, schema, stuck_id, "COMMIT")
+
+
+# --- decisions and claims ------------------------------------------------------------------
+
+@pytest.mark.parametrize(("decision", "late_answer", "resolved"), [
+    ("commit", "ROLLBACK", "COMMIT"),
+    ("commit", "UNKNOWN", "COMMIT"),
+    ("rollback", "COMMIT", "ROLLBACK"),
+])
+def test_a_decision_arriving_during_a_check_wins_over_its_answer(
+    engine: Engine, orders: Outbox, fast: Settings, schema: str,
+    decision: str, late_answer: str, resolved: str,
+) -> None:
+    in_check, release = threading.Event(), threading.Event()
+
+    def hesitant(message: Message, conn: Connection) -> str:
+        in_check.set()
+        release.wait(20)
+        return late_answer
+
+    message_id = prepare(engine, orders)
+    with sweeping(fast, {GROUP: hesitant}, checker_timeout=30):
+        assert in_check.wait(30)
+        getattr(orders, decision)(engine, message_id)
+        release.set()
+    # Stopping the sweeper waited for the check: its answer has been offered and refused.
+    decided = row(engine, schema, message_id)
+    assert (decided.resolution, decided.check_count) == (resolved, 0)
+
+
+def test_two_sweepers_never_check_one_message_at_the_same_time(
+    engine: Engine, orders: Outbox, fast: Settings, schema: str
+) -> None:
+    checks: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    by_sweeper: dict[str, int] = defaultdict(int)
+    lock = threading.Lock()
+
+    def recording(name: str) -> Checker:
+        def checker(message: Message, conn: Connection) -> str:
+            started = time.monotonic()
+            time.sleep(0.02)
+            with lock:
+                checks[message.id].append((started, time.monotonic()))
+                by_sweeper[name] += 1
+            return "UNKNOWN"
+        return checker
+
+    ids = [prepare(engine, orders) for _ in range(30)]
+    with sweeping(fast, {GROUP: recording("a")}, check_max=3, sweep_concurrency=2), \
+            sweeping(fast, {GROUP: recording("b")}, check_max=3, sweep_concurrency=2):
+        for message_id in ids:
+            wait_status(engine, schema, message_id, "DISCARDED")
+
+    assert by_sweeper["a"] > 0 and by_sweeper["b"] > 0
+    for message_id in ids:
+        intervals = sorted(checks[message_id])
+        assert len(intervals) == 3, f"message {message_id} was checked {len(intervals)} times"
+        for (_, ended), (started, _) in itertools.pairwise(intervals):
+            assert ended <= started, f"message {message_id} was checked twice at once"
+
+
+def test_a_crashed_sweepers_claim_expires_and_the_row_is_checked_again(
+    engine: Engine, orders: Outbox, fast: Settings, schema: str
+) -> None:
+    message_id = prepare(engine, orders)
+    wait_until(lambda: _due(engine, schema), 10, "the message to be due")
+    with engine.begin() as conn:  # a sweeper claims the row, then dies before answering
+        claims = store.claim_checks(conn, schema, [GROUP], 10, claim_seconds=0.5)
+    assert [c.message.id for c in claims] == [message_id]
+
+    with sweeping(fast, {GROUP: answering("COMMIT")}):
+        wait_resolution(engine, schema, message_id, "COMMIT")
+    assert row(engine, schema, message_id).check_count == 1
+
+
+def _due(engine: Engine, schema: str) -> bool:
+    with engine.connect() as conn:
+        return bool(conn.execute(text(
+            f"SELECT count(*) FROM {schema}.message WHERE next_check_at <= now()")).scalar())
+
+
+def test_a_group_without_a_checker_is_reported_once_and_never_counted(
+    engine: Engine, fast: Settings, schema: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    orphan = prepare(engine, Outbox(settings=fast, producer_group="nobody"))
+    with caplog.at_level(logging.WARNING, "outbox.sweeper"), \
+            sweeping(fast, {GROUP: answering("COMMIT")}) as sweeper:
+        wait_until(lambda: sweeper.counts.unchecked == {"nobody": 1}, 30, "the report")
+        time.sleep(10 * fast.check_interval)  # several sweep rounds
+
+    assert tuple(row(engine, schema, orphan)) == ("UNKNOWN", "PENDING", 0)
+    warnings = [r.getMessage() for r in caplog.records if "'nobody'" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "no checker for it: register one with @outbox.checker('nobody')" in warnings[0]
+
+
+# --- operator: discarded, resume, late decisions -------------------------------------------
+
+def test_discarded_messages_are_listed(
+    engine: Engine, orders: Outbox, fast: Settings, schema: str
+) -> None:
+    message_id = prepare(engine, orders, "payments", key="customer-7")
+    with sweeping(fast, {GROUP: answering(None)}, check_max=1):
+        wait_status(engine, schema, message_id, "DISCARDED")
+
+    listed = run_outbox(fast, "discarded")
+    assert listed.returncode == 0, listed.stderr
+    line = listed.stdout.strip()
+    assert line.startswith(f"{message_id}\tgroup=orders\ttopic=payments\tkey=customer-7\t")
+    assert line.endswith("1 inconclusive check-backs, the last: checker answered UNKNOWN")
+
+
+def test_resume_rearms_the_check_backs_of_a_discarded_message(
+    engine: Engine, orders: Outbox, fast: Settings, schema: str
+) -> None:
+    message_id = prepare(engine, orders)
+    answers = iter(["UNKNOWN", "COMMIT"])
+
+    def first_unsure_then_sure(message: Message, conn: Connection) -> str:
+        return next(answers)
+
+    with sweeping(fast, {GROUP: first_unsure_then_sure}, check_max=1):
+        wait_status(engine, schema, message_id, "DISCARDED")
+        resumed = run_outbox(fast, "resume", str(message_id))
+        assert resumed.stdout.strip() == f"resumed message {message_id} (was DISCARDED)"
+        wait_resolution(engine, schema, message_id, "COMMIT")
+    assert tuple(row(engine, schema, message_id)) == ("COMMIT", "PENDING", 1)
+
+
+def test_a_late_commit_delivers_a_discarded_message(
+    engine: Engine, orders: Outbox, fast: Settings, topic: str, schema: str, relay: Relay
+) -> None:
+    message_id = prepare(engine, orders, topic)
+    with sweeping(fast, {GROUP: answering("UNKNOWN")}, check_max=1):
+        wait_status(engine, schema, message_id, "DISCARDED")
+    orders.commit(engine, message_id)
+    wait_delivered(engine, schema, 1)
+    assert [action for action, _ in ops(engine, schema, message_id)] == [
+        "DISCARDED", "RESUMED", "DELIVERED"]
+
+
+# --- the application dies between prepare and decision ------------------------------------
+
+APPLICATION = """
+import sys, time
+from sqlalchemy import create_engine, text
+from outbox import Outbox
+from outbox.settings import load_settings
+
+settings = load_settings()
+engine = create_engine(settings.sqlalchemy_url)
+outbox = Outbox(settings=settings, producer_group="orders")
+commit_business = sys.argv[1] == "commit"
+
+def place_order(message):
+    with engine.connect() as conn:
+        conn.execute(text(f"INSERT INTO {settings.schema_name}.orders (message_id) VALUES (:id)"),
+                     {"id": message.id})
+        if commit_business:
+            conn.commit()
+        print(message.id, flush=True)
+        time.sleep(600)  # hangs here: the payment service never answers
+
+outbox.send_in_transaction(engine, "orders", {"order": 1}, place_order)
+"""
+
+
+@pytest.mark.parametrize(("business", "resolved"), [("commit", "COMMIT"),
+                                                    ("abandon", "ROLLBACK")])
+def test_application_killed_between_prepare_and_decision_is_resolved_by_the_check_back(
+    engine: Engine, fast: Settings, schema: str, business: str, resolved: str
+) -> None:
+    with engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {schema}.orders (message_id bigint PRIMARY KEY)"))
+    application = subprocess.Popen(
+        [sys.executable, "-c", APPLICATION, business],
+        env=outbox_env(fast, OUTBOX_TRANSACTION_TIMEOUT=str(fast.transaction_timeout)),
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert application.stdout is not None
+        message_id = int(application.stdout.readline())
+    finally:
+        application.kill()  # SIGKILL between the local transaction and the decision
+        application.wait(30)
+    assert row(engine, schema, message_id).resolution == "UNKNOWN"
+
+    def order_exists(message: Message, conn: Connection) -> str:
+        placed = conn.execute(text(f"SELECT 1 FROM {schema}.orders WHERE message_id = :id"),
+                              {"id": message.id}).scalar()
+        return "COMMIT" if placed else "ROLLBACK"
+
+    with sweeping(fast, {GROUP: order_exists}):
+        wait_resolution(engine, schema, message_id, resolved)
+
+
+# --- SQL checkers --------------------------------------------------------------------------
+
+@pytest.fixture
+def payments(engine: Engine, schema: str) -> str:
+    """A business table the SQL checkers below read."""
+    with engine.begin() as conn:
+        conn.execute(text(f"CREATE TABLE {schema}.payments (order_id int PRIMARY KEY, "
+                          f"state text NOT NULL)"))
+        conn.execute(text(f"INSERT INTO {schema}.payments VALUES "
+                          f"(1, 'paid'), (2, 'failed'), (3, 'pending')"))
+    return f"{schema}.payments"
+
+
+def test_a_sql_checker_resolves_from_the_business_tables(
+    engine: Engine, orders: Outbox, fast: Settings, schema: str, payments: str
+) -> None:
+    sql = (f"SELECT CASE state WHEN 'paid' THEN 'COMMIT' WHEN 'failed' THEN 'ROLLBACK' END "
+           f"FROM {payments} WHERE order_id = CAST(CAST(:payload AS jsonb) ->> 'order' AS int)")
+    paid, failed, pending = (prepare(engine, orders, payload={"order": n}) for n in (1, 2, 3))
+    with sweeping(fast, sql_checkers={GROUP: sql}, check_max=2):
+        wait_status(engine, schema, pending, "DISCARDED")
+        wait_resolution(engine, schema, paid, "COMMIT")
+        wait_status(engine, schema, failed, "ROLLED_BACK")
+
+
+def test_sql_checkers_can_be_declared_in_the_environment(
+    engine: Engine, orders: Outbox, fast: Settings, schema: str, payments: str
+) -> None:
+    message_id = prepare(engine, orders, payload={"order": 1})
+    sql = f"SELECT 'COMMIT' FROM {payments} WHERE order_id = 1"
+    sweeper = start_outbox(fast, "sweep", "--check-interval", "0.1",
+                           OUTBOX_SQL_CHECKERS=json.dumps({GROUP: sql}))
+    try:
+        wait_resolution(engine, schema, message_id, "COMMIT")
+    finally:
+        sweeper.send_signal(signal.SIGTERM)
+        output, _ = sweeper.communicate(timeout=30)
+    assert sweeper.returncode == 0, output
+    assert f"message {message_id} (producer group 'orders') resolved COMMIT" in output
+
+
+def test_a_sql_checker_runs_read_only(
+    engine: Engine, orders: Outbox, fast: Settings, schema: str, payments: str
+) -> None:
+    message_id = prepare(engine, orders)
+    with sweeping(fast, sql_checkers={GROUP: f"DELETE FROM {payments} RETURNING 'COMMIT'"},
+                  check_max=1):
+        wait_status(engine, schema, message_id, "DISCARDED")
+    assert "read-only transaction" in ops(engine, schema, message_id)[0][1]
+    with engine.connect() as conn:
+        assert conn.execute(text(f"SELECT count(*) FROM {payments}")).scalar() == 3
+
+
+def test_a_sql_checker_is_cut_off_at_the_checker_timeout(
+    engine: Engine, orders: Outbox, fast: Settings, schema: str
+) -> None:
+    message_id = prepare(engine, orders)
+    with sweeping(fast, sql_checkers={GROUP: "SELECT 'COMMIT' FROM pg_sleep(30)"},
+                  check_max=1, checker_timeout=0.3):
+        wait_status(engine, schema, message_id, "DISCARDED")
+    assert ops(engine, schema, message_id)[0][1].endswith("checker timed out after 0.3 s")
+
+
+# --- the command --------------------------------------------------------------------------
+
+def test_sweep_command_uses_the_checkers_of_the_app(
+    engine: Engine, fast: Settings, schema: str
+) -> None:
+    message_id = prepare(engine, Outbox(settings=fast, producer_group="cli-orders"))
+    sweeper = start_outbox(fast, "sweep", "--app", "tests.checker_app:outbox",
+                           "--check-interval", "0.1")
+    try:
+        wait_resolution(engine, schema, message_id, "COMMIT")
+    finally:
+        sweeper.send_signal(signal.SIGTERM)
+        output, _ = sweeper.communicate(timeout=30)
+    assert sweeper.returncode == 0, output
+    assert "checkers for cli-orders" in output
+
+
+@pytest.mark.parametrize(("args", "env", "error"), [
+    (("--app", "no_such_service.outbox:outbox"), {},
+     "--app no_such_service.outbox:outbox: cannot import 'no_such_service.outbox'"),
+    (("--app", "tests.checker_app:missing"), {}, "tests.checker_app.missing is not an outbox"),
+    ((), {}, "the sweeper has no checkers: pass --app module:outbox"),
+    ((), {"OUTBOX_SQL_CHECKERS": "{not json"}, "invalid settings"),
+])
+def test_sweep_command_misconfiguration_is_one_line(
+    fast: Settings, args: tuple[str, ...], env: dict[str, str], error: str
+) -> None:
+    result = run_outbox(None, "sweep", *args, env=outbox_env(fast, **env))
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2, result.stderr
+    assert len(lines) == 1 and lines[0].startswith("outbox: error: "), result.stderr
+    assert error in lines[0]

@@ -1,0 +1,265 @@
+"""Two-phase messages: prepare, local transaction, COMMIT / ROLLBACK / UNKNOWN (DESIGN §2, §3.6).
+
+The check-back of messages left UNKNOWN is proven in test_sweeper.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import Engine, Row, text
+from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+from sqlalchemy.orm import Session
+
+from outbox import (
+    DecisionConflict,
+    Message,
+    MessageNotFound,
+    Outbox,
+    Resolution,
+    TransactionResult,
+)
+from outbox.settings import Settings, sqlalchemy_url
+from outbox.topic_reader import read_topic
+from relay.relay import Relay
+from tests.conftest import publish_orders, wait_delivered
+
+
+class PaymentTimeout(Exception):
+    pass
+
+
+def message_row(engine: Engine, schema: str, message_id: int) -> Row[tuple[str, str, int, float]]:
+    with engine.connect() as conn:
+        return conn.execute(text(
+            f"SELECT resolution, status, check_count, "
+            f"extract(epoch FROM next_check_at - created_at) AS check_after "
+            f"FROM {schema}.message WHERE id = :id"), {"id": message_id}).one()
+
+
+def op_actions(engine: Engine, schema: str, message_id: int) -> list[tuple[str, str]]:
+    with engine.connect() as conn:
+        return [tuple(row) for row in conn.execute(text(
+            f"SELECT action, actor FROM {schema}.op_record WHERE message_id = :id ORDER BY id"),
+            {"id": message_id})]
+
+
+def prepare(engine: Engine, outbox: Outbox, topic: str, payload: object, key: str | None = None,
+            **kwargs: object) -> int:
+    with Session(engine) as session, session.begin():
+        return outbox.prepare(session, topic, payload, key=key, **kwargs)  # type: ignore[arg-type]
+
+
+def delivered_ids(settings: Settings, topic: str) -> list[int | None]:
+    return [r.message_id for r in read_topic(settings.kafka_bootstrap, topic)]
+
+
+def test_local_transaction_answering_commit_is_delivered(
+    engine: Engine, outbox: Outbox, topic: str, schema: str, settings: Settings, relay: Relay
+) -> None:
+    seen: list[Message] = []
+
+    def local_transaction(message: Message) -> Resolution:
+        seen.append(message)
+        return Resolution.COMMIT
+
+    result = outbox.send_in_transaction(engine, topic, {"order": 1}, local_transaction, key="a")
+
+    assert result == TransactionResult(seen[0].id, Resolution.COMMIT)
+    assert (seen[0].json(), seen[0].key, seen[0].topic) == ({"order": 1}, b"a", topic)
+    wait_delivered(engine, schema, 1)
+    assert delivered_ids(settings, topic) == [result.message_id]
+
+
+def test_local_transaction_answering_rollback_is_never_delivered(
+    engine: Engine, outbox: Outbox, topic: str, schema: str, settings: Settings, relay: Relay
+) -> None:
+    rolled_back = outbox.send_in_transaction(engine, topic, {"n": 1}, lambda m: "ROLLBACK",
+                                             key="a")
+    committed = outbox.send_in_transaction(engine, topic, {"n": 2}, lambda m: "COMMIT", key="a")
+    wait_delivered(engine, schema, 1)
+
+    assert delivered_ids(settings, topic) == [committed.message_id]
+    assert message_row(engine, schema, rolled_back.message_id).status == "ROLLED_BACK"
+    assert op_actions(engine, schema, rolled_back.message_id) == [
+        ("ROLLED_BACK", f"app:{settings.worker_id}")]
+
+
+def test_local_transaction_that_raises_leaves_the_message_unknown_for_the_check_back(
+    engine: Engine, outbox: Outbox, schema: str, settings: Settings
+) -> None:
+    prepared: list[int] = []
+
+    def local_transaction(message: Message) -> Resolution:
+        prepared.append(message.id)
+        raise PaymentTimeout("the payment service did not answer")
+
+    with pytest.raises(PaymentTimeout) as caught:
+        outbox.send_in_transaction(engine, "orders", {"n": 1}, local_transaction)
+
+    assert caught.value.__notes__ == [
+        f"outbox message {prepared[0]} stays UNKNOWN until its check-back resolves it"]
+    row = message_row(engine, schema, prepared[0])
+    assert (row.resolution, row.status, row.check_count) == ("UNKNOWN", "PENDING", 0)
+    assert row.check_after == pytest.approx(settings.transaction_timeout)
+
+
+def test_local_transaction_without_an_answer_leaves_the_message_unknown(
+    engine: Engine, outbox: Outbox, schema: str
+) -> None:
+    result = outbox.send_in_transaction(engine, "orders", {"n": 1}, lambda m: None)
+
+    assert result.resolution is Resolution.UNKNOWN
+    assert message_row(engine, schema, result.message_id).resolution == "UNKNOWN"
+
+
+def test_local_transaction_with_a_meaningless_answer_is_a_bug_and_stays_unknown(
+    engine: Engine, outbox: Outbox, schema: str
+) -> None:
+    with pytest.raises(TypeError, match="answered 42; answer COMMIT, ROLLBACK or UNKNOWN"):
+        outbox.send_in_transaction(engine, "orders", {"n": 1}, lambda m: 42)  # type: ignore[arg-type,return-value]
+    with engine.connect() as conn:
+        resolutions = conn.execute(text(f"SELECT resolution FROM {schema}.message")).scalars()
+        assert list(resolutions) == ["UNKNOWN"]
+
+
+def test_check_immunity_sets_when_the_first_check_back_is_due(
+    engine: Engine, outbox: Outbox, schema: str
+) -> None:
+    message_id = prepare(engine, outbox, "orders", "x", check_immunity=timedelta(minutes=10))
+    assert message_row(engine, schema, message_id).check_after == 600
+
+
+def test_prepared_message_waits_for_its_commit_and_holds_back_its_key(
+    engine: Engine, outbox: Outbox, topic: str, schema: str, settings: Settings, relay: Relay
+) -> None:
+    held = prepare(engine, outbox, topic, {"n": 1}, key="k")
+    behind = publish_orders(engine, outbox, topic, [("k", 2)])[0]
+    other = publish_orders(engine, outbox, topic, [("other", 3)])[0]
+    wait_delivered(engine, schema, 1)
+    assert delivered_ids(settings, topic) == [other]
+
+    outbox.commit(engine, held)
+    wait_delivered(engine, schema, 3)
+    by_key = [r.message_id for r in read_topic(settings.kafka_bootstrap, topic) if r.key == b"k"]
+    assert by_key == [held, behind]
+
+
+def test_prepared_message_rolled_back_by_id_is_never_delivered_and_releases_its_key(
+    engine: Engine, outbox: Outbox, topic: str, schema: str, settings: Settings, relay: Relay
+) -> None:
+    held = prepare(engine, outbox, topic, {"n": 1}, key="k")
+    behind = publish_orders(engine, outbox, topic, [("k", 2)])[0]
+
+    outbox.rollback(engine, held)
+    wait_delivered(engine, schema, 1)
+    assert delivered_ids(settings, topic) == [behind]
+    assert op_actions(engine, schema, held) == [("ROLLED_BACK", f"app:{settings.worker_id}")]
+
+
+def test_prepare_rolled_back_with_the_business_transaction_leaves_nothing(
+    engine: Engine, outbox: Outbox, schema: str
+) -> None:
+    with Session(engine) as session:
+        session.begin()
+        message_id = outbox.prepare(session, "orders", {"n": 1})
+        session.rollback()
+
+    with pytest.raises(MessageNotFound, match=f"no message {message_id}"):
+        outbox.commit(engine, message_id)
+
+
+def test_a_decision_in_the_callers_transaction_shares_its_fate(
+    engine: Engine, outbox: Outbox, schema: str
+) -> None:
+    message_id = prepare(engine, outbox, "orders", {"n": 1})
+    with Session(engine) as session:
+        session.begin()
+        outbox.commit(session, message_id)
+        session.rollback()
+    assert message_row(engine, schema, message_id).resolution == "UNKNOWN"
+
+    with Session(engine) as session, session.begin():
+        outbox.commit(session, message_id)
+    assert message_row(engine, schema, message_id).resolution == "COMMIT"
+
+
+@pytest.mark.parametrize("decision", ["commit", "rollback"])
+def test_deciding_again_the_same_way_changes_nothing(
+    engine: Engine, outbox: Outbox, schema: str, decision: str
+) -> None:
+    message_id = prepare(engine, outbox, "orders", {"n": 1})
+    getattr(outbox, decision)(engine, message_id)
+    getattr(outbox, decision)(engine, message_id)
+    assert len(op_actions(engine, schema, message_id)) == (decision == "rollback")
+
+
+@pytest.mark.parametrize(("first", "second", "resolved"),
+                         [("commit", "rollback", "COMMIT"), ("rollback", "commit", "ROLLBACK")])
+def test_a_conflicting_second_decision_is_refused(
+    engine: Engine, outbox: Outbox, schema: str, first: str, second: str, resolved: str
+) -> None:
+    message_id = prepare(engine, outbox, "orders", {"n": 1})
+    getattr(outbox, first)(engine, message_id)
+
+    with pytest.raises(DecisionConflict,
+                       match=f"message {message_id} is already resolved {resolved}"):
+        getattr(outbox, second)(engine, message_id)
+    assert message_row(engine, schema, message_id).resolution == resolved
+
+
+def test_a_decision_wakes_the_relay_without_waiting_for_a_poll(
+    engine: Engine, outbox: Outbox, topic: str, schema: str, settings: Settings
+) -> None:
+    held = prepare(engine, outbox, topic, {"n": 1})
+    slow_poll = settings.model_copy(update={"relay_poll_interval": 30.0})
+    daemon = Relay(slow_poll)
+    thread = threading.Thread(target=daemon.run, daemon=True)
+    thread.start()
+    try:
+        publish_orders(engine, outbox, topic, [("k", 1)])
+        wait_delivered(engine, schema, 1, timeout=20)  # the relay is up and idle
+        outbox.commit(engine, held)
+        wait_delivered(engine, schema, 2, timeout=10)
+    finally:
+        daemon.stop()
+        thread.join(30)
+    assert not thread.is_alive()
+
+
+def test_async_two_phase_shares_the_sync_behaviour(
+    engine: Engine, outbox: Outbox, topic: str, schema: str, settings: Settings, relay: Relay
+) -> None:
+    async def scenario() -> tuple[list[int], list[int]]:
+        async_engine = create_async_engine(sqlalchemy_url(settings.database_url))
+
+        async def pay(message: Message) -> str:
+            await asyncio.sleep(0)
+            return "COMMIT"
+
+        try:
+            sent = await outbox.send_in_transaction(async_engine, topic, {"n": 1}, pay, key="a")
+            declined = await outbox.send_in_transaction(
+                async_engine, topic, {"n": 2}, lambda m: Resolution.ROLLBACK, key="a")
+            async with AsyncSession(async_engine) as session, session.begin():
+                later = await outbox.prepare(session, topic, {"n": 3}, key="a")
+            async with AsyncSession(async_engine) as session, session.begin():
+                await outbox.commit(session, later)
+            async with async_engine.connect() as conn:
+                await conn.begin()
+                dropped = await outbox.prepare(conn, topic, {"n": 4}, key="a")
+                await conn.commit()
+            await outbox.rollback(async_engine, dropped)
+            with pytest.raises(DecisionConflict):
+                await outbox.commit(async_engine, dropped)
+            return [sent.message_id, later], [declined.message_id, dropped]
+        finally:
+            await async_engine.dispose()
+
+    committed, rolled_back = asyncio.run(scenario())
+    wait_delivered(engine, schema, 2)
+    assert delivered_ids(settings, topic) == committed
+    assert {message_row(engine, schema, i).status for i in rolled_back} == {"ROLLED_BACK"}
