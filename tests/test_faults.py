@@ -78,9 +78,9 @@ def test_broker_cut_delays_delivery_then_it_resumes_with_nothing_lost(
         wait_delivered(iso.engine, "outbox", 100)
         iso.proxy.cut()
         during = []
-        for batch in range(5):
-            during += publish_orders(iso.engine, iso.outbox, iso.topic,
-                                     [(f"k{i % 10}", i) for i in range(batch * 50, batch * 50 + 50)])
+        for start in range(0, 250, 50):
+            orders = [(f"k{i % 10}", i) for i in range(start, start + 50)]
+            during += publish_orders(iso.engine, iso.outbox, iso.topic, orders)
         wait_until(lambda: "has not acknowledged" in caplog.text, 20, "the outage to be logged")
         assert count_status(iso.engine, "outbox", "DELIVERED") == 100
         iso.proxy.restore()
