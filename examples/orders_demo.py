@@ -1,23 +1,39 @@
 """The whole flow on embedded services: orders commit or roll back, the relay delivers.
 
 Run with `make demo`. It starts a throwaway PostgreSQL and Kafka broker, migrates the outbox
-schema, starts `outbox relay`, places orders (some transactions roll back), reads the topic
-and shows that exactly the committed orders arrived, each with its op record.
+schema, starts `outbox relay` and `outbox sweep`, places orders (some transactions roll back,
+two hang in a two-phase local transaction and are resolved by the sweeper's check-back),
+reads the topic and shows that exactly the committed orders arrived, each with its op record.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from datetime import timedelta
+from pathlib import Path
 
-from sqlalchemy import Column, Integer, MetaData, Numeric, Table, Text, create_engine, text
+from sqlalchemy import (
+    Column,
+    Connection,
+    Engine,
+    Integer,
+    MetaData,
+    Numeric,
+    Table,
+    Text,
+    create_engine,
+    select,
+    text,
+)
 from sqlalchemy.orm import Session
 
-from outbox import Outbox, devservices, migrate
+from outbox import Message, Outbox, devservices, migrate
 from outbox.settings import sqlalchemy_url
 from outbox.topic_reader import create_topic, read_topic
 
@@ -34,6 +50,21 @@ CUSTOMERS = ["ada", "grace", "linus", "barbara"]
 
 class PaymentDeclined(Exception):
     pass
+
+
+class GatewayTimeout(Exception):
+    pass
+
+
+outbox = Outbox(producer_group="shop")
+
+
+@outbox.checker()
+def order_exists(message: Message, conn: Connection) -> str:
+    """The check-back (`outbox sweep --app orders_demo:outbox`): is the order there?"""
+    order_id = message.json()["order_id"]
+    placed = conn.execute(select(orders.c.id).where(orders.c.id == order_id)).first()
+    return "COMMIT" if placed else "ROLLBACK"
 
 
 def step(title: str) -> None:
@@ -56,10 +87,32 @@ def place_order(engine: object, outbox: Outbox, order_id: int, customer: str, to
         return False
 
 
+def place_order_two_phase(engine: Engine, order_id: int, customer: str, total: float,
+                          saved_before_hang: bool) -> int:
+    """RocketMQ style: the prepare row commits first, then the local transaction runs (and
+    here hangs on the payment gateway), leaving the message UNKNOWN for the check-back."""
+    prepared: list[int] = []
+
+    def local_transaction(message: Message) -> str:
+        prepared.append(message.id)
+        with Session(engine) as session, session.begin():
+            session.execute(orders.insert().values(id=order_id, customer=customer, total=total))
+            if not saved_before_hang:
+                raise GatewayTimeout("payment gateway did not answer")
+        raise GatewayTimeout("payment gateway did not answer")
+
+    with contextlib.suppress(GatewayTimeout):
+        outbox.send_in_transaction(engine, "orders", {"event": "OrderPlaced", "order_id": order_id,
+                                                      "customer": customer, "total": total},
+                                   local_transaction, key=customer,
+                                   check_immunity=timedelta(seconds=1))
+    return prepared[0]
+
+
 def main() -> int:
     step("starting a throwaway PostgreSQL and Kafka-protocol broker (outbox dev up)")
     services = devservices.start()
-    relay = None
+    relay = sweeper = None
     try:
         env = {**os.environ, **services.env()}
         print(f"   OUTBOX_DATABASE_URL={services.database_url}")
@@ -77,9 +130,13 @@ def main() -> int:
         step("starting the relay (outbox relay)")
         relay = subprocess.Popen([sys.executable, "-m", "outbox", "relay"], env=env,
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        step("starting the check-back sweeper (outbox sweep --app orders_demo:outbox)")
+        sweeper = subprocess.Popen(
+            [sys.executable, "-m", "outbox", "sweep", "--app", "orders_demo:outbox"],
+            env={**env, "PYTHONPATH": str(Path(__file__).parent), "OUTBOX_CHECK_INTERVAL": "1"},
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
         step("placing 10 orders; each inserts its row and publishes in one transaction")
-        outbox = Outbox()
         committed, rolled_back = [], []
         for n in range(1, 11):
             customer = CUSTOMERS[n % len(CUSTOMERS)]
@@ -87,6 +144,13 @@ def main() -> int:
             ok = place_order(engine, outbox, n, customer, 10.0 * n + 0.5, declined)
             (committed if ok else rolled_back).append(n)
             print(f"   order {n:2} for {customer:8} {'COMMIT' if ok else 'ROLLBACK (declined)'}")
+
+        step("two orders in two phases; the payment gateway hangs, so their outcome is UNKNOWN")
+        for n, customer, saved in ((11, "ada", True), (12, "grace", False)):
+            message_id = place_order_two_phase(engine, n, customer, 10.0 * n + 0.5, saved)
+            (committed if saved else rolled_back).append(n)
+            print(f"   order {n:2} for {customer:8} UNKNOWN (message {message_id}; the order row "
+                  f"{'was saved' if saved else 'was not saved'}): the sweeper will ask")
 
         step("waiting for the relay to deliver the committed orders")
         deadline = time.monotonic() + 30
@@ -124,13 +188,14 @@ def main() -> int:
         engine.dispose()
         return 0 if ok else 1
     finally:
-        step("stopping the relay and the embedded services (outbox dev down)")
-        if relay is not None:
-            relay.send_signal(signal.SIGTERM)
-            output, _ = relay.communicate(timeout=30)
-            print("   relay log:")
-            for line in output.strip().splitlines():
-                print(f"     {line}")
+        step("stopping the relay, the sweeper and the embedded services (outbox dev down)")
+        for name, daemon in (("relay", relay), ("sweeper", sweeper)):
+            if daemon is not None:
+                daemon.send_signal(signal.SIGTERM)
+                output, _ = daemon.communicate(timeout=30)
+                print(f"   {name} log:")
+                for line in output.strip().splitlines():
+                    print(f"     {line}")
         devservices.stop(services)
 
 

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 import psycopg
 from prometheus_client import Counter, Gauge
 from sqlalchemy import Connection, Engine, create_engine
+from sqlalchemy.exc import DBAPIError
+from tenacity import RetryCallState, Retrying, retry_if_exception_type, wait_exponential
 
 from outbox import store
 from outbox.app import Outbox
@@ -131,9 +133,11 @@ class Sweeper:
         self._stopped: Future[None] = Future()  # completed by stop(): wakes the loop's wait
         self._lock = threading.Lock()
         self._reported: set[str] = set()
+        self._outage = False
         self._engine: Engine = create_engine(
             settings.sqlalchemy_url, pool_size=settings.sweep_concurrency + 1, max_overflow=2,
             pool_pre_ping=True,
+            connect_args={"application_name": f"outbox-sweeper:{settings.worker_id}"[:63]},
         )
 
     def stop(self) -> None:
@@ -150,9 +154,18 @@ class Sweeper:
                  ", ".join(self.groups))
         executor = ThreadPoolExecutor(self.settings.sweep_concurrency, "checker")
         running: dict[Future[None], _Running] = {}
+        retrying = Retrying(
+            retry=retry_if_exception_type(DBAPIError),
+            wait=wait_exponential(multiplier=0.2, max=10),
+            sleep=self._pause,
+            stop=lambda _state: self.stopping.is_set(),
+            before_sleep=self._report_outage,
+            reraise=True,
+        )
         try:
-            with self._engine.connect() as conn:
-                self._loop(conn, executor, running)
+            for attempt in retrying:
+                with attempt, self._engine.connect() as conn:
+                    self._loop(conn, executor, running)
         finally:
             executor.shutdown(wait=False, cancel_futures=True)
             wait(running, timeout=self.settings.checker_timeout)  # let their answers land
@@ -160,11 +173,26 @@ class Sweeper:
             log.info("sweeper %s stopped after %d check-backs", self.settings.worker_id,
                      sum(self.counts.outcomes.values()))
 
+    def _pause(self, seconds: float) -> None:
+        self.stopping.wait(seconds)
+
+    def _report_outage(self, state: RetryCallState) -> None:
+        """Say once that checks stall, and why; the recovery is said once too."""
+        if self._outage:
+            return
+        self._outage = True
+        exc = state.outcome.exception() if state.outcome else None
+        log.warning("sweeper %s cannot reach PostgreSQL (%s); retrying with backoff",
+                    self.settings.worker_id, _first_line(exc))
+
     def _loop(self, conn: Connection, executor: ThreadPoolExecutor,
               running: dict[Future[None], _Running]) -> None:
         settings = self.settings
         report_at = 0.0
         while not self.stopping.is_set():
+            if self._outage:
+                log.info("sweeper %s reaches PostgreSQL again", self.settings.worker_id)
+                self._outage = False
             now = time.monotonic()
             self._expire(conn, running, now)
             if now >= report_at:
@@ -181,6 +209,8 @@ class Sweeper:
                 future = executor.submit(self._check, claim)
                 running[future] = _Running(claim, started + settings.checker_timeout)
             timeout = settings.sweep_poll_interval
+            if claims and len(claims) == wanted and len(running) < settings.sweep_concurrency:
+                timeout = 0.0  # a full batch, and room for more: claim again at once
             deadlines = [r.deadline for r in running.values() if not r.expired]
             if deadlines:
                 timeout = min(timeout, min(deadlines) - time.monotonic())

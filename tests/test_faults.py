@@ -4,52 +4,24 @@ broker refuses, a session idle in transaction (DESIGN §3.2, §3.8, §3.9)."""
 from __future__ import annotations
 
 import logging
-import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import pytest
-from sqlalchemy import Engine, create_engine, text
+from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
-from outbox import Outbox, devservices, migrate
-from outbox.settings import Settings, sqlalchemy_url
-from outbox.topic_reader import Record, create_topic, read_topic
+from outbox import Outbox, devservices
+from outbox.settings import Settings
+from outbox.topic_reader import Record, read_topic
 from tests.conftest import count_status, publish_orders, running_relay, wait_delivered, wait_until
+from tests.isolated import Isolated, isolated_services
 from tests.processes import run_outbox
-from tests.tcp_proxy import TcpProxy
-
-
-@dataclass
-class Isolated:
-    """Services of one test's own, the broker behind a proxy it can cut."""
-
-    services: devservices.Services
-    proxy: TcpProxy
-    engine: Engine
-    settings: Settings
-    outbox: Outbox
-    topic: str
 
 
 @pytest.fixture
 def isolated() -> Iterator[Isolated]:
-    proxy_port = devservices.free_port()
-    services = devservices.start(kafka_advertised_port=proxy_port)
-    proxy = TcpProxy(services.kafka_port, proxy_port)
-    engine = create_engine(sqlalchemy_url(services.database_url), pool_pre_ping=True)
-    try:
-        migrate.upgrade(services.database_url, "outbox")
-        topic = f"faults-{uuid.uuid4().hex[:6]}"
-        create_topic(services.kafka_bootstrap, topic, partitions=3)
-        settings = Settings(database_url=services.database_url,
-                            kafka_bootstrap=services.kafka_bootstrap, relay_lease_seconds=3,
-                            relay_poll_interval=0.2)
-        yield Isolated(services, proxy, engine, settings, Outbox(settings=settings), topic)
-    finally:
-        engine.dispose()
-        proxy.close()
-        devservices.stop(services)
+    with isolated_services() as iso:
+        yield iso
 
 
 def first_occurrences_in_order(records: list[Record]) -> bool:

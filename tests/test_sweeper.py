@@ -308,6 +308,25 @@ def test_a_group_without_a_checker_is_reported_once_and_never_counted(
     assert "no checker for it: register one with @outbox.checker('nobody')" in warnings[0]
 
 
+def test_the_sweeper_carries_on_after_losing_its_database_connections(
+    engine: Engine, orders: Outbox, fast: Settings, schema: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    before = prepare(engine, orders)
+    with caplog.at_level(logging.WARNING, "outbox.sweeper"), \
+            sweeping(fast, {GROUP: answering("COMMIT")}):
+        wait_resolution(engine, schema, before, "COMMIT")
+        with engine.connect() as conn:
+            killed = conn.execute(text(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "WHERE application_name = :name"), {"name": f"outbox-sweeper:{fast.worker_id}"}
+            ).scalar()
+        after = prepare(engine, orders)
+        wait_resolution(engine, schema, after, "COMMIT")
+    assert killed
+    assert "cannot reach PostgreSQL" in caplog.text
+
+
 # --- operator: discarded, resume, late decisions -------------------------------------------
 
 def test_discarded_messages_are_listed(

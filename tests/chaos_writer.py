@@ -1,0 +1,59 @@
+"""A writer process for the chaos test: random transactions, some rolled back, some with
+several messages, some delayed; it records each message's outcome as JSON lines."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+import uuid
+from datetime import timedelta
+
+from sqlalchemy import create_engine
+from sqlalchemy.orm import Session
+
+from outbox import Outbox
+from outbox.settings import sqlalchemy_url
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    for name in ("--url", "--schema", "--topic", "--out"):
+        parser.add_argument(name, required=True)
+    parser.add_argument("--seconds", type=float, required=True)
+    parser.add_argument("--seed", type=int, required=True)
+    args = parser.parse_args()
+    rng = random.Random(args.seed)
+    engine = create_engine(sqlalchemy_url(args.url), pool_pre_ping=True)
+    outbox = Outbox(schema=args.schema)
+    end = time.monotonic() + args.seconds
+    with open(args.out, "w") as out:
+        while time.monotonic() < end:
+            tags = [uuid.uuid4().hex for _ in range(rng.choice((1, 1, 2, 3)))]
+            rollback = rng.random() < 0.25
+            outcome = "rollback" if rollback else "commit"
+            try:
+                with Session(engine) as session:
+                    session.begin()
+                    for tag in tags:
+                        delay = timedelta(seconds=rng.uniform(0.2, 2)) if rng.random() < 0.1 \
+                            else None
+                        outbox.publish(session, args.topic, {"tag": tag},
+                                       key=f"key-{rng.randrange(100)}", deliver_after=delay)
+                    if rollback:
+                        session.rollback()
+                    else:
+                        session.commit()
+            except Exception:  # PostgreSQL restarting: the outcome is not known here
+                outcome = "uncertain"
+                time.sleep(0.2)
+            for tag in tags:
+                out.write(json.dumps({"tag": tag, "outcome": outcome}) + "\n")
+            out.flush()
+            time.sleep(rng.uniform(0, 0.01))
+    engine.dispose()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""Services of one test's own, the broker behind a proxy the test can cut."""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from sqlalchemy import Engine, create_engine
+
+from outbox import Outbox, devservices, migrate
+from outbox.settings import Settings, sqlalchemy_url
+from outbox.topic_reader import create_topic
+from tests.tcp_proxy import TcpProxy
+
+
+@dataclass
+class Isolated:
+    services: devservices.Services
+    proxy: TcpProxy
+    engine: Engine
+    settings: Settings
+    outbox: Outbox
+    topic: str
+
+
+@contextlib.contextmanager
+def isolated_services(partitions: int = 3) -> Iterator[Isolated]:
+    proxy_port = devservices.free_port()
+    services = devservices.start(kafka_advertised_port=proxy_port)
+    proxy = TcpProxy(services.kafka_port, proxy_port)
+    engine = create_engine(sqlalchemy_url(services.database_url), pool_pre_ping=True)
+    try:
+        migrate.upgrade(services.database_url, "outbox")
+        topic = f"faults-{uuid.uuid4().hex[:6]}"
+        create_topic(services.kafka_bootstrap, topic, partitions=partitions)
+        settings = Settings(database_url=services.database_url,
+                            kafka_bootstrap=services.kafka_bootstrap, relay_lease_seconds=3,
+                            relay_poll_interval=0.2)
+        yield Isolated(services, proxy, engine, settings, Outbox(settings=settings), topic)
+    finally:
+        engine.dispose()
+        proxy.close()
+        devservices.stop(services)

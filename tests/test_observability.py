@@ -1,0 +1,88 @@
+"""`outbox status`, the Prometheus metrics and retention pruning."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from datetime import timedelta
+
+from prometheus_client import start_http_server
+from sqlalchemy import Engine, text
+from sqlalchemy.orm import Session
+
+from outbox import Outbox, devservices
+from outbox.settings import Settings
+from tests.conftest import count_status, publish_orders, running_relay, wait_delivered
+from tests.processes import run_outbox
+
+
+def test_status_reports_each_state_per_topic(
+    engine: Engine, outbox: Outbox, settings: Settings, schema: str, topic: str
+) -> None:
+    publish_orders(engine, outbox, topic, [("a", 1), ("b", 2)])
+    with running_relay(settings):
+        wait_delivered(engine, schema, 2)
+    publish_orders(engine, outbox, topic, [("c", 3)])  # pending: no relay runs now
+    with Session(engine) as session, session.begin():
+        outbox.publish(session, topic, "later", key="d", deliver_after=timedelta(hours=1))
+        parked = outbox.publish(session, "other-topic", "x")
+    with engine.begin() as conn:
+        conn.execute(text(f"UPDATE {schema}.message SET status = 'PARKED' WHERE id = :id"),
+                     {"id": parked})
+
+    result = run_outbox(settings, "status", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    by_topic = {t["topic"]: t for t in report["topics"]}
+    assert by_topic[topic]["pending"] == 1
+    assert by_topic[topic]["delayed"] == 1
+    assert by_topic[topic]["delivered_last_minute"] == 2
+    assert by_topic[topic]["oldest_undelivered_seconds"] >= 0
+    assert by_topic["other-topic"]["parked"] == 1
+    assert report["in_flight"] == 0 and report["relays"] == []
+
+    text_report = run_outbox(settings, "status")
+    assert text_report.returncode == 0, text_report.stderr
+    assert topic in text_report.stdout and "delivered/min" in text_report.stdout
+    assert settings.database_url.split("@")[0] not in text_report.stdout + text_report.stderr
+
+
+def test_relay_metrics_are_served_for_prometheus(
+    engine: Engine, outbox: Outbox, settings: Settings, schema: str, topic: str
+) -> None:
+    port = devservices.free_port()
+    start_http_server(port, addr="127.0.0.1")
+    with running_relay(settings):
+        publish_orders(engine, outbox, topic, [(f"k{i}", i) for i in range(7)])
+        wait_delivered(engine, schema, 7)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+            body = response.read().decode()
+    assert f'outbox_messages_delivered_total{{topic="{topic}"}} 7.0' in body
+    assert "outbox_delivery_latency_seconds_count" in body
+    assert "outbox_relay_batch_size_bucket" in body
+    assert "outbox_relay_owned_shards" in body
+    assert 'outbox_messages{state="pending"}' in body
+
+
+def test_prune_deletes_only_expired_finished_rows(
+    engine: Engine, outbox: Outbox, settings: Settings, schema: str, topic: str
+) -> None:
+    ids = publish_orders(engine, outbox, topic, [(f"k{i}", i) for i in range(30)])
+    with running_relay(settings):
+        wait_delivered(engine, schema, 30)
+    pending = publish_orders(engine, outbox, topic, [("p", 1)])
+    with engine.begin() as conn:
+        conn.execute(text(f"UPDATE {schema}.message SET created_at = now() - interval '100 hours'"))
+        conn.execute(text(f"UPDATE {schema}.message SET status = 'PARKED' WHERE id = :id"),
+                     {"id": ids[0]})
+        conn.execute(text(
+            f"UPDATE {schema}.op_record SET created_at = now() - interval '100 hours'"))
+
+    small_batches = settings.model_copy(update={"prune_batch_size": 7})
+    result = run_outbox(small_batches, "prune", "--retention-hours", "72")
+    assert result.returncode == 0, result.stderr
+    assert "pruned 29 messages and 30 op records" in result.stdout
+    assert count_status(engine, schema, "DELIVERED") == 0
+    with engine.connect() as conn:
+        left = set(conn.execute(text(f"SELECT id FROM {schema}.message")).scalars())
+    assert left == {ids[0], *pending}, "parked and undelivered rows are kept"

@@ -1,0 +1,362 @@
+"""Spark reconciliation (issue 5) on real Spark, PostgreSQL and Kafka.
+
+Clean data comes from the real flow (publish, two-phase, the relay); defects are injected
+afterwards with SQL and by producing stray records, each on messages of its own, so every
+test below fails for one reason.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+from kafka import KafkaProducer
+from pyspark.sql import SparkSession
+from sqlalchemy import Engine, text
+from sqlalchemy.orm import Session
+
+from outbox import Outbox, devservices, migrate
+from outbox.schema import RunOutcome
+from outbox.settings import Settings
+from outbox.topic_reader import create_topic, read_topic
+from spark import reconcile as job
+from tests.conftest import publish_orders, running_relay, wait_delivered
+from tests.processes import outbox_env, run_outbox
+
+INTEGRITY = {
+    "undelivered_after_sla", "delivered_although_rolled_back", "op_record_without_message",
+    "kafka_record_without_op_record", "op_record_position_mismatch", "key_order_broken",
+}
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator[SparkSession]:
+    session = job.local_session(Settings(reconcile_spark_master="local[2]"))
+    yield session
+    session.stop()
+
+
+def reconcile_settings(services: devservices.Services, schema: str, output: Path,
+                       **extra: object) -> Settings:
+    return Settings(
+        database_url=services.database_url, kafka_bootstrap=services.kafka_bootstrap,
+        schema_name=schema, relay_poll_interval=0.3, relay_lease_seconds=3,
+        reconcile_read_topics=True, reconcile_output_dir=str(output),
+        reconcile_sla_seconds=60, reconcile_partitions=2, **extra,  # type: ignore[arg-type]
+    )
+
+
+def found(spark: SparkSession, result: job.Result) -> dict[str, set[int | None]]:
+    """Message ids per finding, read back from the run's Parquet files."""
+    ids: dict[str, set[int | None]] = {}
+    for row in spark.read.parquet(str(result.output_path / "findings")).collect():
+        ids.setdefault(row.finding, set()).add(row.message_id)
+    return ids
+
+
+def publish_clean_flow(engine: Engine, outbox: Outbox, topic: str, n: int) -> list[int]:
+    keys = [f"customer-{i % 6}" for i in range(n)]
+    return publish_orders(engine, outbox, topic, [(key, i) for i, key in enumerate(keys)])
+
+
+def insert_message(conn: object, schema: str, topic: str, **columns: object) -> int:
+    values = {"key": None, "resolution": "COMMIT", "status": "PENDING", "check_count": 0,
+              "age": "0 seconds", **columns}
+    return int(conn.execute(text(  # type: ignore[attr-defined]
+        f"INSERT INTO {schema}.message (topic, key, payload, content_type, shard, resolution, "
+        f"status, check_count, created_at, next_check_at) VALUES (:topic, :key, "
+        f"CAST('{{}}' AS bytea), 'application/json', 0, :resolution, :status, :check_count, "
+        f"now() - CAST(:age AS interval), now() + interval '30 seconds') RETURNING id"),
+        {"topic": topic, **values}).scalar_one())
+
+
+def produce(bootstrap: str, topic: str, partition: int, key: bytes | None,
+            message_id: int | None) -> int:
+    """Send one record as a stray or a copy would arrive; returns its offset."""
+    producer = KafkaProducer(bootstrap_servers=bootstrap)
+    try:
+        headers = [] if message_id is None else [("outbox-id", str(message_id).encode())]
+        return int(producer.send(topic, b"{}", key=key, partition=partition,
+                                 headers=headers).get(timeout=30).offset)
+    finally:
+        producer.close()
+
+
+# --- clean data --------------------------------------------------------------------------------
+
+
+def test_the_real_flow_reconciles_clean(
+    spark: SparkSession, services: devservices.Services, engine: Engine, schema: str,
+    topic: str, tmp_path: Path
+) -> None:
+    settings = reconcile_settings(services, schema, tmp_path)
+    outbox = Outbox(settings=settings)
+    with running_relay(settings):
+        publish_clean_flow(engine, outbox, topic, 30)
+        publish_orders(engine, outbox, topic, [("customer-1", 99)], commit=False)
+        with Session(engine) as session, session.begin():
+            outbox.publish(session, topic, {"later": True}, key="delayed",
+                           deliver_after=timedelta(hours=1))
+        with Session(engine) as session, session.begin():
+            committed = outbox.prepare(session, topic, {"two-phase": 1}, key="tp-commit")
+            rolled_back = outbox.prepare(session, topic, {"two-phase": 2}, key="tp-rollback")
+        outbox.commit(engine, committed)
+        outbox.rollback(engine, rolled_back)
+        wait_delivered(engine, schema, 31)
+
+    result = job.run(spark, settings, until=datetime.now(UTC))
+
+    assert result.counts == dict.fromkeys(result.counts, 0)
+    assert result.outcome is RunOutcome.CLEAN and result.exit_code == 0
+    assert result.summary["counts"] == {"messages": 33, "op_records": 32, "kafka_records": 31}
+    by_state = {(c["resolution"], c["status"]): c["count"]
+                for c in result.summary["stats"]["counts"]}
+    assert by_state == {("COMMIT", "DELIVERED"): 31, ("COMMIT", "DELAYED"): 1,
+                        ("ROLLBACK", "ROLLED_BACK"): 1}
+    overall = next(lat for lat in result.summary["stats"]["latency_seconds"]
+                   if lat["topic"] == "*")
+    assert overall["delivered"] == 31 and 0 <= overall["p50"] <= overall["max"]
+
+
+# --- defects -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Defects:
+    """The ids of the messages each defect was injected on."""
+
+    settings: Settings
+    undelivered: int = 0
+    duplicated: int = 0
+    rolled_back_but_delivered: int = 0
+    orphan_op_for: int = 555_555_555
+    stray_id: int = 987_654_321
+    misplaced_op: int = 0
+    order_swapped: int = 0
+    stuck: int = 0
+    discarded: int = 0
+    clean: set[int] = field(default_factory=set)
+
+
+@pytest.fixture(scope="module")
+def defects(services: devservices.Services, engine: Engine,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Defects]:
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    topic = f"orders-{uuid.uuid4().hex[:10]}"
+    migrate.upgrade(services.database_url, schema)
+    create_topic(services.kafka_bootstrap, topic, partitions=3)
+    settings = reconcile_settings(services, schema, tmp_path_factory.mktemp("reconcile"))
+    d = Defects(settings)
+    with running_relay(settings):
+        d.clean = set(publish_clean_flow(engine, Outbox(settings=settings), topic, 60))
+        wait_delivered(engine, schema, 60)
+    bootstrap = services.kafka_bootstrap
+    positions = {r.message_id: r for r in read_topic(bootstrap, topic)}
+    last_of_key = {}
+    for message_id in sorted(d.clean):
+        last_of_key[positions[message_id].key] = message_id
+    # Misplaced op record: X (the last message of its key) claims the partition's last offset.
+    last = max(positions.values(), key=lambda r: (r.partition, r.offset))
+    x = next(i for i in sorted(last_of_key.values(), reverse=True)
+             if positions[i].partition == last.partition and positions[i].key != last.key)
+    d.misplaced_op = x
+    d.duplicated, d.rolled_back_but_delivered = sorted(d.clean - {x, last.message_id})[:2]
+
+    with engine.begin() as conn:
+        d.undelivered = insert_message(conn, schema, topic, key=b"never-sent", age="1 hour")
+        d.stuck = insert_message(conn, schema, topic, resolution="UNKNOWN", check_count=7,
+                                 age="1 hour")
+        d.discarded = insert_message(conn, schema, topic, resolution="UNKNOWN",
+                                     status="DISCARDED", check_count=15, age="1 hour")
+        conn.execute(text(
+            f"INSERT INTO {schema}.op_record (message_id, action, actor, detail) "
+            f"VALUES (:id, 'DISCARDED', 'sweeper', 'no answer after 15 checks')"),
+            {"id": d.discarded})
+        conn.execute(text(
+            f"UPDATE {schema}.message SET resolution = 'ROLLBACK', status = 'ROLLED_BACK' "
+            f"WHERE id = :id"), {"id": d.rolled_back_but_delivered})
+        conn.execute(text(
+            f"UPDATE {schema}.op_record SET kafka_offset = :offset WHERE message_id = :id"),
+            {"offset": last.offset, "id": x})
+        conn.execute(text(
+            f"INSERT INTO {schema}.op_record (message_id, action, actor, kafka_partition, "
+            f"kafka_offset) VALUES (:id, 'DELIVERED', 'ghost', 0, 0)"), {"id": d.orphan_op_for})
+        # Two messages of one key, delivered in the wrong order, each with a correct op record.
+        first = insert_message(conn, schema, topic, key=b"swapped", status="DELIVERED")
+        second = insert_message(conn, schema, topic, key=b"swapped", status="DELIVERED")
+        d.order_swapped = second
+        for message_id in (second, first):
+            offset = produce(bootstrap, topic, 0, b"swapped", message_id)
+            conn.execute(text(
+                f"INSERT INTO {schema}.op_record (message_id, action, actor, kafka_partition, "
+                f"kafka_offset) VALUES (:id, 'DELIVERED', 'relay', 0, :offset)"),
+                {"id": message_id, "offset": offset})
+    copy = positions[d.duplicated]
+    produce(bootstrap, topic, copy.partition, copy.key, d.duplicated)
+    produce(bootstrap, topic, 1, b"stray", d.stray_id)
+    produce(bootstrap, topic, 2, None, None)
+    yield d
+    with engine.begin() as conn:
+        conn.execute(text(f"DROP SCHEMA {schema} CASCADE"))
+
+
+@pytest.fixture(scope="module")
+def defect_run(spark: SparkSession, defects: Defects) -> job.Result:
+    return job.run(spark, defects.settings, until=datetime.now(UTC))
+
+
+@pytest.fixture(scope="module")
+def defect_findings(spark: SparkSession, defect_run: job.Result) -> dict[str, set[int | None]]:
+    return found(spark, defect_run)
+
+
+def test_committed_message_not_delivered_within_the_sla_is_found(
+    defects: Defects, defect_findings: dict[str, set[int | None]]
+) -> None:
+    assert defect_findings["undelivered_after_sla"] == {defects.undelivered}
+
+
+def test_duplicate_delivery_is_reported_with_its_copies(
+    defects: Defects, defect_run: job.Result, defect_findings: dict[str, set[int | None]]
+) -> None:
+    assert defect_findings["delivered_more_than_once"] == {defects.duplicated}
+    duplicates = next(f for f in defect_run.summary["findings"]
+                      if f["name"] == "delivered_more_than_once")
+    assert duplicates["count"] == 1 and not duplicates["exceeded"]
+
+
+def test_delivered_message_that_was_rolled_back_is_found(
+    defects: Defects, defect_findings: dict[str, set[int | None]]
+) -> None:
+    assert defect_findings["delivered_although_rolled_back"] == {
+        defects.rolled_back_but_delivered}
+
+
+def test_op_record_without_prepare_row_is_found(
+    defects: Defects, defect_findings: dict[str, set[int | None]]
+) -> None:
+    assert defect_findings["op_record_without_message"] == {defects.orphan_op_for}
+
+
+def test_kafka_records_without_op_record_are_found(
+    defects: Defects, defect_findings: dict[str, set[int | None]]
+) -> None:
+    assert defect_findings["kafka_record_without_op_record"] == {defects.stray_id, None}
+
+
+def test_op_record_pointing_at_another_record_is_found(
+    defects: Defects, defect_findings: dict[str, set[int | None]]
+) -> None:
+    assert defect_findings["op_record_position_mismatch"] == {defects.misplaced_op}
+
+
+def test_broken_per_key_order_in_kafka_is_found(
+    defects: Defects, defect_findings: dict[str, set[int | None]]
+) -> None:
+    assert defect_findings["key_order_broken"] == {defects.order_swapped}
+
+
+def test_rows_stuck_unknown_are_reported_with_their_check_counts(
+    spark: SparkSession, defects: Defects, defect_run: job.Result
+) -> None:
+    rows = spark.read.parquet(str(defect_run.output_path / "findings")).where(
+        "finding = 'stuck_unknown'").collect()
+    assert [(r.message_id, r.detail.split(",")[0]) for r in rows] == [
+        (defects.stuck, "7 check-backs")]
+
+
+def test_discarded_rows_are_reported(
+    defects: Defects, defect_findings: dict[str, set[int | None]]
+) -> None:
+    assert defect_findings["discarded"] == {defects.discarded}
+
+
+def test_clean_messages_among_the_defects_are_not_reported(
+    defects: Defects, defect_findings: dict[str, set[int | None]]
+) -> None:
+    named = set().union(*defect_findings.values())
+    untouched = defects.clean - {defects.duplicated, defects.rolled_back_but_delivered,
+                                 defects.misplaced_op}
+    assert not named & untouched
+
+
+def test_integrity_findings_fail_the_run_and_report_only_ones_do_not(
+    defect_run: job.Result
+) -> None:
+    assert defect_run.outcome is RunOutcome.FAILED and defect_run.exit_code == 1
+    assert set(defect_run.exceeded) == INTEGRITY
+
+
+def test_run_records_its_summary_and_writes_its_report(
+    engine: Engine, defects: Defects, defect_run: job.Result
+) -> None:
+    with engine.connect() as conn:
+        row = conn.execute(text(
+            f"SELECT outcome, messages, findings, output_path, kafka_offsets "
+            f"FROM {defects.settings.schema_name}.reconcile_run WHERE id = :id"),
+            {"id": defect_run.run_id}).one()
+    assert row.outcome == "FAILED"
+    assert row.findings == defect_run.counts
+    assert row.output_path == str(defect_run.output_path)
+    assert sum(sum(p.values()) for p in row.kafka_offsets.values()) == 60 + 5
+    report = (defect_run.output_path / "report.txt").read_text()
+    assert f"FAIL  undelivered_after_sla" in report and f"ids: {defects.undelivered}" in report
+    assert json.loads((defect_run.output_path / "summary.json").read_text())["run_id"] == (
+        defect_run.run_id)
+
+
+def test_tables_only_run_finds_what_the_tables_show(
+    spark: SparkSession, defects: Defects, defect_run: job.Result
+) -> None:
+    settings = defects.settings.model_copy(update={"reconcile_read_topics": False})
+    result = job.run(spark, settings, since=datetime(2000, 1, 1, tzinfo=UTC),
+                     until=defect_run.window.until)
+
+    ids = found(spark, result)
+    assert "op_record_position_mismatch" not in result.counts
+    assert "kafka_record_without_op_record" not in result.counts
+    assert ids["undelivered_after_sla"] == {defects.undelivered}
+    assert ids["delivered_although_rolled_back"] == {defects.rolled_back_but_delivered}
+    assert ids["key_order_broken"] == {defects.order_swapped}
+    assert "delivered_more_than_once" not in ids
+
+
+# --- incremental runs and the command line -----------------------------------------------------
+
+
+def test_next_run_covers_only_what_is_new_since_the_last(
+    spark: SparkSession, services: devservices.Services, engine: Engine, schema: str,
+    topic: str, tmp_path: Path
+) -> None:
+    settings = reconcile_settings(services, schema, tmp_path)
+    outbox = Outbox(settings=settings)
+    with running_relay(settings):
+        publish_clean_flow(engine, outbox, topic, 12)
+        wait_delivered(engine, schema, 12)
+        first = job.run(spark, settings, until=datetime.now(UTC))
+        publish_clean_flow(engine, outbox, topic, 5)
+        wait_delivered(engine, schema, 17)
+
+    second = job.run(spark, settings, until=datetime.now(UTC))
+
+    assert first.summary["counts"] == {"messages": 12, "op_records": 12, "kafka_records": 12}
+    assert second.summary["counts"] == {"messages": 5, "op_records": 5, "kafka_records": 5}
+    assert second.window.since == first.window.until
+    assert second.outcome is RunOutcome.CLEAN
+
+
+def test_command_exits_non_zero_over_a_threshold_and_zero_without_it(
+    defects: Defects, defect_run: job.Result, tmp_path: Path
+) -> None:
+    env = outbox_env(defects.settings, OUTBOX_RECONCILE_OUTPUT_DIR=str(tmp_path),
+                     OUTBOX_RECONCILE_SPARK_MASTER="local[2]")
+    window = ["--since", "2000-01-01T00:00:00", "--until", defect_run.window.until.isoformat(),
+              "--tables-only", "--sla-seconds", "60"]
+    failing = run_outbox(None, "reconcile", *window, env=env)
+    assert failing.returncode == 1, failing.stderr
+    assert "FAIL  undelivered_after_sla" in failing.stdout

@@ -1,0 +1,119 @@
+"""Several relays share the shards, keep per-key order and take over from each other
+(DESIGN §3.2, §3.4)."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections import Counter
+
+from sqlalchemy import Engine, text
+
+from outbox import Outbox
+from outbox.schema import SHARDS
+from outbox.settings import Settings
+from outbox.topic_reader import read_topic
+from tests.conftest import publish_orders, running_relay, wait_delivered, wait_until
+from tests.processes import start_outbox
+
+
+def owners(engine: Engine, schema: str) -> Counter[str | None]:
+    with engine.connect() as conn:
+        return Counter(conn.execute(text(
+            f"SELECT CASE WHEN expires_at > now() THEN owner END FROM {schema}.relay_lease"
+        )).scalars())
+
+
+def publish_concurrently(engine: Engine, outbox: Outbox, topic: str, writers: int,
+                         transactions: int, keys: int) -> list[int]:
+    ids: list[int] = []
+    lock = threading.Lock()
+
+    def write(seed: int) -> None:
+        for t in range(transactions):
+            batch = [(f"key-{(seed * 13 + t * 7 + j) % keys}", t) for j in range(3)]
+            new = publish_orders(engine, outbox, topic, batch)
+            with lock:
+                ids.extend(new)
+
+    threads = [threading.Thread(target=write, args=(seed,)) for seed in range(writers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return ids
+
+
+def assert_per_key_order(engine: Engine, schema: str, bootstrap: str, topic: str) -> Counter[int]:
+    """Each key's first occurrences in Kafka follow its ids; returns how often each id came."""
+    with engine.connect() as conn:
+        expected = {bytes(k): list(ids) for k, ids in conn.execute(text(
+            f"SELECT key, array_agg(id ORDER BY id) FROM {schema}.message GROUP BY key"))}
+    firsts: dict[bytes, list[int]] = {}
+    seen: Counter[int] = Counter()
+    for record in read_topic(bootstrap, topic):
+        assert record.key is not None and record.message_id is not None
+        if not seen[record.message_id]:
+            firsts.setdefault(record.key, []).append(record.message_id)
+        seen[record.message_id] += 1
+    assert firsts == expected
+    return seen
+
+
+def test_two_relays_split_the_shards_and_keep_each_keys_order(
+    engine: Engine, outbox: Outbox, settings: Settings, schema: str, topic: str
+) -> None:
+    with running_relay(settings.model_copy(update={"worker_id": "relay-a"})):
+        wait_until(lambda: owners(engine, schema)["relay-a"] == SHARDS, 10, "relay-a owns all")
+        with running_relay(settings.model_copy(update={"worker_id": "relay-b"})):
+            wait_until(lambda: owners(engine, schema) == Counter(
+                {"relay-a": SHARDS // 2, "relay-b": SHARDS // 2}), 15, "an even split")
+            ids = publish_concurrently(engine, outbox, topic, writers=4, transactions=100,
+                                       keys=60)
+            wait_delivered(engine, schema, len(ids), timeout=60)
+    with engine.connect() as conn:
+        by_actor = dict(conn.execute(text(
+            f"SELECT actor, count(*) FROM {schema}.op_record GROUP BY actor")).all())
+    assert set(by_actor) == {"relay-a", "relay-b"}, "both relays delivered"
+    seen = assert_per_key_order(engine, schema, settings.kafka_bootstrap, topic)
+    assert set(seen) == set(ids)
+    assert max(seen.values()) == 1, "no failure, so no duplicate"
+
+
+def test_graceful_stop_hands_the_shards_over_at_once(
+    engine: Engine, settings: Settings, schema: str
+) -> None:
+    long_lease = settings.model_copy(update={"relay_lease_seconds": 30})
+    with running_relay(long_lease.model_copy(update={"worker_id": "stays"})):
+        with running_relay(long_lease.model_copy(update={"worker_id": "leaves"})):
+            wait_until(lambda: owners(engine, schema)["leaves"] == SHARDS // 2, 15, "a split")
+        stopped = time.monotonic()
+        wait_until(lambda: owners(engine, schema)["stays"] == SHARDS, 10,
+                   "the remaining relay to own every shard")
+        assert time.monotonic() - stopped < 10, "handed over long before the 30 s lease ends"
+
+
+def test_killed_relay_is_replaced_within_its_lease_and_nothing_is_lost(
+    engine: Engine, outbox: Outbox, settings: Settings, schema: str, topic: str
+) -> None:
+    relays = [start_outbox(settings, "relay", OUTBOX_WORKER_ID=name,
+                           OUTBOX_RELAY_LEASE_SECONDS="2") for name in ("doomed", "survivor")]
+    try:
+        wait_until(lambda: owners(engine, schema) == Counter(
+            {"doomed": SHARDS // 2, "survivor": SHARDS // 2}), 30, "an even split")
+        ids = publish_concurrently(engine, outbox, topic, writers=2, transactions=150, keys=40)
+        relays[0].kill()
+        killed = time.monotonic()
+        wait_until(lambda: owners(engine, schema)["survivor"] == SHARDS, 20,
+                   "the survivor to take every shard")
+        took_over = time.monotonic() - killed
+        wait_delivered(engine, schema, len(ids), timeout=60)
+    finally:
+        for process in relays:
+            process.send_signal(signal.SIGTERM)
+        for process in relays:
+            process.wait(30)
+    assert took_over < 2 * 3, "a dead relay's shards move once its 2 s leases expire"
+    seen = assert_per_key_order(engine, schema, settings.kafka_bootstrap, topic)
+    assert set(seen) == set(ids)
