@@ -305,7 +305,7 @@ def test_run_records_its_summary_and_writes_its_report(
     assert row.output_path == str(defect_run.output_path)
     assert sum(sum(p.values()) for p in row.kafka_offsets.values()) == 60 + 5
     report = (defect_run.output_path / "report.txt").read_text()
-    assert f"FAIL  undelivered_after_sla" in report and f"ids: {defects.undelivered}" in report
+    assert "FAIL  undelivered_after_sla" in report and f"ids: {defects.undelivered}" in report
     assert json.loads((defect_run.output_path / "summary.json").read_text())["run_id"] == (
         defect_run.run_id)
 
