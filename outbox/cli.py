@@ -17,7 +17,7 @@ import click
 from sqlalchemy.exc import OperationalError
 
 from outbox.exceptions import OutboxError
-from outbox.settings import Settings, load_settings, mask_url
+from outbox.settings import CONFIG_ENV, Settings, load_settings, mask_url
 
 F = TypeVar("F", bound=Callable[..., Any])
 DEFAULT_STATE = Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state"),
@@ -68,8 +68,32 @@ def setup_logging(level: str) -> None:
 
 
 @click.group()
-def main() -> None:
+@click.option("--config", "config_file", type=click.Path(dir_okay=False),
+              help="TOML file of settings (below flags and OUTBOX_* variables) "
+                   "[env OUTBOX_CONFIG]")
+def main(config_file: str | None) -> None:
     """Transactional outbox on PostgreSQL, relayed to Kafka."""
+    if config_file:
+        os.environ[CONFIG_ENV] = config_file
+
+
+@main.command("config")
+@settings_options
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@friendly_errors
+def show_config(database_url: str | None, kafka_bootstrap: str | None, schema: str | None,
+                as_json: bool) -> None:
+    """Print the effective settings, passwords masked."""
+    import json
+
+    settings = load_settings(database_url=database_url, kafka_bootstrap=kafka_bootstrap,
+                             schema=schema)
+    values = settings.masked()
+    if as_json:
+        click.echo(json.dumps(values, default=str, sort_keys=True))
+        return
+    for name in sorted(values):
+        click.echo(f"{name} = {values[name]!r}")
 
 
 @main.group()
@@ -188,12 +212,14 @@ def status(database_url: str | None, kafka_bootstrap: str | None, schema: str | 
             require_current(conn, settings.schema_name)
             topics = store.status_by_topic(conn, settings.schema_name)
             relays = store.relays(conn, settings.schema_name, settings.relay_lease_seconds)
+            check_backs = store.check_backlog(conn, settings.schema_name, _overdue(settings))
     finally:
         engine.dispose()
     in_flight = sum(r["in_flight"] for r in relays)
     if as_json:
         click.echo(json.dumps({"schema": settings.schema_name, "in_flight": in_flight,
-                               "topics": topics, "relays": relays}, default=float))
+                               "topics": topics, "relays": relays,
+                               "check_backs": check_backs}, default=float))
         return
     click.echo(f"schema {settings.schema_name}: {len(relays)} relays alive, "
                f"{in_flight} messages in flight")
@@ -212,6 +238,18 @@ def status(database_url: str | None, kafka_bootstrap: str | None, schema: str | 
         click.echo("  ".join(str(x).ljust(w) for x, w in zip(line, widths, strict=True)))
     if not rows:
         click.echo("(no undelivered messages and no deliveries in the last minute)")
+    for group in check_backs:
+        overdue = (f", {group['overdue']} overdue: is a sweeper with a checker for this group "
+                   "running?" if group["overdue"] else "")
+        click.echo(f"producer group {group['producer_group']}: {group['unresolved']} awaiting "
+                   f"their check-back{overdue}")
+
+
+def _overdue(settings: Settings) -> float:
+    """How long past due an UNKNOWN message may wait before a working sweeper claims it."""
+    from relay.sweeper import CLAIM_MARGIN
+
+    return settings.checker_timeout + CLAIM_MARGIN + settings.sweep_poll_interval
 
 
 @main.command()

@@ -1,18 +1,28 @@
-"""The one settings model: flags > ``OUTBOX_*`` environment variables > defaults."""
+"""The one settings model: flags > ``OUTBOX_*`` environment variables > a TOML config file
+(``--config`` or ``OUTBOX_CONFIG``) > defaults."""
 
 from __future__ import annotations
 
 import os
 import re
 import socket
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
+from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+    TomlConfigSettingsSource,
+)
 from sqlalchemy.engine import make_url
 
 from outbox.exceptions import ConfigurationError
 
+#: Environment variable naming the TOML config file (also set by ``outbox --config``).
+CONFIG_ENV = "OUTBOX_CONFIG"
 IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 
 
@@ -57,6 +67,14 @@ class Settings(BaseSettings):
         default="", description="PostgreSQL URL, e.g. postgresql://user:pass@host:5432/db"
     )
     kafka_bootstrap: str = Field(default="", description="Kafka bootstrap servers, host:port,...")
+    kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = (
+        "PLAINTEXT")
+    kafka_sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
+    kafka_sasl_username: str | None = None
+    kafka_sasl_password: SecretStr | None = None
+    kafka_ssl_cafile: str | None = Field(default=None, description="CA bundle to verify Kafka")
+    kafka_ssl_certfile: str | None = Field(default=None, description="client certificate")
+    kafka_ssl_keyfile: str | None = Field(default=None, description="client private key")
     schema_name: str = Field(
         default="outbox",
         description="PostgreSQL schema holding the outbox tables",
@@ -159,6 +177,34 @@ class Settings(BaseSettings):
             if not group or not sql.strip():
                 raise ValueError("each entry maps a producer group to a non-empty SQL query")
         return value
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Flags (init) > environment > the config file named by OUTBOX_CONFIG > defaults."""
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        config_file = os.environ.get(CONFIG_ENV)
+        if config_file:
+            if not Path(config_file).is_file():
+                raise ConfigurationError(
+                    f"config file {config_file!r} (from --config or {CONFIG_ENV}) not found")
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=config_file))
+        return tuple(sources)
+
+    def masked(self) -> dict[str, Any]:
+        """Every setting, with passwords replaced by ``***``: safe to print or log."""
+        values = self.model_dump()
+        values["database_url"] = mask_url(self.database_url)
+        for name, value in values.items():
+            if isinstance(value, SecretStr):
+                values[name] = "***" if value.get_secret_value() else ""
+        return values
 
     def require(self, *names: str) -> None:
         """Fail with one clear line when a setting a command needs is empty."""

@@ -21,20 +21,37 @@ PRODUCER_DEFAULTS: dict[str, Any] = {
 }
 
 
-def make_producer(settings: Settings, **overrides: Any) -> KafkaProducer:
-    settings.require("kafka_bootstrap")
+def security_config(settings: Settings) -> dict[str, Any]:
+    """SASL/TLS settings passed through to kafka-python (unset ones are left out)."""
+    password = settings.kafka_sasl_password
     config = {
+        "security_protocol": settings.kafka_security_protocol,
+        "sasl_mechanism": settings.kafka_sasl_mechanism,
+        "sasl_plain_username": settings.kafka_sasl_username,
+        "sasl_plain_password": password.get_secret_value() if password else None,
+        "ssl_cafile": settings.kafka_ssl_cafile,
+        "ssl_certfile": settings.kafka_ssl_certfile,
+        "ssl_keyfile": settings.kafka_ssl_keyfile,
+    }
+    return {key: value for key, value in config.items() if value is not None}
+
+
+def producer_config(settings: Settings, **overrides: Any) -> dict[str, Any]:
+    return {
         **PRODUCER_DEFAULTS,
+        "bootstrap_servers": settings.kafka_bootstrap.split(","),
+        "client_id": f"outbox-relay-{settings.worker_id}",
         "delivery_timeout_ms": settings.kafka_delivery_timeout_ms,
         "max_request_size": settings.kafka_max_request_size,
+        **security_config(settings),
         **overrides,
     }
+
+
+def make_producer(settings: Settings, **overrides: Any) -> KafkaProducer:
+    settings.require("kafka_bootstrap")
     try:
-        return KafkaProducer(
-            bootstrap_servers=settings.kafka_bootstrap.split(","),
-            client_id=f"outbox-relay-{settings.worker_id}",
-            **config,
-        )
+        return KafkaProducer(**producer_config(settings, **overrides))
     except KafkaTimeoutError:
         raise ServiceUnavailable(
             f"no Kafka broker answers at {settings.kafka_bootstrap}: check OUTBOX_KAFKA_BOOTSTRAP"
