@@ -12,6 +12,7 @@ from typing import Any
 
 from outbox.exceptions import InvalidMessage
 from outbox.schema import SHARDS
+from outbox.tracing import trace_headers
 
 TOPIC = re.compile(r"^[a-zA-Z0-9._-]{1,249}$")
 #: Header the relay adds to every record: the prepare row's id, for consumer deduplication.
@@ -136,6 +137,9 @@ def encode(
     """Validate and encode one message; ``random_shard`` places keyless messages."""
     topic = validate_topic(topic)
     raw_key = encode_key(key)
+    traced = trace_headers()
+    if traced:
+        headers = {**traced, **(headers or {})}  # the caller's own headers win
     header_keys, header_values = encode_headers(headers)
     body, detected = encode_payload(payload)
     if len(body) > max_payload_bytes:
