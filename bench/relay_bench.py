@@ -157,15 +157,16 @@ def latency_at_steady_rate(services: devservices.Services, engine: Engine,
 
 
 def publish_cost(services: devservices.Services, engine: Engine, seconds: float,
-                 threads: int = 4) -> tuple[float, float]:
+                 threads: int = 4) -> tuple[float, float, float]:
     schema = "bench_publish"
     migrate.upgrade(services.database_url, schema)
     with engine.begin() as conn:
         conn.execute(text("CREATE TABLE IF NOT EXISTS bench_orders "
                           "(id bigserial PRIMARY KEY, customer text, total numeric)"))
-    outbox = Outbox(schema=schema)
+    notifying = Outbox(schema=schema)
+    quiet = Outbox(settings=notifying.settings.model_copy(update={"notify": False}))
 
-    def run(with_publish: bool) -> float:
+    def run(outbox: Outbox | None) -> float:
         counts = [0] * threads
         stop_at = time.perf_counter() + seconds
 
@@ -175,7 +176,7 @@ def publish_cost(services: devservices.Services, engine: Engine, seconds: float,
                     with session.begin():
                         session.execute(text("INSERT INTO bench_orders (customer, total) "
                                              "VALUES (:c, 10.5)"), {"c": f"c{slot}"})
-                        if with_publish:
+                        if outbox is not None:
                             outbox.publish(session, "orders", {"customer": f"c{slot}"},
                                            key=f"c{slot}-{counts[slot] % 100}")
                     counts[slot] += 1
@@ -187,9 +188,8 @@ def publish_cost(services: devservices.Services, engine: Engine, seconds: float,
             w.join()
         return sum(counts) / seconds
 
-    bare = run(False)
-    with_publish = run(True)
-    return bare, with_publish
+    bare = run(None)
+    return bare, run(notifying), run(quiet)
 
 
 def sizes(engine: Engine) -> list[Any]:
@@ -210,36 +210,46 @@ def main() -> None:
     parser.add_argument("--history", type=int, default=1_000_000)
     parser.add_argument("--latency-seconds", type=float, default=20)
     parser.add_argument("--publish-seconds", type=float, default=10)
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="OUTBOX_RELAY_BATCH_SIZE for the relays (default: theirs)")
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: 1,2,3,4")
     args = parser.parse_args()
+    skip = set(args.skip.split(","))
 
     say("starting embedded PostgreSQL (durable: fsync on) and Kafka broker ...")
     services = devservices.start(durable=True)
     env = {**os.environ, **services.env()}
+    if args.batch_size:
+        env["OUTBOX_RELAY_BATCH_SIZE"] = str(args.batch_size)
     engine = create_engine(sqlalchemy_url(services.database_url), pool_size=8)
     try:
         say(f"\n1. throughput, {args.messages:,} messages of 1 KiB, 1000 keys")
         create_topic(services.kafka_bootstrap, "bench-raw", partitions=6)
         raw = raw_produce(services.kafka_bootstrap, "bench-raw", args.messages)
         say(f"   raw kafka-python produce (no database): {raw:10,.0f} msg/s  1.00x")
-        for relays in (1, 2):
+        for relays in () if "1" in skip else (1, 2):
             rate = relay_throughput(services, engine, env, relays, args.messages)
             say(f"   outbox relay x{relays}:                     {rate:10,.0f} msg/s  "
                 f"{rate / raw:.2f}x raw")
-        if args.history:
+        if args.history and "2" not in skip:
             say(f"\n2. bounded cost: 1 relay with {args.history:,} delivered rows retained")
             rate = relay_throughput(services, engine, env, 1, args.messages, args.history)
             say(f"   outbox relay x1 over history:          {rate:10,.0f} msg/s  "
                 f"{rate / raw:.2f}x raw")
-        say("\n3. latency commit -> broker ack at a steady 1,000 msg/s, 1 relay")
-        achieved, p50, p99, worst = latency_at_steady_rate(
-            services, engine, env, 1000, args.latency_seconds)
-        say(f"   achieved {achieved:,.0f} msg/s: p50 {p50:.1f} ms, p99 {p99:.1f} ms, "
-            f"max {worst:.1f} ms")
-        say("\n4. cost of publish in a business transaction (4 client threads)")
-        bare, with_publish = publish_cost(services, engine, args.publish_seconds)
-        say(f"   business insert alone:    {bare:8,.0f} TPS  1.00x")
-        say(f"   business insert + publish: {with_publish:7,.0f} TPS  "
-            f"{with_publish / bare:.2f}x")
+        if "3" not in skip:
+            say("\n3. latency commit -> broker ack at a steady 1,000 msg/s, 1 relay")
+            achieved, p50, p99, worst = latency_at_steady_rate(
+                services, engine, env, 1000, args.latency_seconds)
+            say(f"   achieved {achieved:,.0f} msg/s: p50 {p50:.1f} ms, p99 {p99:.1f} ms, "
+                f"max {worst:.1f} ms")
+        if "4" not in skip:
+            say("\n4. cost of publish in a business transaction (4 client threads)")
+            bare, with_publish, quiet = publish_cost(services, engine, args.publish_seconds)
+            say(f"   business insert alone:              {bare:8,.0f} TPS  1.00x")
+            say(f"   business insert + publish:          {with_publish:8,.0f} TPS  "
+                f"{with_publish / bare:.2f}x")
+            say(f"   ... + publish, OUTBOX_NOTIFY=false: {quiet:8,.0f} TPS  "
+                f"{quiet / bare:.2f}x")
         say("\n5. table and index sizes after the runs")
         for row in sizes(engine):
             say(f"   {'table' if row.relkind == 'r' else 'index'} {row.name:45} {row.size}")
