@@ -120,11 +120,19 @@ def _migrate(direction: str, database_url: str | None, schema: str | None, revis
 @db.command()
 @settings_options
 @click.option("--revision", default="head", show_default=True)
+@click.option("--create-roles", is_flag=True,
+              help="also create the least-privilege roles <schema>_app, _relay, _sweeper")
 @friendly_errors
 def upgrade(database_url: str | None, kafka_bootstrap: str | None, schema: str | None,
-            revision: str) -> None:
+            revision: str, create_roles: bool) -> None:
     """Create or upgrade the outbox tables."""
     _migrate("upgrade", database_url, schema, revision)
+    if create_roles:
+        from outbox import migrate
+
+        settings = _db_settings(database_url, schema)
+        roles = migrate.create_roles(settings.database_url, settings.schema_name)
+        click.echo(f"roles {', '.join(roles)} granted; GRANT them to your login roles")
 
 
 @db.command()
@@ -487,10 +495,7 @@ def reconcile(database_url: str | None, kafka_bootstrap: str | None, schema: str
     settings = settings.model_copy(update={
         "reconcile_thresholds": {**settings.reconcile_thresholds, **thresholds}})
     setup_logging(settings.log_level)
-    spark = job.local_session(settings)
-    try:
+    with job.session(settings) as spark:
         result = job.run(spark, settings, since=since, until=until)
-    finally:
-        spark.stop()
     click.echo(result.report, nl=False)
     sys.exit(result.exit_code)

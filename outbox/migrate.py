@@ -39,6 +39,17 @@ def downgrade(url: str, schema: str, revision: str) -> None:
     command.downgrade(alembic_config(url, schema), revision)
 
 
+def create_roles(url: str, schema: str) -> list[str]:
+    """Create (if absent) and grant the least-privilege roles; returns their names."""
+    engine = create_engine(sqlalchemy_url(url))
+    try:
+        with engine.begin() as conn:
+            conn.exec_driver_sql(str(store.query("create_roles", schema)))
+    finally:
+        engine.dispose()
+    return [f"{schema}_{kind}" for kind in ("app", "relay", "sweeper")]
+
+
 def head() -> str:
     config = alembic_config("postgresql://localhost/unused", "outbox")
     revision = ScriptDirectory.from_config(config).get_current_head()

@@ -372,3 +372,44 @@ LEFT JOIN LATERAL (
 WHERE m.status = 'DISCARDED'
 ORDER BY m.id
 LIMIT :limit;
+
+-- name: check_backlog
+-- UNKNOWN messages per producer group for `outbox status`, through message_check_idx. An
+-- overdue one has waited for its check-back longer than a sweeper takes to claim it: no
+-- running sweeper has a checker for its group, or the sweepers cannot keep up.
+SELECT producer_group, count(*) AS unresolved,
+       count(*) FILTER (WHERE next_check_at < now() - make_interval(secs => :overdue_seconds))
+       AS overdue
+FROM {schema}.message
+WHERE resolution = 'UNKNOWN' AND status IN ('PENDING', 'DELAYED')
+GROUP BY producer_group
+ORDER BY producer_group;
+
+-- name: create_roles
+-- Least-privilege group roles (NOLOGIN; grant them to your login roles):
+--   {schema}_app      writes prepare rows and decisions, reads no payloads, deletes nothing;
+--   {schema}_relay    delivers, keeps leases and prunes;
+--   {schema}_sweeper  checks back (grant it SELECT on the tables your SQL checkers read).
+DO $roles$
+DECLARE
+    name text;
+BEGIN
+    FOREACH name IN ARRAY ARRAY['{schema}_app', '{schema}_relay', '{schema}_sweeper'] LOOP
+        IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = name) THEN
+            EXECUTE 'CREATE ROLE ' || quote_ident(name) || ' NOLOGIN';
+        END IF;
+    END LOOP;
+END
+$roles$;
+GRANT USAGE ON SCHEMA {schema} TO {schema}_app, {schema}_relay, {schema}_sweeper;
+GRANT SELECT ON {schema}.outbox_alembic_version TO {schema}_app, {schema}_relay, {schema}_sweeper;
+GRANT INSERT ON {schema}.message TO {schema}_app;
+GRANT SELECT (id, resolution, status), UPDATE (resolution, status, next_check_at)
+    ON {schema}.message TO {schema}_app;
+GRANT INSERT ON {schema}.op_record TO {schema}_app;
+GRANT SELECT, UPDATE, DELETE ON {schema}.message TO {schema}_relay;
+GRANT SELECT, INSERT, DELETE ON {schema}.op_record TO {schema}_relay;
+GRANT SELECT, UPDATE ON {schema}.relay_lease TO {schema}_relay;
+GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.relay_member TO {schema}_relay;
+GRANT SELECT, UPDATE ON {schema}.message TO {schema}_sweeper;
+GRANT SELECT, INSERT ON {schema}.op_record TO {schema}_sweeper;
