@@ -112,7 +112,7 @@ class Settings(BaseSettings):
     )
     prune_batch_size: int = Field(default=5000, gt=0, description="rows deleted per statement")
     worker_id: str = Field(default_factory=default_worker_id)
-    log_level: str = "INFO"
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
     reconcile_output_dir: str = Field(
         default="reconcile-output", description="where reconciliation runs write their files"
     )
@@ -161,6 +161,11 @@ class Settings(BaseSettings):
         default_factory=dict,
         description="producer group -> SQL query returning COMMIT, ROLLBACK or UNKNOWN (JSON)",
     )
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _level(cls, value: object) -> object:
+        return value.upper() if isinstance(value, str) else value
 
     @field_validator("schema_name")
     @classmethod

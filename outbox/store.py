@@ -223,7 +223,8 @@ def claim_leases(
 
 def release_leases(conn: Connection, schema: str, worker_id: str, shards: Sequence[int]) -> None:
     conn.execute(
-        query("release_leases", schema), {"worker_id": worker_id, "shards": list(shards)}
+        query("release_leases", schema),
+        {"worker_id": worker_id, "shards": list(shards), "channel": notify_channel(schema)},
     )
 
 
@@ -429,3 +430,9 @@ def discarded(conn: Connection, schema: str, limit: int) -> list[Discarded]:
     """DISCARDED rows, oldest first, with the op record that discarded them."""
     rows = conn.execute(query("discarded", schema), {"limit": limit})
     return [Discarded(**row._mapping) for row in rows]
+
+
+def check_backlog(conn: Connection, schema: str, overdue_seconds: float) -> list[dict[str, Any]]:
+    """Per producer group: UNKNOWN messages, and those overdue for their check-back."""
+    rows = conn.execute(query("check_backlog", schema), {"overdue_seconds": overdue_seconds})
+    return [dict(row._mapping) for row in rows]

@@ -12,7 +12,9 @@ PARKED = Counter("outbox_messages_parked", "Messages parked after permanent reje
                  ["topic"])
 FAILURES = Counter("outbox_delivery_failures", "Failed delivery attempts", ["kind"])
 LATENCY = Histogram(
-    "outbox_delivery_latency_seconds", "Commit of the prepare row to the broker's ack",
+    "outbox_delivery_latency_seconds",
+    "From the start of the transaction that wrote the prepare row to the recorded broker ack "
+    "(includes deliberate delays and waits for a two-phase decision)",
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
 )
 BATCH_SIZE = Histogram(

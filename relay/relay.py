@@ -107,7 +107,6 @@ class Relay:
         log.info("relay %s started: database %s, schema %s, Kafka %s", self.worker_id,
                  mask_url(self.settings.database_url), self.schema,
                  self.settings.kafka_bootstrap)
-        self._keeper.start()
         pruner.start()
         try:
             retrying = Retrying(
@@ -126,7 +125,8 @@ class Relay:
         finally:
             self._keeper.stop()
             pruner.stop()
-            self._keeper.join(5)
+            if self._keeper.ident is not None:
+                self._keeper.join(5)
             pruner.join(5)
             self._leave()
             producer.close(timeout=0 if self.abandon.is_set() else 10)
@@ -166,6 +166,9 @@ class Relay:
         if self.stopping.is_set():
             return
         wakeup = Wakeup(self.settings.database_url, self.schema)
+        if self._keeper.ident is None:
+            # LISTEN first: the others answer our first heartbeat with a NOTIFY.
+            self._keeper.start()
         try:
             with self._engine.connect() as conn:
                 self._loop(conn, producer, wakeup)
@@ -198,7 +201,8 @@ class Relay:
             self._settle(conn, in_flight)
             in_flight = sent
             if sent is None:
-                timeout = max(0.0, min(poll, promote_at - time.monotonic()))
+                due = promote_at - time.monotonic() if shards else poll
+                timeout = max(0.0, min(poll, due))
                 notes = wakeup.wait(timeout, self.stopping)
                 if notes:
                     promote_at = 0.0  # a new row may be due sooner than we knew

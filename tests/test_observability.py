@@ -26,9 +26,12 @@ def test_status_reports_each_state_per_topic(
     with Session(engine) as session, session.begin():
         outbox.publish(session, topic, "later", key="d", deliver_after=timedelta(hours=1))
         parked = outbox.publish(session, "other-topic", "x")
+        discarded = outbox.prepare(session, "other-topic", "y")
     with engine.begin() as conn:
         conn.execute(text(f"UPDATE {schema}.message SET status = 'PARKED' WHERE id = :id"),
                      {"id": parked})
+        conn.execute(text(f"UPDATE {schema}.message SET status = 'DISCARDED' WHERE id = :id"),
+                     {"id": discarded})
 
     result = run_outbox(settings, "status", "--json")
     assert result.returncode == 0, result.stderr
@@ -39,6 +42,8 @@ def test_status_reports_each_state_per_topic(
     assert by_topic[topic]["delivered_last_minute"] == 2
     assert by_topic[topic]["oldest_undelivered_seconds"] >= 0
     assert by_topic["other-topic"]["parked"] == 1
+    assert by_topic["other-topic"]["discarded"] == 1
+    assert by_topic["other-topic"]["unresolved"] == 0, "a discarded message is not unresolved"
     assert report["in_flight"] == 0 and report["relays"] == []
 
     text_report = run_outbox(settings, "status")
@@ -81,8 +86,11 @@ def test_prune_deletes_only_expired_finished_rows(
     small_batches = settings.model_copy(update={"prune_batch_size": 7})
     result = run_outbox(small_batches, "prune", "--retention-hours", "72")
     assert result.returncode == 0, result.stderr
-    assert "pruned 29 messages and 30 op records" in result.stdout
+    assert "pruned 29 messages and 29 op records" in result.stdout
     assert count_status(engine, schema, "DELIVERED") == 0
     with engine.connect() as conn:
         left = set(conn.execute(text(f"SELECT id FROM {schema}.message")).scalars())
     assert left == {ids[0], *pending}, "parked and undelivered rows are kept"
+    with engine.connect() as conn:
+        kept_ops = set(conn.execute(text(f"SELECT message_id FROM {schema}.op_record")).scalars())
+    assert kept_ops == {ids[0]}, "a kept row keeps its history"

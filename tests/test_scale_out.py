@@ -86,8 +86,11 @@ def test_graceful_stop_hands_the_shards_over_at_once(
 ) -> None:
     long_lease = settings.model_copy(update={"relay_lease_seconds": 30})
     with running_relay(long_lease.model_copy(update={"worker_id": "stays"})):
+        wait_until(lambda: owners(engine, schema)["stays"] == SHARDS, 10, "stays owns all")
         with running_relay(long_lease.model_copy(update={"worker_id": "leaves"})):
+            joined = time.monotonic()
             wait_until(lambda: owners(engine, schema)["leaves"] == SHARDS // 2, 15, "a split")
+            assert time.monotonic() - joined < 10, "rebalanced long before a lease renewal"
         stopped = time.monotonic()
         wait_until(lambda: owners(engine, schema)["stays"] == SHARDS, 10,
                    "the remaining relay to own every shard")

@@ -131,9 +131,13 @@ WHERE shard IN (
 RETURNING shard;
 
 -- name: release_leases
-UPDATE {schema}.relay_lease
-SET owner = NULL, expires_at = NULL
-WHERE owner = :worker_id AND shard = ANY(CAST(:shards AS smallint[]));
+-- Hand shards back and tell the other relays, so one claims them at once.
+WITH released AS (
+    UPDATE {schema}.relay_lease
+    SET owner = NULL, expires_at = NULL
+    WHERE owner = :worker_id AND shard = ANY(CAST(:shards AS smallint[]))
+)
+SELECT pg_notify(:channel, 'rebalance');
 
 -- name: leave
 -- A relay stopping gracefully hands all its shards back at once and tells the others.
@@ -192,7 +196,8 @@ WITH undelivered AS (
 ), counts AS (
     SELECT topic,
            count(*) FILTER (WHERE status = 'PENDING' AND resolution = 'COMMIT') AS pending,
-           count(*) FILTER (WHERE resolution = 'UNKNOWN') AS unresolved,
+           count(*) FILTER (WHERE resolution = 'UNKNOWN'
+                            AND status IN ('PENDING', 'DELAYED')) AS unresolved,
            count(*) FILTER (WHERE status = 'DELAYED' AND resolution <> 'UNKNOWN') AS delayed,
            count(*) FILTER (WHERE status = 'PARKED') AS parked,
            count(*) FILTER (WHERE status = 'DISCARDED') AS discarded,
@@ -237,12 +242,17 @@ WHERE id IN (
 );
 
 -- name: prune_op_records
+-- Op records past the window, except those of rows still kept (PARKED, DISCARDED, or not
+-- yet delivered), whose history an operator needs.
 DELETE FROM {schema}.op_record
 WHERE id IN (
-    SELECT id FROM {schema}.op_record
-    WHERE created_at < now() - make_interval(secs => :retention_seconds)
+    SELECT o.id FROM {schema}.op_record AS o
+    WHERE o.created_at < now() - make_interval(secs => :retention_seconds)
+      AND NOT EXISTS (
+          SELECT FROM {schema}.message AS m
+          WHERE m.id = o.message_id AND m.status NOT IN ('DELIVERED', 'ROLLED_BACK'))
     LIMIT :limit
-    FOR UPDATE SKIP LOCKED
+    FOR UPDATE OF o SKIP LOCKED
 );
 
 -- name: table_exists

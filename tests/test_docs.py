@@ -1,0 +1,103 @@
+"""The docs keep up with the code: every setting, CLI command, public name and metric is
+documented, and the docs' relative links resolve. No database or broker needed."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import click
+import pytest
+from prometheus_client.metrics import MetricWrapperBase
+
+import outbox
+from outbox.cli import main
+from outbox.settings import Settings
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+
+
+def doc(name: str) -> str:
+    return (DOCS / name).read_text()
+
+
+def env_var(field: str) -> str:
+    """The variable a field is read from: its validation alias, else OUTBOX_<FIELD>."""
+    alias = Settings.model_fields[field].validation_alias
+    return alias if isinstance(alias, str) else f"OUTBOX_{field.upper()}"
+
+
+@pytest.mark.parametrize("field", sorted(Settings.model_fields))
+def test_every_setting_is_in_the_configuration_reference(field: str) -> None:
+    text = doc("configuration.md")
+    assert f"`{env_var(field)}`" in text, f"{env_var(field)} missing from configuration.md"
+    assert f"`{field}`" in text, f"TOML key {field} missing from configuration.md"
+
+
+def cli_commands() -> list[str]:
+    """`outbox X` for every top-level command and `outbox X Y` for those of groups."""
+    found = []
+    for name, command in sorted(main.commands.items()):
+        found.append(f"outbox {name}")
+        if isinstance(command, click.Group):
+            found += [f"outbox {name} {sub}" for sub in sorted(command.commands)]
+    return found
+
+
+@pytest.mark.parametrize("command", cli_commands())
+def test_every_cli_command_is_documented(command: str) -> None:
+    text = doc("operations.md") + doc("configuration.md")
+    assert command in text, f"`{command}` appears in neither operations.md nor configuration.md"
+
+
+def test_the_db_and_dev_subcommands_are_covered() -> None:
+    commands = cli_commands()
+    for expected in ("outbox db upgrade", "outbox db downgrade", "outbox db current",
+                     "outbox dev up", "outbox dev down"):
+        assert expected in commands
+
+
+@pytest.mark.parametrize("name", sorted(outbox.__all__))
+def test_every_public_name_is_in_the_api_reference(name: str) -> None:
+    assert re.search(rf"\b{re.escape(name)}\b", doc("api.md")), f"{name} missing from api.md"
+
+
+def metric_names() -> list[str]:
+    import relay.metrics
+    import relay.sweeper
+
+    return sorted(
+        value._name
+        for module in (relay.metrics, relay.sweeper)
+        for value in vars(module).values()
+        if isinstance(value, MetricWrapperBase)
+    )
+
+
+@pytest.mark.parametrize("metric", metric_names())
+def test_every_metric_is_in_the_runbook(metric: str) -> None:
+    assert f"`{metric}" in doc("operations.md"), f"metric {metric} missing from operations.md"
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a Markdown heading."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def test_relative_links_resolve() -> None:
+    broken = []
+    for page in sorted(DOCS.glob("*.md")):
+        for target in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", page.read_text()):
+            path, anchor = target
+            if re.match(r"^[a-z]+:", path):
+                continue  # an external URL
+            linked = (page.parent / path).resolve() if path else page
+            if not linked.is_file():
+                broken.append(f"{page.name}: {path}")
+            elif anchor:
+                anchors = {slug(h) for h in re.findall(r"^#+ (.+)$", linked.read_text(),
+                                                       re.MULTILINE)}
+                if anchor not in anchors:
+                    broken.append(f"{page.name}: {path}#{anchor}")
+    assert not broken, f"broken links: {broken}"
