@@ -277,7 +277,7 @@ class Outbox:
             self.schema,
             message,
             producer_group=self.producer_group,
-            notify=self.settings.notify,
+            notify=False,  # not deliverable until decided
             resolution=Resolution.UNKNOWN,
             check_after_seconds=check_after,
             **delivery_time(deliver_after, deliver_at),

@@ -227,27 +227,28 @@ class Sweeper:
                                 _first_line(future.exception()))
 
     def _check(self, claim: store.Claim) -> None:
-        """One check-back, in a worker thread; records its own outcome."""
+        """One check-back, in a worker thread; records its own outcome on the same connection."""
         message = claim.message
         group = message.producer_group
-        try:
-            with self._engine.connect() as conn, conn.begin() as transaction:
-                store.begin_check(conn, self.schema, self.settings.checker_timeout)
-                answer = self.checkers[group](message, conn)
-                transaction.rollback()
-            resolution = to_resolution(answer, f"the checker of producer group {group!r}")
-            kind, detail = resolution.value, f"checker answered {resolution}"
-        except Exception as exc:
-            resolution = Resolution.UNKNOWN
-            if isinstance(getattr(exc, "orig", None), psycopg.errors.QueryCanceled):
-                kind, detail = "TIMEOUT", _timed_out(self.settings.checker_timeout)
-            else:
-                kind, detail = "ERROR", f"checker raised {type(exc).__name__}: {_first_line(exc)}"
-            log.warning("message %d (producer group %r): %s; counted as inconclusive",
-                        message.id, group, detail)
         with self._engine.connect() as conn:
-            self._record(conn, [(store.CheckOutcome(message.id, claim.token, resolution, detail),
-                                 kind)])
+            try:
+                with conn.begin() as transaction:
+                    store.begin_check(conn, self.schema, self.settings.checker_timeout)
+                    answer = self.checkers[group](message, conn)
+                    transaction.rollback()
+                resolution = to_resolution(answer, f"the checker of producer group {group!r}")
+                kind, detail = resolution.value, f"checker answered {resolution}"
+            except Exception as exc:
+                resolution = Resolution.UNKNOWN
+                if isinstance(getattr(exc, "orig", None), psycopg.errors.QueryCanceled):
+                    kind, detail = "TIMEOUT", _timed_out(self.settings.checker_timeout)
+                else:
+                    kind = "ERROR"
+                    detail = f"checker raised {type(exc).__name__}: {_first_line(exc)}"
+                log.warning("message %d (producer group %r): %s; counted as inconclusive",
+                            message.id, group, detail)
+            outcome = store.CheckOutcome(message.id, claim.token, resolution, detail)
+            self._record(conn, [(outcome, kind)])
 
     def _expire(self, conn: Connection, running: dict[Future[None], _Running], now: float
                 ) -> None:

@@ -327,6 +327,22 @@ def test_the_sweeper_carries_on_after_losing_its_database_connections(
     assert "cannot reach PostgreSQL" in caplog.text
 
 
+def test_status_counts_messages_no_sweeper_checks(
+    engine: Engine, fast: Settings, schema: str
+) -> None:
+    prepare(engine, Outbox(settings=fast, producer_group="nobody"))
+    env = outbox_env(fast, OUTBOX_CHECKER_TIMEOUT="0.1", OUTBOX_SWEEP_POLL_INTERVAL="0.1")
+
+    def check_backs() -> list[dict[str, Any]]:
+        status = run_outbox(None, "status", "--json", env=env)
+        assert status.returncode == 0, status.stderr
+        return list(json.loads(status.stdout)["check_backs"])
+
+    assert check_backs() == [{"producer_group": "nobody", "unresolved": 1, "overdue": 0}]
+    # No sweeper runs: once past the time a sweeper takes to claim it, the message is overdue.
+    wait_until(lambda: check_backs()[0]["overdue"] == 1, 30, "the message to be overdue")
+
+
 # --- operator: discarded, resume, late decisions -------------------------------------------
 
 def test_discarded_messages_are_listed(
@@ -455,9 +471,11 @@ def test_sql_checkers_can_be_declared_in_the_environment(
     engine: Engine, orders: Outbox, fast: Settings, schema: str, payments: str
 ) -> None:
     message_id = prepare(engine, orders, payload={"order": 1})
-    sql = f"SELECT 'COMMIT' FROM {payments} WHERE order_id = 1"
+    declared = ('{"orders": "SELECT CASE state WHEN $$paid$$ THEN $$COMMIT$$ END '
+                f'FROM {payments} '
+                'WHERE order_id = CAST(CAST(:payload AS jsonb) ->> $$order$$ AS int)"}')
     sweeper = start_outbox(fast, "sweep", "--check-interval", "0.1",
-                           OUTBOX_SQL_CHECKERS=json.dumps({GROUP: sql}))
+                           OUTBOX_SQL_CHECKERS=declared)
     try:
         wait_resolution(engine, schema, message_id, "COMMIT")
     finally:

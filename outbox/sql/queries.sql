@@ -153,7 +153,8 @@ SELECT pg_notify(:channel, 'rebalance');
 -- (RocketMQ's RESUME_CHECK_HALF_MESSAGE); each gets a RESUMED op record.
 WITH resumed AS (
     UPDATE {schema}.message AS m
-    SET status = 'PENDING', attempts = 0, last_error = NULL,
+    SET status = CASE WHEN m.deliver_after > now() THEN 'DELAYED' ELSE 'PENDING' END,
+        attempts = 0, last_error = NULL,
         check_count = CASE WHEN old.status = 'DISCARDED' THEN 0 ELSE m.check_count END,
         next_check_at = CASE WHEN old.status = 'DISCARDED' THEN now() ELSE m.next_check_at END
     FROM {schema}.message AS old
@@ -273,6 +274,7 @@ WITH target AS (
     UPDATE {schema}.message AS m
     SET resolution = CAST(:resolution AS text),
         status = CASE WHEN CAST(:resolution AS text) = 'ROLLBACK' THEN 'ROLLED_BACK'
+                      WHEN m.status = 'DISCARDED' AND m.deliver_after > now() THEN 'DELAYED'
                       WHEN m.status = 'DISCARDED' THEN 'PENDING' ELSE m.status END,
         next_check_at = NULL
     FROM target
