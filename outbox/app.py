@@ -64,9 +64,12 @@ class Outbox:
         producer_group: str = "default",
         settings: Settings | None = None,
     ) -> None:
-        self.settings = settings or load_settings(
-            schema=schema, max_payload_bytes=max_payload_bytes
-        )
+        overrides = {"schema": schema, "max_payload_bytes": max_payload_bytes}
+        if settings is None:
+            settings = load_settings(**overrides)
+        elif schema is not None or max_payload_bytes is not None:
+            settings = load_settings(**{**settings.model_dump(), **overrides})
+        self.settings = settings
         self.schema = self.settings.schema_name
         self.producer_group = producer_group
         #: Checkers by producer group, registered with :meth:`checker`.

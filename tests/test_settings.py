@@ -73,3 +73,13 @@ def test_kafka_sasl_and_tls_settings_reach_the_producer() -> None:
     assert config["ssl_cafile"] == "/etc/ca.pem"
     assert config["acks"] == "all" and config["enable_idempotence"] is True
     assert "s3cret" not in repr(settings)
+
+
+def test_outbox_arguments_override_the_settings_it_is_given() -> None:
+    from outbox import Outbox
+
+    base = Settings(database_url="postgresql://app@db/shop", max_payload_bytes=5000)
+    outbox = Outbox(settings=base, schema="billing", max_payload_bytes=10)
+    assert (outbox.schema, outbox.settings.max_payload_bytes) == ("billing", 10)
+    assert outbox.settings.database_url == base.database_url
+    assert Outbox(settings=base).settings is base
