@@ -14,6 +14,7 @@ retried a bounded number of times, then parked.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -41,6 +42,8 @@ from relay.wakeup import Wakeup
 log = logging.getLogger("outbox.relay")
 #: How long acks may lag before the relay says the broker seems unreachable.
 SLOW_ACK_SECONDS = 5.0
+#: Batches sent but not yet recorded: the database work of one overlaps the next ones' sends.
+PIPELINE_DEPTH = 4
 
 
 class BrokerTrouble(Exception):
@@ -86,7 +89,7 @@ class Relay:
         )
         self._leases = Leases(self.schema, self.worker_id, settings.relay_lease_seconds)
         self._keeper = LeaseKeeper(settings, self._leases, in_flight=self.in_flight)
-        self._in_flight_count = 0
+        self._recorder: Recorder | None = None
         self._outage_since: float | None = None
 
     @property
@@ -169,46 +172,47 @@ class Relay:
         if self._keeper.ident is None:
             # LISTEN first: the others answer our first heartbeat with a NOTIFY.
             self._keeper.start()
+        recorder = self._recorder = Recorder(self)
+        recorder.start()
         try:
             with self._engine.connect() as conn:
-                self._loop(conn, producer, wakeup)
+                self._loop(conn, producer, wakeup, recorder)
+                recorder.drain()
+                recorder.raise_failure()
         finally:
+            recorder.close()
             wakeup.close()
 
-    def _loop(self, conn: Connection, producer: KafkaProducer, wakeup: Wakeup) -> None:
+    def _loop(self, conn: Connection, producer: KafkaProducer, wakeup: Wakeup,
+              recorder: Recorder) -> None:
         limit = self.settings.relay_batch_size
         poll = self.settings.relay_poll_interval
         promote_at = 0.0  # monotonic time of the next look for due delayed rows
-        in_flight: InFlight | None = None
         self._keeper.first_tick.wait(self.settings.relay_lease_seconds)
         while not self.stopping.is_set():
+            recorder.raise_failure()
             if self._leases.surplus:
-                self._settle(conn, in_flight)
-                in_flight = None
+                recorder.drain()  # never hand back a shard with a batch in flight
+                recorder.raise_failure()
                 self._leases.shed(conn)
             shards = self._leases.active if self._leases.valid else frozenset()
             batch: list[store.Deliverable] = []
-            if shards:
+            if shards and recorder.wait_for_room(PIPELINE_DEPTH):
                 with conn.begin():
                     if time.monotonic() >= promote_at:
                         _, next_due_in = store.promote_due(conn, self.schema, shards)
                         promote_at = time.monotonic() + min(poll, next_due_in or poll)
-                    batch = store.fetch_deliverable(
-                        conn, self.schema, shards, limit,
-                        in_flight=[row.id for row in in_flight.rows] if in_flight else (),
-                    )
-            sent = self._send(producer, batch) if batch else None
-            self._settle(conn, in_flight)
-            in_flight = sent
-            if sent is None:
-                due = promote_at - time.monotonic() if shards else poll
-                timeout = max(0.0, min(poll, due))
-                notes = wakeup.wait(timeout, self.stopping)
-                if notes:
-                    promote_at = 0.0  # a new row may be due sooner than we knew
-                if "rebalance" in notes:
-                    self._keeper.poke()
-        self._settle(conn, in_flight)
+                    batch = store.fetch_deliverable(conn, self.schema, shards, limit,
+                                                    in_flight=recorder.in_flight_ids())
+            if batch:
+                recorder.submit(self._send(producer, batch))
+                continue
+            due = promote_at - time.monotonic() if shards else poll
+            notes = wakeup.wait(max(0.0, min(poll, due)), self.stopping)
+            if notes:
+                promote_at = 0.0  # a new row may be due sooner than we knew
+            if "rebalance" in notes:
+                self._keeper.poke()
 
     def _send(self, producer: KafkaProducer, batch: list[store.Deliverable]) -> InFlight:
         flight = InFlight(rows=batch, futures=[], remaining=len(batch))
@@ -230,7 +234,6 @@ class Relay:
                 outcome.add_both(flight.arrived)
             else:
                 flight.arrived(None)
-        self._in_flight_count = len(batch)
         metrics.BATCH_SIZE.observe(len(batch))
         return flight
 
@@ -254,7 +257,6 @@ class Relay:
             closed = store.mark_delivered(conn, self.schema, self.worker_id, acks)
             parked = store.record_failures(conn, self.schema, self.worker_id, failures,
                                            self.settings.relay_max_attempts)
-        self._in_flight_count = 0
         self.delivered += len(closed)
         for topic, latency in closed:
             metrics.DELIVERED.labels(topic).inc()
@@ -290,7 +292,68 @@ class Relay:
                                 self.settings.kafka_delivery_timeout_ms / 1000)
 
     def in_flight(self) -> int:
-        return self._in_flight_count
+        recorder = self._recorder
+        return len(recorder.in_flight_ids()) if recorder else 0
+
+
+class Recorder(threading.Thread):
+    """Waits for each sent batch's acks, in order, and records them on its own connection,
+    so the main loop can fetch and send the next batches meanwhile. After a failure it
+    records nothing more (those rows stay pending and are sent again) and the main loop
+    raises the failure to start a new pass."""
+
+    def __init__(self, relay: Relay) -> None:
+        super().__init__(name=f"recorder-{relay.worker_id}", daemon=True)
+        self._relay = relay
+        self._queue: queue.Queue[InFlight | None] = queue.Queue()
+        self._changed = threading.Condition()
+        self._unsettled: list[InFlight] = []
+        self._failure: BaseException | None = None
+
+    def submit(self, flight: InFlight) -> None:
+        with self._changed:
+            self._unsettled.append(flight)
+        self._queue.put(flight)
+
+    def in_flight_ids(self) -> list[int]:
+        with self._changed:
+            return [row.id for flight in self._unsettled for row in flight.rows]
+
+    def wait_for_room(self, depth: int) -> bool:
+        """Block while ``depth`` batches are unsettled; False if the recorder failed."""
+        with self._changed:
+            self._changed.wait_for(lambda: len(self._unsettled) < depth or bool(self._failure))
+            return self._failure is None
+
+    def drain(self) -> None:
+        with self._changed:
+            self._changed.wait_for(lambda: not self._unsettled or bool(self._failure))
+
+    def raise_failure(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self.join(30)
+
+    def run(self) -> None:
+        try:
+            with self._relay._engine.connect() as conn:
+                while (flight := self._queue.get()) is not None:
+                    if self._failure is None:
+                        try:
+                            self._relay._settle(conn, flight)
+                        except BaseException as exc:
+                            self._failure = exc
+                    with self._changed:
+                        self._unsettled.remove(flight)
+                        self._changed.notify_all()
+        except BaseException as exc:  # could not even connect
+            with self._changed:
+                self._failure = self._failure or exc
+                self._unsettled.clear()
+                self._changed.notify_all()
 
 
 def _is_permanent(exc: BaseException | None) -> bool:

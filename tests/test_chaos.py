@@ -45,11 +45,12 @@ def test_chaos(tmp_path: Path) -> None:
             def at(second: float) -> None:
                 time.sleep(max(0.0, started + second - time.monotonic()))
 
+            victims = rng.sample(range(RELAYS), RELAYS)  # each relay is killed once
             for second, action in [(4, "kill"), (8, "cut"), (15, "restart-postgres"),
                                    (19, "kill"), (22, "kill")]:
                 at(second)
                 if action == "kill":
-                    victim = rng.randrange(RELAYS)
+                    victim = victims.pop()
                     relays[victim].kill()
                     relays[victim].wait()
                     time.sleep(rng.uniform(0.2, 1.5))

@@ -28,8 +28,7 @@ RETURNING id, CASE WHEN CAST(:notify AS boolean) THEN pg_notify(:channel, '') EN
 -- skipping rows held back by an earlier row of their key that is still DELAYED or UNKNOWN,
 -- and the rows of the batch it has in flight.
 -- Walks the partial index of pending rows, so its cost follows the backlog, not the history.
-SELECT m.id, m.topic, m.key, m.header_keys, m.header_values, m.payload, m.content_type,
-       m.created_at
+SELECT m.id, m.topic, m.key, m.header_keys, m.header_values, m.payload, m.content_type
 FROM {schema}.message AS m
 WHERE m.status = 'PENDING' AND m.resolution = 'COMMIT'
   AND m.shard = ANY(CAST(:shards AS smallint[]))
