@@ -110,7 +110,7 @@ def test_chaos(tmp_path: Path) -> None:
     assert not unknown, f"in Kafka without a committed prepare row: {sorted(unknown)[:10]}"
     assert not leaked, f"rolled-back messages reached Kafka: {sorted(leaked)[:10]}"
     assert not out_of_order, f"per-key order broken for {out_of_order[:5]}"
-    assert duplicates <= 5 * 2 * 200, "at most two batches of 200 per kill or outage"
+    assert duplicates <= 5 * 4 * 200, "at most four batches of 200 per kill or outage"
 
 
 def start_relay(iso: Isolated, n: int) -> subprocess.Popen[str]:
