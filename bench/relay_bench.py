@@ -25,7 +25,7 @@ from kafka import KafkaProducer
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.orm import Session
 
-from outbox import Outbox, devservices, migrate
+from outbox import Outbox, devservices, migrate, store
 from outbox.schema import SHARDS
 from outbox.settings import sqlalchemy_url
 from outbox.topic_reader import create_topic
@@ -120,6 +120,33 @@ def relay_throughput(services: devservices.Services, engine: Engine, env: dict[s
     return rate
 
 
+def batch_cost(services: devservices.Services, engine: Engine, history: int,
+               batches: int = 20) -> tuple[float, float]:
+    """Milliseconds to fetch, and to record, one batch of 500 next to ``history`` rows."""
+    schema = f"bench_cost_{history}"
+    migrate.upgrade(services.database_url, schema)
+    if history:
+        preload(engine, schema, "t", history, status="DELIVERED")
+        with engine.begin() as conn:
+            conn.execute(text(f"""
+                INSERT INTO {schema}.op_record (message_id, action, actor, kafka_partition,
+                                                kafka_offset)
+                SELECT id, 'DELIVERED', 'history', 0, id FROM {schema}.message"""))
+    preload(engine, schema, "t", batches * 500)
+    fetching = recording = 0.0
+    with engine.connect() as conn:
+        for _ in range(batches):
+            started = time.perf_counter()
+            with conn.begin():
+                rows = store.fetch_deliverable(conn, schema, range(SHARDS), 500)
+            fetched = time.perf_counter()
+            with conn.begin():
+                store.mark_delivered(conn, schema, "bench", [(r.id, 0, r.id) for r in rows])
+            fetching += fetched - started
+            recording += time.perf_counter() - fetched
+    return fetching / batches * 1000, recording / batches * 1000
+
+
 def latency_at_steady_rate(services: devservices.Services, engine: Engine,
                            env: dict[str, str], rate: int, seconds: float) -> tuple[float, ...]:
     schema, topic = "bench_latency", "bench-latency"
@@ -199,6 +226,8 @@ def sizes(engine: Engine) -> list[Any]:
                    pg_size_pretty(pg_relation_size(c.oid)) AS size, c.relkind
             FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
             WHERE n.nspname LIKE 'bench_%' AND c.relkind IN ('r', 'i')
+              AND c.relname IN ('message', 'op_record', 'message_pkey', 'message_relay_idx',
+                                'op_record_pkey', 'op_record_message_id_idx')
               AND pg_relation_size(c.oid) > 0
             ORDER BY n.nspname, c.relkind DESC, c.relname""")))
 
@@ -232,7 +261,13 @@ def main() -> None:
             say(f"   outbox relay x{relays}:                     {rate:10,.0f} msg/s  "
                 f"{rate / raw:.2f}x raw")
         if args.history and "2" not in skip:
-            say(f"\n2. bounded cost: 1 relay with {args.history:,} delivered rows retained")
+            say(f"\n2. bounded cost: {args.history:,} delivered rows (and op records) retained")
+            empty = batch_cost(services, engine, 0)
+            full = batch_cost(services, engine, args.history)
+            say(f"   fetch one batch of 500:  {empty[0]:6.2f} ms empty, {full[0]:6.2f} ms with "
+                f"history  {full[0] / empty[0]:.2f}x")
+            say(f"   record one batch of 500: {empty[1]:6.2f} ms empty, {full[1]:6.2f} ms with "
+                f"history  {full[1] / empty[1]:.2f}x")
             rate = relay_throughput(services, engine, env, 1, args.messages, args.history)
             say(f"   outbox relay x1 over history:          {rate:10,.0f} msg/s  "
                 f"{rate / raw:.2f}x raw")
