@@ -4,7 +4,7 @@ VENV := .venv
 .PHONY: demo test lint bench clean
 
 demo:
-	@scripts/bootstrap.sh dev
+	@scripts/bootstrap.sh dev,spark
 	@$(VENV)/bin/python examples/orders_demo.py
 
 test:

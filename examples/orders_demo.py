@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from sqlalchemy import (
@@ -185,6 +185,16 @@ def main() -> int:
             == (r.partition, r.offset) for r in records)
         print("\nOK: exactly the committed orders arrived, once each, where their op records say"
               if ok else "\nFAILED: Kafka does not hold exactly the committed orders")
+
+        step("reconciling tables and topic in Spark (outbox reconcile --read-topics; ~20 s)")
+        reconciled = subprocess.run(
+            [sys.executable, "-m", "outbox", "reconcile", "--read-topics",
+             "--until", datetime.now(UTC).isoformat(),
+             "--output-dir", os.path.join(services.root, "reconcile")],
+            env=env, capture_output=True, text=True, timeout=600)
+        for line in (reconciled.stdout or reconciled.stderr[-2000:]).strip().splitlines():
+            print(f"   {line}")
+        ok = ok and reconciled.returncode == 0
         engine.dispose()
         return 0 if ok else 1
     finally:

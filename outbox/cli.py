@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import click
 from sqlalchemy.exc import OperationalError
 
-from outbox.exceptions import OutboxError
+from outbox.exceptions import ConfigurationError, OutboxError
 from outbox.settings import CONFIG_ENV, Settings, load_settings, mask_url
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -483,7 +483,12 @@ def reconcile(database_url: str | None, kafka_bootstrap: str | None, schema: str
     prints a short report and writes Parquet details under --output-dir. Exit code 0: no
     finding over its threshold; 1: at least one is; 2: a usage or configuration error.
     """
-    from spark import reconcile as job
+    try:
+        from spark import reconcile as job
+    except ImportError as exc:
+        raise ConfigurationError(
+            f"reconcile needs the spark extra ({exc}): pip install "
+            "'transactional-outbox[spark]'") from None
 
     settings = load_settings(
         database_url=database_url, kafka_bootstrap=kafka_bootstrap, schema=schema,

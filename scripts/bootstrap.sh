@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what the demo and the tests need on a fresh Debian machine: PostgreSQL's server
-# binaries and Java (Debian packages, only if absent), a virtualenv in .venv and the project.
+# binaries, Java and the PostgreSQL JDBC driver (Debian packages, only if absent), a
+# virtualenv in .venv and the project.
 # Usage: scripts/bootstrap.sh [pip extras, e.g. dev,spark]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,6 +11,8 @@ need=()
 ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null || need+=(postgresql)
 command -v java >/dev/null || need+=(openjdk-17-jre-headless)
 command -v setpriv >/dev/null || need+=(util-linux)
+# The PostgreSQL JDBC driver for Spark reconciliation (outbox reconcile).
+[ -f /usr/share/java/postgresql.jar ] || need+=(libpostgresql-jdbc-java)
 if [ "${#need[@]}" -gt 0 ]; then
   echo "bootstrap: installing Debian packages: ${need[*]}"
   sudo_cmd=""

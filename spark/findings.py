@@ -18,7 +18,8 @@ from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
 
 from outbox.exceptions import ConfigurationError
-from outbox.schema import Action, Resolution, Status
+from outbox.schema import Resolution, Status
+from spark.queries import POSITION_OFFSET_BITS
 
 
 @dataclass(frozen=True)
@@ -71,16 +72,12 @@ def thresholds(overrides: Mapping[str, int | None]) -> dict[str, int | None]:
 class Inputs:
     """What one run reads. ``records`` is None when the topics are not read."""
 
-    #: The window's prepare rows (queries.messages_in_window).
+    #: The window's prepare rows with their op records summed up (queries.message_facts).
     messages: DataFrame
-    #: Op records of the window's messages, with their topic (window_op_records).
-    op_records: DataFrame
     #: Op records written in the window whose prepare row does not exist.
     orphans: DataFrame
-    #: Kafka records read: topic, partition, offset, key, outbox_id, fresh (not seen before).
+    #: Kafka records read: topic, partition, offset, outbox_id, fresh (not seen before).
     records: DataFrame | None
-    #: outbox ids of fresh records that match no prepare row at all.
-    unknown_ids: DataFrame | None
     now: datetime
     sla_seconds: float
 
@@ -90,37 +87,62 @@ class Inputs:
         return self.now - timedelta(seconds=self.sla_seconds)
 
 
-def window_op_records(op_records: DataFrame, messages: DataFrame) -> DataFrame:
-    """Op records of the window's messages (the id range also holds others), with the topic."""
-    return op_records.join(messages.select(F.col("id").alias("message_id"), "topic"),
-                           "message_id")
+def _position(partition: Column, offset: Column) -> Column:
+    """The encoding queries.message_facts uses, so positions compare as one long."""
+    return F.shiftleft(partition.cast("long"), POSITION_OFFSET_BITS).bitwiseOR(offset)
 
 
-def facts(inputs: Inputs) -> DataFrame:
-    """One row per window message: its row, its op records' summary, its copies in Kafka."""
-    delivered = F.col("action") == Action.DELIVERED.value
-    per_message = inputs.op_records.groupBy("message_id").agg(
-        F.count(F.lit(1)).alias("op_count"),
-        F.count(F.when(delivered, 1)).alias("delivered_ops"),
-        F.min(F.when(delivered, F.struct(
-            F.col("kafka_partition").alias("partition"),
-            F.col("kafka_offset").alias("offset")))).alias("op_position"),
-    )
-    joined = inputs.messages.join(
-        per_message.withColumnRenamed("message_id", "id"), "id", "left")
+def _partition_of(position: str) -> Column:
+    return F.shiftright(F.col(position), POSITION_OFFSET_BITS).cast("int")
+
+
+def _offset_of(position: str) -> Column:
+    return F.col(position).bitwiseAND((1 << POSITION_OFFSET_BITS) - 1)
+
+
+def joined(inputs: Inputs) -> DataFrame:
+    """The window's messages fully joined with their copies in Kafka, per (topic, id).
+
+    Rows with ``in_window`` are the facts the findings filter; rows without it are Kafka
+    records whose outbox-id is no message of the window (see :func:`foreign`).
+    """
+    messages = inputs.messages.withColumn("in_window", F.lit(True))
     if inputs.records is None:
-        return joined.select(
-            "*", F.lit(0).cast("long").alias("kafka_copies"),
-            F.lit(None).cast("struct<partition:int,offset:long>").alias("kafka_position"))
-    copies = inputs.records.where(F.col("outbox_id").isNotNull()).groupBy("outbox_id").agg(
+        return messages.select("*", F.lit(0).cast("long").alias("kafka_copies"),
+                               F.lit(None).cast("long").alias("copy_at"),
+                               F.lit(None).cast("boolean").alias("fresh"))
+    copies = inputs.records.where(F.col("outbox_id").isNotNull()).groupBy(
+        "topic", F.col("outbox_id").alias("id")).agg(
         F.count(F.lit(1)).alias("kafka_copies"),
-        F.min(F.struct("partition", "offset")).alias("kafka_position"),
-    ).withColumnRenamed("outbox_id", "id")
-    return joined.join(copies, "id", "left")
+        F.min(_position(F.col("partition"), F.col("offset"))).alias("copy_at"),
+        F.max("fresh").alias("fresh"))
+    return messages.join(copies, ["topic", "id"], "full")
 
 
-def find(inputs: Inputs, facts: DataFrame) -> DataFrame:
-    """All findings of the run, as one DataFrame of ``FINDING_SCHEMA``."""
+def facts(joined: DataFrame) -> DataFrame:
+    """One row per window message: its row, its op records' summary, its Kafka copies."""
+    return joined.where(F.col("in_window")).withColumn(
+        "kafka_copies", F.coalesce("kafka_copies", F.lit(0)))
+
+
+def foreign(joined: DataFrame) -> DataFrame:
+    """(topic, outbox id) of new Kafka records that belong to no message of the window."""
+    return joined.where(F.col("in_window").isNull() & F.col("fresh")).select(
+        "topic", F.col("id").alias("outbox_id"))
+
+
+def several(facts: DataFrame) -> DataFrame:
+    """Messages with more than one DELIVERED op record or copy: checked record by record."""
+    return facts.where((F.col("delivered_ops") > 1) | (F.col("kafka_copies") > 1))
+
+
+def find(inputs: Inputs, facts: DataFrame, unknown: DataFrame | None,
+         claims: DataFrame | None) -> DataFrame:
+    """All findings of the run, as one DataFrame of ``FINDING_SCHEMA``.
+
+    ``unknown``: (topic, outbox_id) of new records that match no prepare row at all;
+    ``claims``: (id, topic, partition, offset) of each DELIVERED op record of ``several``.
+    """
     found = [
         undelivered_after_sla(facts, inputs.cutoff),
         delivered_more_than_once(facts),
@@ -131,36 +153,37 @@ def find(inputs: Inputs, facts: DataFrame) -> DataFrame:
         discarded(facts),
     ]
     if inputs.records is not None:
+        assert claims is not None
         found += [
-            kafka_record_without_op_record(facts, inputs.records, inputs.unknown_ids),
-            op_record_position_mismatch(inputs.op_records, inputs.records),
+            kafka_record_without_op_record(facts, inputs.records, unknown),
+            op_record_position_mismatch(facts, claims, inputs.records),
         ]
     return reduce(DataFrame.unionByName, found)
 
 
-def _finding(df: DataFrame, name: str, detail: Column, *, message_id: Column | None = None,
-             topic: Column | None = None, position: Column | None = None) -> DataFrame:
+def _finding(df: DataFrame, name: str, detail: Column, *, message_id: str = "id",
+             topic: Column | None = None, position: str | None = None,
+             partition: str = "partition", offset: str = "offset") -> DataFrame:
+    """Rows of one finding; ``position`` names an encoded position column, else
+    ``partition`` and ``offset`` name plain ones (when present)."""
     assert name in BY_NAME
+    if position is not None:
+        where = [_partition_of(position), _offset_of(position)]
+    elif partition in df.columns:
+        where = [F.col(partition), F.col(offset)]
+    else:
+        where = [F.lit(None), F.lit(None)]
     return df.select(
         F.lit(name).alias("finding"),
-        (message_id if message_id is not None else F.col("id")).cast("long").alias("message_id"),
+        F.col(message_id).cast("long").alias("message_id"),
         (topic if topic is not None else F.col("topic")).alias("topic"),
-        (position.partition if position is not None else F.lit(None)).cast("int")
-        .alias("partition"),
-        (position.offset if position is not None else F.lit(None)).cast("long").alias("offset"),
+        where[0].cast("int").alias("partition"),
+        where[1].cast("long").alias("offset"),
         detail.alias("detail"),
     )
 
 
-def _copies() -> Column:
-    return F.coalesce(F.col("kafka_copies"), F.lit(0))
-
-
-def _delivered_ops() -> Column:
-    return F.coalesce(F.col("delivered_ops"), F.lit(0))
-
-
-def _ts(column: str) -> Column:
+def _ts(column: Column | str) -> Column:
     return F.date_format(column, "yyyy-MM-dd HH:mm:ss'Z'")
 
 
@@ -172,31 +195,33 @@ def _due() -> Column:
 def undelivered_after_sla(facts: DataFrame, cutoff: datetime) -> DataFrame:
     late = facts.where(
         (F.col("resolution") == Resolution.COMMIT.value) & (_due() < F.lit(cutoff))
-        & (_delivered_ops() == 0) & (_copies() == 0))
+        & (F.col("delivered_ops") == 0) & (F.col("kafka_copies") == 0))
     return _finding(late, "undelivered_after_sla", F.concat(
-        F.format_string("status %s, due %s, %d attempts",
-                        "status", F.date_format(_due(), "yyyy-MM-dd HH:mm:ss'Z'"), "attempts"),
+        F.format_string("status %s, due %s, %d attempts", "status", _ts(_due()), "attempts"),
         F.coalesce(F.concat(F.lit(", last error: "), "last_error"), F.lit(""))))
 
 
 def delivered_more_than_once(facts: DataFrame) -> DataFrame:
-    twice = facts.where(F.greatest(_delivered_ops(), _copies()) > 1)
+    twice = several(facts).withColumn(
+        "at", F.coalesce("copy_at", "op_at"))
     return _finding(
         twice, "delivered_more_than_once",
-        F.format_string("%d copies in Kafka, %d DELIVERED op records", _copies(),
-                        _delivered_ops()),
-        position=F.coalesce("kafka_position", "op_position"))
+        F.format_string("%d copies in Kafka, %d DELIVERED op records", "kafka_copies",
+                        "delivered_ops"),
+        position="at")
 
 
 def delivered_although_rolled_back(facts: DataFrame) -> DataFrame:
     not_committed = (F.col("resolution") != Resolution.COMMIT.value) | F.col("status").isin(
         Status.ROLLED_BACK.value, Status.DISCARDED.value)
-    wrong = facts.where(not_committed & ((_delivered_ops() > 0) | (_copies() > 0)))
+    wrong = facts.where(
+        not_committed & ((F.col("delivered_ops") > 0) | (F.col("kafka_copies") > 0))
+    ).withColumn("at", F.coalesce("copy_at", "op_at"))
     return _finding(
         wrong, "delivered_although_rolled_back",
         F.format_string("resolution %s, status %s; %d copies in Kafka, %d DELIVERED op records",
-                        "resolution", "status", _copies(), _delivered_ops()),
-        position=F.coalesce("kafka_position", "op_position"))
+                        "resolution", "status", "kafka_copies", "delivered_ops"),
+        position="at")
 
 
 def op_record_without_message(orphans: DataFrame) -> DataFrame:
@@ -204,54 +229,61 @@ def op_record_without_message(orphans: DataFrame) -> DataFrame:
         orphans, "op_record_without_message",
         F.format_string("op record %d: %s by %s at %s", "id", "action", "actor",
                         _ts("created_at")),
-        message_id=F.col("message_id"), topic=F.lit(None).cast("string"),
-        position=F.struct(F.col("kafka_partition").alias("partition"),
-                          F.col("kafka_offset").alias("offset")))
+        message_id="message_id", topic=F.lit(None).cast("string"),
+        partition="kafka_partition", offset="kafka_offset")
 
 
 def kafka_record_without_op_record(facts: DataFrame, records: DataFrame,
-                                   unknown_ids: DataFrame | None) -> DataFrame:
-    """Committed window messages in Kafka without an op record, and fresh stray records."""
+                                   unknown: DataFrame | None) -> DataFrame:
+    """Committed window messages in Kafka without an op record, and new stray records."""
     unrecorded = facts.where(
         (F.col("resolution") == Resolution.COMMIT.value)
         & ~F.col("status").isin(Status.ROLLED_BACK.value, Status.DISCARDED.value)
-        & (_copies() > 0) & (_delivered_ops() == 0))
+        & (F.col("kafka_copies") > 0) & (F.col("delivered_ops") == 0))
     by_message = _finding(
         unrecorded, "kafka_record_without_op_record",
         F.format_string("status %s; %d copies in Kafka, no DELIVERED op record", "status",
-                        _copies()),
-        position=F.col("kafka_position"))
+                        "kafka_copies"),
+        position="copy_at")
     fresh = records.where("fresh")
-    no_id = fresh.where(F.col("outbox_id").isNull())
-    if unknown_ids is not None:
-        no_id = no_id.unionByName(fresh.join(unknown_ids, "outbox_id", "left_semi"))
-    strays = _finding(
-        no_id, "kafka_record_without_op_record",
+    strays = fresh.where(F.col("outbox_id").isNull())
+    if unknown is not None:
+        strays = strays.unionByName(
+            fresh.join(F.broadcast(unknown), ["topic", "outbox_id"], "left_semi"))
+    return by_message.unionByName(_finding(
+        strays, "kafka_record_without_op_record",
         F.when(F.col("outbox_id").isNull(), F.lit("no valid outbox-id header"))
-        .otherwise(F.lit("outbox-id matches no prepare row")),
-        message_id=F.col("outbox_id"), topic=F.col("topic"),
-        position=F.struct("partition", "offset"))
-    return by_message.unionByName(strays)
+        .otherwise(F.lit("outbox-id matches no prepare row of this topic")),
+        message_id="outbox_id"))
 
 
-def op_record_position_mismatch(ops: DataFrame, records: DataFrame) -> DataFrame:
-    """DELIVERED op records whose topic, partition and offset hold another record, or none."""
-    claimed = ops.where(F.col("action") == Action.DELIVERED.value).select(
-        "message_id", "topic", F.col("kafka_partition").alias("partition"),
-        F.col("kafka_offset").alias("offset"))
-    held = records.select(F.col("outbox_id").alias("message_id"), "topic", "partition", "offset")
-    wrong = claimed.join(held, ["message_id", "topic", "partition", "offset"], "left_anti")
-    found = wrong.join(
-        records.select("topic", "partition", "offset", F.col("outbox_id").alias("found_id")),
-        ["topic", "partition", "offset"], "left")
+def op_record_position_mismatch(facts: DataFrame, claims: DataFrame, records: DataFrame
+                                ) -> DataFrame:
+    """DELIVERED op records whose topic, partition and offset hold another record, or none.
+
+    A message with one op record and at most one copy (nearly all) is compared on its two
+    positions; the few in :func:`several` are checked claim by claim.
+    """
+    single = facts.where(
+        (F.col("delivered_ops") == 1) & (F.col("kafka_copies") <= 1)
+        & (F.col("op_at").isNull() | F.col("copy_at").isNull()
+           | (F.col("op_at") != F.col("copy_at")))
+    ).select("id", "topic", _partition_of("op_at").alias("partition"),
+             _offset_of("op_at").alias("offset"))
+    held = records.join(F.broadcast(claims.select("topic", F.col("id").alias("outbox_id"))),
+                        ["topic", "outbox_id"], "left_semi").select(
+        F.col("outbox_id").alias("id"), "topic", "partition", "offset")
+    wrong = single.unionByName(claims.join(held, ["id", "topic", "partition", "offset"],
+                                           "left_anti"))
+    there = records.select("topic", "partition", "offset", F.col("outbox_id").alias("found_id"))
+    found = wrong.join(there, ["topic", "partition", "offset"], "left")
     return _finding(
         found, "op_record_position_mismatch",
         F.when(F.col("partition").isNull() | F.col("offset").isNull(),
                F.lit("DELIVERED op record without partition/offset"))
         .when(F.col("found_id").isNotNull(),
               F.format_string("the record there is message %d", "found_id"))
-        .otherwise(F.lit("no record with an outbox-id at that position")),
-        message_id=F.col("message_id"), position=F.struct("partition", "offset"))
+        .otherwise(F.lit("no record with an outbox-id at that position")))
 
 
 def key_order_broken(facts: DataFrame, *, topics_read: bool) -> DataFrame:
@@ -260,23 +292,22 @@ def key_order_broken(facts: DataFrame, *, topics_read: bool) -> DataFrame:
     Positions are the first copy in Kafka when the topics are read, else the op records';
     later duplicates do not count (consumers deduplicate them on outbox-id).
     """
-    position = F.col("kafka_position" if topics_read else "op_position")
-    placed = facts.where(F.col("key").isNotNull() & position.isNotNull()).select(
-        "id", "topic", "key", position.alias("position"))
+    at = "copy_at" if topics_read else "op_at"
+    placed = facts.where(F.col("key").isNotNull() & F.col(at).isNotNull()).select(
+        "id", "topic", "key", F.col(at).alias("at"))
     by_key = Window.partitionBy("topic", "key").orderBy("id")
     compared = placed.select(
-        "*", F.lag("id").over(by_key).alias("prev_id"),
-        F.lag("position").over(by_key).alias("prev"))
+        "*", F.lag("id").over(by_key).alias("prev_id"), F.lag("at").over(by_key).alias("prev"))
     broken = compared.where(
         F.col("prev_id").isNotNull()
-        & ((F.col("position.partition") != F.col("prev.partition"))
-           | (F.col("position.offset") < F.col("prev.offset"))))
+        & ((_partition_of("at") != _partition_of("prev"))
+           | (_offset_of("at") < _offset_of("prev"))))
     return _finding(
         broken, "key_order_broken",
         F.format_string("key %s: at %d/%d, but the earlier message %d is at %d/%d",
-                        F.col("key").cast("string"), "position.partition", "position.offset",
-                        "prev_id", "prev.partition", "prev.offset"),
-        position=F.col("position"))
+                        F.col("key").cast("string"), _partition_of("at"), _offset_of("at"),
+                        "prev_id", _partition_of("prev"), _offset_of("prev")),
+        position="at")
 
 
 def stuck_unknown(facts: DataFrame, cutoff: datetime) -> DataFrame:
@@ -303,11 +334,14 @@ PERCENTILES = (0.5, 0.9, 0.99)
 
 def stats(messages: DataFrame) -> dict[str, Any]:
     """Counts by topic and resolution, delivery latency percentiles, check-back histogram."""
-    counts = [
-        {"topic": r.topic, "resolution": r.resolution, "status": r.status, "count": r["count"]}
-        for r in messages.groupBy("topic", "resolution", "status").count()
-        .orderBy("topic", "resolution", "status").collect()
-    ]
+    states: dict[tuple[str, str, str], int] = {}
+    checks: dict[int, int] = {}
+    for r in messages.groupBy("topic", "resolution", "status", "check_count").count().collect():
+        key = (r.topic, r.resolution, r.status)
+        states[key] = states.get(key, 0) + r["count"]
+        checks[r.check_count] = checks.get(r.check_count, 0) + r["count"]
+    counts = [{"topic": t, "resolution": res, "status": st, "count": n}
+              for (t, res, st), n in sorted(states.items())]
     latency = (F.unix_micros("delivered_at") - F.unix_micros("created_at")) / 1e6
     delivered = messages.where(F.col("delivered_at").isNotNull()).select(
         "topic", latency.alias("seconds"))
@@ -316,14 +350,9 @@ def stats(messages: DataFrame) -> dict[str, Any]:
         F.percentile_approx("seconds", list(PERCENTILES), 10_000).alias("percentiles"),
         F.max("seconds").alias("max"),
     ]
-    rows = delivered.groupBy("topic").agg(*summary).orderBy("topic").collect()
-    total = delivered.agg(*summary).collect()
-    latencies = [_latency(r, r.topic) for r in rows] + [_latency(r, "*") for r in total
-                                                        if r.delivered]
-    histogram = [
-        {"check_count": r.check_count, "messages": r["count"]}
-        for r in messages.groupBy("check_count").count().orderBy("check_count").collect()
-    ]
+    latencies = [_latency(r, r.topic or "*") for r in delivered.rollup("topic").agg(*summary)
+                 .orderBy(F.col("topic").isNull(), "topic").collect() if r.delivered]
+    histogram = [{"check_count": c, "messages": n} for c, n in sorted(checks.items())]
     return {"counts": counts, "latency_seconds": latencies, "check_backs": histogram}
 
 

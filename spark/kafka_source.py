@@ -26,10 +26,9 @@ SCHEMA = pa.schema([
     ("topic", pa.string()),
     ("partition", pa.int32()),
     ("offset", pa.int64()),
-    ("key", pa.binary()),
     ("outbox_id", pa.int64()),
 ])
-SPARK_SCHEMA = "topic string, partition int, offset long, key binary, outbox_id long"
+SPARK_SCHEMA = "topic string, partition int, offset long, outbox_id long"
 _CONSUMER: dict[str, Any] = {
     "group_id": None,
     "enable_auto_commit": False,
@@ -59,11 +58,15 @@ def split(ranges: list[OffsetRange], max_records: int) -> list[OffsetRange]:
     return pieces
 
 
-def high_watermarks(bootstrap: str, topics: list[str], timeout: float = 60.0
-                    ) -> dict[tuple[str, int], int]:
-    """The next offset of every partition of ``topics`` that exist, from fetch responses."""
+def high_watermarks(bootstrap: str, topics: list[str], client: dict[str, Any] | None = None,
+                    timeout: float = 60.0) -> dict[tuple[str, int], int]:
+    """The next offset of every partition of ``topics`` that exist, from fetch responses.
+
+    ``client``: extra kafka-python settings (security) for the consumer.
+    """
     consumer = KafkaConsumer(bootstrap_servers=bootstrap.split(","), **{
-        **_CONSUMER, "max_partition_fetch_bytes": 1024, "fetch_max_bytes": 64 * 1024})
+        **_CONSUMER, "max_partition_fetch_bytes": 1024, "fetch_max_bytes": 64 * 1024,
+        **(client or {})})
     try:
         existing = consumer.topics()
         partitions = [TopicPartition(topic, p) for topic in sorted(set(topics) & existing)
@@ -87,10 +90,12 @@ def high_watermarks(bootstrap: str, topics: list[str], timeout: float = 60.0
 
 
 class KafkaRangeReader(DataSourceReader):
-    def __init__(self, bootstrap: str, ranges: list[OffsetRange], stall_seconds: float) -> None:
+    def __init__(self, bootstrap: str, ranges: list[OffsetRange], stall_seconds: float,
+                 client: dict[str, Any] | None = None) -> None:
         self.bootstrap = bootstrap
         self.ranges = ranges
         self.stall_seconds = stall_seconds
+        self.client = client or {}
 
     def partitions(self) -> list[OffsetRange]:
         return self.ranges
@@ -99,7 +104,8 @@ class KafkaRangeReader(DataSourceReader):
         """Yield the range as Arrow batches; fail if the broker stops making progress."""
         assert isinstance(partition, OffsetRange)
         tp = TopicPartition(partition.topic, partition.partition)
-        consumer = KafkaConsumer(bootstrap_servers=self.bootstrap.split(","), **_CONSUMER)
+        consumer = KafkaConsumer(bootstrap_servers=self.bootstrap.split(","),
+                                 **{**_CONSUMER, **self.client})
         try:
             consumer.assign([tp])
             consumer.seek(tp, partition.start)
@@ -131,7 +137,6 @@ def _to_arrow(partition: OffsetRange, messages: list[Any]) -> pa.RecordBatch:
         pa.array([partition.topic] * n, pa.string()),
         pa.array([partition.partition] * n, pa.int32()),
         pa.array([m.offset for m in messages], pa.int64()),
-        pa.array([m.key for m in messages], pa.binary()),
         pa.array(ids, pa.int64()),
     ], schema=SCHEMA)
 
@@ -140,7 +145,9 @@ class KafkaRangeSource(DataSource):
     """``spark.read.format("outbox_kafka")`` with options ``bootstrap`` and ``ranges``.
 
     ``ranges`` is JSON: ``[[topic, partition, start, end], ...]``; ``max_records_per_split``
-    (default 1,000,000) cuts long ranges; ``stall_seconds`` (default 120) bounds a stall.
+    (default 1,000,000) cuts long ranges; ``stall_seconds`` (default 120) bounds a stall;
+    ``client`` (JSON) adds kafka-python settings, and ``sasl_plain_password`` travels as its
+    own option so Spark redacts it from plans and logs.
     """
 
     @classmethod
@@ -154,5 +161,8 @@ class KafkaRangeSource(DataSource):
         ranges = [OffsetRange(t, int(p), int(s), int(e))
                   for t, p, s, e in json.loads(self.options["ranges"])]
         per_split = int(self.options.get("max_records_per_split", 1_000_000))
+        client = json.loads(self.options.get("client", "{}"))
+        if "sasl_plain_password" in self.options:
+            client["sasl_plain_password"] = self.options["sasl_plain_password"]
         return KafkaRangeReader(self.options["bootstrap"], split(ranges, per_split),
-                                float(self.options.get("stall_seconds", 120)))
+                                float(self.options.get("stall_seconds", 120)), client)

@@ -18,6 +18,7 @@ from sqlalchemy import Connection, Dialect, Table
 from sqlalchemy.dialects import postgresql
 
 from outbox import schema as outbox_schema
+from outbox.schema import Action
 from outbox.settings import validate_identifier
 
 #: Message ids sent per ``= ANY(...)`` lookup.
@@ -122,6 +123,7 @@ class Bounds:
 
 
 def window_bounds(conn: Connection, schema: str, window: Window) -> Bounds:
+    """Counted here so the reads can be cut into even id ranges before Spark starts."""
     message = tables(schema).message
     row = conn.execute(
         sa.select(sa.func.count(), sa.func.min(message.c.id), sa.func.max(message.c.id))
@@ -133,33 +135,80 @@ def window_bounds(conn: Connection, schema: str, window: Window) -> Bounds:
 # --- JDBC subqueries -------------------------------------------------------------------------
 
 
-def messages_in_window(schema: str, window: Window) -> str:
-    """The window's prepare rows, without payloads (reconciliation never needs them)."""
-    m = tables(schema).message
+#: A Kafka position (partition, offset) travels as one bigint: partition << 40 | offset.
+POSITION_OFFSET_BITS = 40
+
+
+def _position(partition: sa.ColumnElement[Any], offset: sa.ColumnElement[Any]
+              ) -> sa.ColumnElement[Any]:
+    return sa.cast(partition, sa.BigInteger).op("<<")(POSITION_OFFSET_BITS).op("|")(offset)
+
+
+def message_facts(schema: str, window: Window, ids: tuple[int, int]) -> str:
+    """The window's prepare rows with ids in ``ids`` (no payloads), each with its op records
+    summed up: how many, how many DELIVERED, and the first DELIVERED position.
+
+    PostgreSQL merges two index range scans (message by id, op_record by message_id), so
+    Spark reads one row per message and never joins the op records itself.
+    """
+    t = tables(schema)
+    m, o = t.message, t.op_record
+    delivered = o.c.action == Action.DELIVERED.value
+    ops = (
+        sa.select(
+            o.c.message_id,
+            sa.func.count().label("op_records"),
+            sa.func.count().filter(delivered).label("delivered_ops"),
+            sa.func.min(_position(o.c.kafka_partition, o.c.kafka_offset)).filter(delivered)
+            .label("op_at"),
+        )
+        .where(o.c.message_id.between(*ids))
+        .group_by(o.c.message_id)
+        .subquery("ops")
+    )
     return as_subquery(
         sa.select(
-            m.c.id, m.c.producer_group, m.c.topic, m.c.key, m.c.resolution, m.c.status,
-            m.c.check_count, m.c.next_check_at, m.c.deliver_after, m.c.attempts,
-            m.c.last_error, m.c.created_at, m.c.delivered_at,
-        ).where(_in_window(m.c.created_at, window)),
+            m.c.id, m.c.topic, m.c.key, m.c.resolution, m.c.status, m.c.check_count,
+            m.c.next_check_at, m.c.deliver_after, m.c.attempts, m.c.last_error,
+            m.c.created_at, m.c.delivered_at,
+            sa.func.coalesce(ops.c.op_records, 0).label("op_records"),
+            sa.func.coalesce(ops.c.delivered_ops, 0).label("delivered_ops"),
+            ops.c.op_at,
+        )
+        .select_from(m.outerjoin(ops, ops.c.message_id == m.c.id))
+        .where(_in_window(m.c.created_at, window), m.c.id.between(*ids)),
         "m",
     )
 
 
-def op_records_for_ids(schema: str, min_id: int, max_id: int) -> str:
-    """Op records of messages in an id range: a superset of the window's, read by index."""
+def delivered_positions(conn: Connection, schema: str, ids: Iterable[int]
+                        ) -> list[tuple[int, str, int | None, int | None]]:
+    """(message id, topic, partition, offset) of every DELIVERED op record of ``ids``:
+    the few messages delivered more than once, checked record by record."""
+    t = tables(schema)
+    m, o = t.message, t.op_record
+    wanted = sorted(set(ids))
+    found: list[tuple[int, str, int | None, int | None]] = []
+    for start in range(0, len(wanted), LOOKUP_CHUNK):
+        chunk = sa.literal(wanted[start:start + LOOKUP_CHUNK], sa.ARRAY(sa.BigInteger))
+        rows = conn.execute(
+            sa.select(o.c.message_id, m.c.topic, o.c.kafka_partition, o.c.kafka_offset)
+            .select_from(o.join(m, m.c.id == o.c.message_id))
+            .where(o.c.message_id == sa.any_(chunk), o.c.action == Action.DELIVERED.value))
+        found.extend((r.message_id, r.topic, r.kafka_partition, r.kafka_offset) for r in rows)
+    return found
+
+
+def op_record_bounds(conn: Connection, schema: str, window: Window) -> tuple[int, int] | None:
+    """The id range of op records written in the window (None when there are none)."""
     o = tables(schema).op_record
-    return as_subquery(
-        sa.select(
-            o.c.id, o.c.message_id, o.c.action, o.c.actor, o.c.kafka_partition,
-            o.c.kafka_offset, o.c.created_at,
-        ).where(o.c.message_id.between(min_id, max_id)),
-        "o",
-    )
+    row = conn.execute(sa.select(sa.func.min(o.c.id), sa.func.max(o.c.id))
+                       .where(_in_window(o.c.created_at, window))).one()
+    return None if row[0] is None else (int(row[0]), int(row[1]))
 
 
-def orphan_op_records(schema: str, window: Window) -> str:
-    """Op records written in the window whose prepare row does not exist (anti-join in SQL)."""
+def orphan_op_records(schema: str, window: Window, ids: tuple[int, int]) -> str:
+    """Op records written in the window, with ids in ``ids``, whose prepare row is missing."""
     t = tables(schema)
     o, m = t.op_record, t.message
     return as_subquery(
@@ -167,24 +216,23 @@ def orphan_op_records(schema: str, window: Window) -> str:
             o.c.id, o.c.message_id, o.c.action, o.c.actor, o.c.kafka_partition,
             o.c.kafka_offset, o.c.created_at,
         ).where(
-            _in_window(o.c.created_at, window),
+            _in_window(o.c.created_at, window), o.c.id.between(*ids),
             ~sa.exists().where(m.c.id == o.c.message_id),
         ),
         "orphan",
     )
 
 
-def existing_message_ids(conn: Connection, schema: str, ids: Iterable[int]) -> set[int]:
-    """Which of ``ids`` have a prepare row (for Kafka records outside the window)."""
+def message_topics(conn: Connection, schema: str, ids: Iterable[int]) -> dict[int, str]:
+    """The topic of each of ``ids`` that has a prepare row (for records outside the window)."""
     message = tables(schema).message
     wanted = sorted(set(ids))
-    found: set[int] = set()
+    found: dict[int, str] = {}
     for start in range(0, len(wanted), LOOKUP_CHUNK):
         chunk = wanted[start:start + LOOKUP_CHUNK]
-        found.update(conn.execute(
-            sa.select(message.c.id).where(message.c.id == sa.any_(sa.literal(
-                chunk, sa.ARRAY(sa.BigInteger))))
-        ).scalars())
+        rows = conn.execute(sa.select(message.c.id, message.c.topic).where(
+            message.c.id == sa.any_(sa.literal(chunk, sa.ARRAY(sa.BigInteger)))))
+        found.update((row.id, row.topic) for row in rows)
     return found
 
 

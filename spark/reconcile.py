@@ -12,24 +12,27 @@ cost follows the window, not the history.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from pyspark.sql import DataFrame, SparkSession, Window
+from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from sqlalchemy import create_engine
 
 from outbox.exceptions import ConfigurationError
 from outbox.migrate import require_current
-from outbox.schema import Action, RunOutcome
+from outbox.schema import RunOutcome
 from outbox.settings import Settings
+from relay.producer import security_config
 from spark import findings, queries, report, sources
 from spark.kafka_source import high_watermarks
 
@@ -79,6 +82,18 @@ def local_session(settings: Settings) -> SparkSession:
     return spark
 
 
+@contextlib.contextmanager
+def session(settings: Settings) -> Iterator[SparkSession]:
+    """The active session, or a new one (see local_session) stopped when the block ends."""
+    active = SparkSession.getActiveSession()
+    spark = active or local_session(settings)
+    try:
+        yield spark
+    finally:
+        if active is None:
+            spark.stop()
+
+
 def run(spark: SparkSession, settings: Settings, *, since: datetime | None = None,
         until: datetime | None = None) -> Result:
     """Reconcile one window and record it; see the module docstring."""
@@ -99,36 +114,43 @@ def run(spark: SparkSession, settings: Settings, *, since: datetime | None = Non
         window, source = _window(since, mark, clock)
         with engine.connect() as conn:
             bounds = queries.window_bounds(conn, schema, window)
+            op_ids = queries.op_record_bounds(conn, schema, window)
             conn.rollback()
         log.info("window %s .. %s (%s): %d messages", _iso(window.since) or "beginning",
                  _iso(window.until), source, bounds.count)
 
         spark.sparkContext.setJobDescription("outbox reconcile: reading the outbox tables")
         jdbc = sources.jdbc_options(settings.database_url)
-        ids = (bounds.min_id or 0, bounds.max_id or 0)
-        parts = max(1, min(settings.reconcile_partitions, bounds.count // 10_000 + 1))
+        parts = max(1, min(settings.reconcile_partitions, bounds.count // 50_000 + 1))
+        ranges = sources.id_ranges(bounds.min_id or 0, bounds.max_id or 0, parts)
         messages = _cache(cached, sources.read_jdbc(
-            spark, jdbc, queries.messages_in_window(schema, window), "id", ids, parts))
-        ops = _cache(cached, findings.window_op_records(sources.read_jdbc(
-            spark, jdbc, queries.op_records_for_ids(schema, *ids), "message_id", ids, parts),
-            messages))
-        orphans = sources.read_jdbc(spark, jdbc, queries.orphan_op_records(schema, window))
-        message_count, op_count = messages.count(), ops.count()
+            spark, jdbc, [queries.message_facts(schema, window, r) for r in ranges]))
+        orphans = sources.read_jdbc(spark, jdbc, [
+            queries.orphan_op_records(schema, window, r)
+            for r in sources.id_ranges(*(op_ids or (0, 0)), parts)])
+        totals = messages.agg(F.count(F.lit(1)).alias("messages"),
+                              F.sum("op_records").alias("op_records")).collect()[0]
+        message_count, op_count = int(totals.messages), int(totals.op_records or 0)
         log.info("read %d messages and %d op records (%.1fs)", message_count, op_count,
                  time.monotonic() - clock_start)
 
-        records = unknown_ids = None
-        read_to = None
+        records = read_to = unknown = claims = None
         if settings.reconcile_read_topics:
-            records, unknown_ids, read_to = _read_topics(
-                spark, settings, engine, messages, ops, mark, window, cached)
-        inputs = findings.Inputs(messages, ops, orphans, records, unknown_ids, clock.now,
+            records, read_to = _read_topics(spark, settings, engine, messages, mark, window,
+                                            cached)
+        inputs = findings.Inputs(messages, orphans, records, clock.now,
                                  settings.reconcile_sla_seconds)
-        facts = _cache(cached, findings.facts(inputs))
+        spark.sparkContext.setJobDescription("outbox reconcile: matching the records")
+        everything = findings.joined(inputs)
+        facts = findings.facts(everything)
+        if records is not None:
+            everything = _cache(cached, everything)
+            unknown = _unknown(spark, engine, schema, findings.foreign(everything))
+            claims = _claims(spark, engine, schema, findings.several(facts))
 
         output = _output_dir(Path(settings.reconcile_output_dir), started_at)
         spark.sparkContext.setJobDescription("outbox reconcile: findings")
-        found = _cache(cached, findings.find(inputs, facts))
+        found = _cache(cached, findings.find(inputs, facts, unknown, claims))
         found.write.mode("error").parquet(str(output / "findings"))
         counts, samples = _count(found, checked=[
             f.name for f in findings.FINDINGS if records is not None or not f.needs_topics])
@@ -162,12 +184,7 @@ def run(spark: SparkSession, settings: Settings, *, since: datetime | None = Non
             "sla_seconds": settings.reconcile_sla_seconds,
             "counts": {"messages": message_count, "op_records": op_count,
                        "kafka_records": kafka_count},
-            "findings": [
-                {"name": f.name, "title": f.title, "checked": f.name in counts,
-                 "count": counts.get(f.name, 0), "threshold": limits[f.name],
-                 "exceeded": f.name in exceeded, "sample_ids": samples.get(f.name, [])}
-                for f in findings.FINDINGS
-            ],
+            "findings": _findings_summary(counts, samples, limits, exceeded),
             "kafka_offsets": read_to,
             "stats": stats,
             "output_path": str(output),
@@ -185,8 +202,21 @@ def run(spark: SparkSession, settings: Settings, *, since: datetime | None = Non
         engine.dispose()
 
 
+def _findings_summary(counts: dict[str, int], samples: dict[str, list[int]],
+                      limits: dict[str, int | None], exceeded: list[str]
+                      ) -> list[dict[str, Any]]:
+    """Every finding, in a fixed order; those not checked (tables only) say so."""
+    return [
+        {"name": f.name, "title": f.title, "checked": f.name in counts,
+         "count": counts.get(f.name, 0), "threshold": limits[f.name],
+         "exceeded": f.name in exceeded, "sample_ids": samples.get(f.name, [])}
+        for f in findings.FINDINGS
+    ]
+
+
 def _window(since: datetime | None, mark: queries.Watermark, clock: queries.Clock
             ) -> tuple[queries.Window, str]:
+    """The window to reconcile, and where its start came from (for the report)."""
     if clock.until < clock.requested_until:
         log.warning("window end held back from %s to %s by a transaction still open",
                     _iso(clock.requested_until), _iso(clock.until))
@@ -203,34 +233,54 @@ def _window(since: datetime | None, mark: queries.Watermark, clock: queries.Cloc
 
 
 def _read_topics(spark: SparkSession, settings: Settings, engine: Any, messages: DataFrame,
-                 ops: DataFrame, mark: queries.Watermark, window: queries.Window,
-                 cached: list[DataFrame]
-                 ) -> tuple[DataFrame, DataFrame, dict[str, dict[str, int]]]:
-    """The topics' planned ranges, and the outbox ids in them that match no prepare row."""
+                 mark: queries.Watermark, window: queries.Window, cached: list[DataFrame]
+                 ) -> tuple[DataFrame, dict[str, dict[str, int]]]:
+    """The topics from the last run's end (or the window's first op record) to their end."""
     spark.sparkContext.setJobDescription("outbox reconcile: reading the topics")
+    first = messages.where(F.col("op_at").isNotNull()).groupBy(
+        "topic", F.shiftright("op_at", queries.POSITION_OFFSET_BITS).alias("partition")).agg(
+        F.min("op_at").alias("first")).collect()
+    first_ops = {(r.topic, r.partition): r.first & ((1 << queries.POSITION_OFFSET_BITS) - 1)
+                 for r in first}
+    repeated = [r.id for r in messages.where(F.col("delivered_ops") > 1).select("id").collect()]
+    with engine.connect() as conn:
+        for _, topic, partition, offset in queries.delivered_positions(
+                conn, settings.schema_name, repeated):
+            if partition is not None and offset is not None:
+                key = (topic, partition)
+                first_ops[key] = min(first_ops.get(key, offset), offset)
+        conn.rollback()
     topics = {r.topic for r in messages.select("topic").distinct().collect()}
     topics |= set(mark.kafka_offsets or {})
-    ends = high_watermarks(settings.kafka_bootstrap, sorted(topics))
-    first_ops = {
-        (r.topic, r.kafka_partition): r.first for r in ops
-        .where((F.col("action") == Action.DELIVERED.value) & F.col("kafka_offset").isNotNull())
-        .groupBy("topic", "kafka_partition").agg(F.min("kafka_offset").alias("first"))
-        .collect()
-    }
+    client = security_config(settings)
+    ends = high_watermarks(settings.kafka_bootstrap, sorted(topics), client)
     plan = sources.plan_topics(ends, first_ops, mark.kafka_offsets, window.since is None)
     log.info("reading %d offset ranges of %d topics (%d records)", len(plan.ranges),
              len(topics), sum(r.end - r.start for r in plan.ranges))
-    records = _cache(cached, sources.read_topics(spark, settings.kafka_bootstrap, plan))
-    foreign = (records.where(F.col("fresh") & F.col("outbox_id").isNotNull())
-               .join(messages.select(F.col("id").alias("outbox_id")), "outbox_id", "left_anti")
-               .select("outbox_id").distinct())
-    candidates = [r.outbox_id for r in foreign.collect()]
+    return _cache(cached, sources.read_topics(spark, settings.kafka_bootstrap, plan, client)), \
+        plan.read_to
+
+
+def _claims(spark: SparkSession, engine: Any, schema: str, several: DataFrame) -> DataFrame:
+    """Each DELIVERED op record of the messages delivered or copied more than once."""
+    rows = several.select("id", "delivered_ops").collect()
     with engine.connect() as conn:
-        known = queries.existing_message_ids(conn, settings.schema_name, candidates)
+        claims = queries.delivered_positions(
+            conn, schema, [r.id for r in rows if r.delivered_ops > 0])
         conn.rollback()
-    unknown = spark.createDataFrame([(i,) for i in sorted(set(candidates) - known)],
-                                    "outbox_id long")
-    return records, unknown, plan.read_to
+    return spark.createDataFrame(claims, "id long, topic string, partition int, offset long")
+
+
+def _unknown(spark: SparkSession, engine: Any, schema: str, foreign: DataFrame) -> DataFrame:
+    """Of the new records outside the window, those whose outbox-id is no message of their
+    topic at all (the others belong to another window)."""
+    candidates = {(r.topic, r.outbox_id) for r in foreign.collect()}
+    with engine.connect() as conn:
+        topic_of = queries.message_topics(conn, schema, {i for _, i in candidates})
+        conn.rollback()
+    return spark.createDataFrame(
+        sorted((t, i) for t, i in candidates if topic_of.get(i) != t),
+        "topic string, outbox_id long")
 
 
 def _cache(cached: list[DataFrame], df: DataFrame) -> DataFrame:
@@ -239,15 +289,15 @@ def _cache(cached: list[DataFrame], df: DataFrame) -> DataFrame:
 
 
 def _count(found: DataFrame, checked: list[str]) -> tuple[dict[str, int], dict[str, list[int]]]:
+    """Findings per name, and the lowest message ids of each for the report."""
     counts = dict.fromkeys(checked, 0)
-    for row in found.groupBy("finding").count().collect():
-        counts[row.finding] = row["count"]
-    first = Window.partitionBy("finding").orderBy("message_id")
     samples: dict[str, list[int]] = {}
-    for row in (found.where(F.col("message_id").isNotNull()).select("finding", "message_id")
-                .distinct().withColumn("n", F.row_number().over(first))
-                .where(F.col("n") <= SAMPLE_IDS).orderBy("finding", "message_id").collect()):
-        samples.setdefault(row.finding, []).append(row.message_id)
+    for row in found.groupBy("finding").agg(
+        F.count(F.lit(1)).alias("n"),
+        F.slice(F.sort_array(F.collect_set("message_id")), 1, SAMPLE_IDS).alias("ids"),
+    ).collect():
+        counts[row.finding] = row.n
+        samples[row.finding] = list(row.ids)
     return counts, samples
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import reduce
+from typing import Any
 from urllib.parse import urlencode
 
 from pyspark.sql import DataFrame, SparkSession
@@ -38,17 +40,18 @@ def jdbc_options(database_url: str) -> dict[str, str]:
     return options
 
 
-def read_jdbc(spark: SparkSession, options: Mapping[str, str], subquery: str,
-              partition_column: str | None = None, bounds: tuple[int, int] | None = None,
-              partitions: int = 1) -> DataFrame:
-    """Read a subquery, split into ``partitions`` ranges of ``partition_column`` when given."""
-    reader = spark.read.format("jdbc").options(**options).option("dbtable", subquery)
-    if partition_column and bounds and partitions > 1:
-        low, high = bounds
-        reader = (reader.option("partitionColumn", partition_column)
-                  .option("lowerBound", str(low)).option("upperBound", str(high + 1))
-                  .option("numPartitions", str(partitions)))
-    return reader.load()
+def id_ranges(low: int, high: int, parts: int) -> list[tuple[int, int]]:
+    """``[low, high]`` cut into at most ``parts`` inclusive ranges of similar width."""
+    step = max(1, -(-(high - low + 1) // parts))
+    return [(start, min(high, start + step - 1)) for start in range(low, high + 1, step)]
+
+
+def read_jdbc(spark: SparkSession, options: Mapping[str, str],
+              subqueries: list[str]) -> DataFrame:
+    """One Spark partition per subquery (each bounded by its own id range)."""
+    frames = [spark.read.format("jdbc").options(**options).option("dbtable", subquery).load()
+              for subquery in subqueries]
+    return reduce(DataFrame.unionByName, frames)
 
 
 @dataclass(frozen=True)
@@ -93,14 +96,24 @@ def plan_topics(ends: Mapping[tuple[str, int], int],
 
 
 def read_topics(spark: SparkSession, bootstrap: str, plan: TopicPlan,
+                client: Mapping[str, Any] | None = None,
                 max_records_per_split: int = 1_000_000) -> DataFrame:
-    """The planned offset ranges as records, each marked ``fresh`` or not."""
+    """The planned offset ranges as records, each marked ``fresh`` or not.
+
+    ``client``: kafka-python security settings (relay.producer.security_config).
+    """
     if plan.ranges:
         spark.dataSource.register(KafkaRangeSource)
-        records = (spark.read.format(FORMAT).option("bootstrap", bootstrap)
-                   .option("ranges", json.dumps([[r.topic, r.partition, r.start, r.end]
-                                                 for r in plan.ranges]))
-                   .option("max_records_per_split", str(max_records_per_split)).load())
+        settings = dict(client or {})
+        password = settings.pop("sasl_plain_password", None)
+        reader = (spark.read.format(FORMAT).option("bootstrap", bootstrap)
+                  .option("ranges", json.dumps([[r.topic, r.partition, r.start, r.end]
+                                                for r in plan.ranges]))
+                  .option("client", json.dumps(settings))
+                  .option("max_records_per_split", str(max_records_per_split)))
+        if password is not None:
+            reader = reader.option("sasl_plain_password", password)
+        records = reader.load()
     else:
         records = spark.createDataFrame([], SPARK_SCHEMA)
     marks = spark.createDataFrame(

@@ -415,7 +415,8 @@ $roles$;
 GRANT USAGE ON SCHEMA {schema} TO {schema}_app, {schema}_relay, {schema}_sweeper;
 GRANT SELECT ON {schema}.outbox_alembic_version TO {schema}_app, {schema}_relay, {schema}_sweeper;
 GRANT INSERT ON {schema}.message TO {schema}_app;
-GRANT SELECT (id, resolution, status), UPDATE (resolution, status, next_check_at)
+GRANT SELECT (id, resolution, status, deliver_after),
+      UPDATE (resolution, status, next_check_at)
     ON {schema}.message TO {schema}_app;
 GRANT INSERT ON {schema}.op_record TO {schema}_app;
 GRANT SELECT, UPDATE, DELETE ON {schema}.message TO {schema}_relay;

@@ -1,0 +1,181 @@
+"""Reconciliation throughput on local Spark against the embedded services.
+
+    python bench/reconcile_bench.py [--messages 5000000] [--master local[2]]
+
+Generates delivered messages and their op records with generate_series, produces the
+matching Kafka records (key, outbox-id header, the offsets the op records name) with
+kafka-python from one process per partition, then times `spark.reconcile.run` over the whole
+window: tables only, and with the topic read (``--repeat`` times each, alternating). Reports
+messages per second of each run (the SparkSession start is reported apart) and checks every
+run comes out CLEAN.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import multiprocessing
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from kafka import KafkaProducer
+from sqlalchemy import Engine, create_engine, text
+
+from outbox import devservices, migrate
+from outbox.schema import RunOutcome
+from outbox.settings import Settings, sqlalchemy_url
+from outbox.topic_reader import create_topic
+from spark import reconcile as job
+from spark.kafka_source import high_watermarks
+
+TOPIC = "bench"
+SCHEMA = "outbox"
+
+
+def say(line: str) -> None:
+    print(line, flush=True)
+
+
+def generate_tables(engine: Engine, n: int, partitions: int, keys: int) -> None:
+    """n delivered messages, created 1 ms apart, each with its DELIVERED op record.
+
+    Message g has key k<g % keys>, partition g % partitions (keys % partitions == 0, so a key
+    stays in one partition) and offset (g - 1) // partitions: the id order within a key.
+    """
+    with engine.begin() as conn:
+        conn.execute(text(
+            f"INSERT INTO {SCHEMA}.message (id, topic, key, payload, content_type, resolution, "
+            f"status, shard, attempts, created_at, delivered_at) "
+            f"SELECT g, :topic, convert_to('k' || (g % :keys), 'UTF8'), "
+            f"'\\x7b7d'::bytea, 'application/json', 'COMMIT', 'DELIVERED', g % 64, 1, "
+            f"now() - interval '3 hours' + g * interval '1 millisecond', "
+            f"now() - interval '3 hours' + g * interval '1 millisecond' "
+            f"+ (g % 50) * interval '1 millisecond' FROM generate_series(1, :n) AS g"),
+            {"topic": TOPIC, "keys": keys, "n": n})
+        conn.execute(text(
+            f"INSERT INTO {SCHEMA}.op_record (id, message_id, action, actor, kafka_partition, "
+            f"kafka_offset, created_at) "
+            f"SELECT g, g, 'DELIVERED', 'bench', g % :partitions, (g - 1) / :partitions, "
+            f"now() - interval '3 hours' + g * interval '1 millisecond' "
+            f"FROM generate_series(1, :n) AS g"), {"partitions": partitions, "n": n})
+        for table in ("message", "op_record"):
+            conn.execute(text(
+                f"SELECT setval(pg_get_serial_sequence('{SCHEMA}.{table}', 'id'), :n)"),
+                {"n": n})
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(text(f"VACUUM ANALYZE {SCHEMA}.message, {SCHEMA}.op_record"))
+
+
+def produce_partition(bootstrap: str, partition: int, partitions: int, n: int, keys: int
+                      ) -> None:
+    """The records of one partition, in id order (so offsets match the op records)."""
+    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=20,
+                             batch_size=1024 * 1024, enable_idempotence=True,
+                             max_in_flight_requests_per_connection=5)
+    first = partition if partition else partitions
+    for g in range(first, n + 1, partitions):
+        producer.send(TOPIC, value=b"{}", key=b"k%d" % (g % keys), partition=partition,
+                      headers=[("outbox-id", b"%d" % g),
+                               ("content-type", b"application/json")])
+    producer.flush()
+    producer.close()
+
+
+def produce_records(bootstrap: str, n: int, partitions: int, keys: int) -> None:
+    context = multiprocessing.get_context("spawn")
+    workers = [context.Process(target=produce_partition,
+                               args=(bootstrap, p, partitions, n, keys))
+               for p in range(partitions)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+        if worker.exitcode:
+            raise SystemExit(f"producer exited with {worker.exitcode}")
+    ends = high_watermarks(bootstrap, [TOPIC])
+    expected = {(TOPIC, p): len(range(p or partitions, n + 1, partitions))
+                for p in range(partitions)}
+    if ends != expected:
+        raise SystemExit(f"topic holds {ends}, expected {expected}")
+
+
+def timed_run(spark: Any, settings: Settings) -> dict[str, Any]:
+    started = time.perf_counter()
+    result = job.run(spark, settings, since=datetime(2000, 1, 1, tzinfo=UTC),
+                     until=datetime.now(UTC))
+    seconds = time.perf_counter() - started
+    messages = result.summary["counts"]["messages"]
+    if result.outcome is not RunOutcome.CLEAN:
+        raise SystemExit(f"expected a clean run:\n{result.report}")
+    return {"seconds": round(seconds, 1), "messages": messages,
+            "kafka_records": result.summary["counts"]["kafka_records"],
+            "messages_per_second": round(messages / seconds)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--messages", type=int, default=5_000_000)
+    parser.add_argument("--partitions", type=int, default=4, help="topic partitions")
+    parser.add_argument("--keys", type=int, default=10_000, help="a multiple of --partitions")
+    parser.add_argument("--master", default="local[2]")
+    parser.add_argument("--jdbc-partitions", type=int, default=8)
+    parser.add_argument("--skip-topic", action="store_true", help="time tables only")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="runs of each kind in one session (the first pays the JIT warm-up)")
+    parser.add_argument("--results", type=Path, default=Path("bench/results/reconcile.json"))
+    args = parser.parse_args()
+    if args.keys % args.partitions:
+        parser.error("--keys must be a multiple of --partitions")
+    logging.basicConfig(level="INFO", format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("kafka").setLevel(logging.CRITICAL)
+
+    services = devservices.start()
+    output = tempfile.mkdtemp(prefix="reconcile-bench-")
+    try:
+        migrate.upgrade(services.database_url, SCHEMA)
+        create_topic(services.kafka_bootstrap, TOPIC, partitions=args.partitions)
+        engine = create_engine(sqlalchemy_url(services.database_url))
+        started = time.perf_counter()
+        generate_tables(engine, args.messages, args.partitions, args.keys)
+        say(f"generated {args.messages:,} messages and op records in "
+            f"{time.perf_counter() - started:.0f}s")
+        results: dict[str, Any] = {"messages": args.messages, "master": args.master,
+                                   "topic_partitions": args.partitions}
+        if not args.skip_topic:
+            started = time.perf_counter()
+            produce_records(services.kafka_bootstrap, args.messages, args.partitions, args.keys)
+            say(f"produced {args.messages:,} Kafka records in "
+                f"{time.perf_counter() - started:.0f}s")
+        settings = Settings(
+            database_url=services.database_url, kafka_bootstrap=services.kafka_bootstrap,
+            schema_name=SCHEMA, reconcile_output_dir=output, reconcile_spark_master=args.master,
+            reconcile_partitions=args.jdbc_partitions)
+        started = time.perf_counter()
+        spark = job.local_session(settings)
+        results["session_start_seconds"] = round(time.perf_counter() - started, 1)
+        try:
+            kinds = [("tables_only", settings)]
+            if not args.skip_topic:
+                kinds.append(("with_topic",
+                              settings.model_copy(update={"reconcile_read_topics": True})))
+            for _ in range(args.repeat):
+                for kind, kind_settings in kinds:
+                    results.setdefault(kind, []).append(timed_run(spark, kind_settings))
+                    say(f"{kind}: {results[kind][-1]}")
+        finally:
+            spark.stop()
+        engine.dispose()
+    finally:
+        devservices.stop(services)
+    args.results.parent.mkdir(parents=True, exist_ok=True)
+    args.results.write_text(json.dumps(results, indent=2) + "\n")
+    say(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
