@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from types import FrameType
 from typing import Any, TypeVar
 
 import click
+from sqlalchemy import Connection
 from sqlalchemy.exc import OperationalError
 
 from outbox.exceptions import ConfigurationError, OutboxError
@@ -54,6 +56,19 @@ def friendly_errors(func: F) -> F:
             sys.exit(2)
 
     return wrapper  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def database(settings: Settings) -> Iterator[Connection]:
+    """One connection for a short command, its engine disposed afterwards."""
+    from sqlalchemy import create_engine
+
+    engine = create_engine(settings.sqlalchemy_url)
+    try:
+        with engine.connect() as conn:
+            yield conn
+    finally:
+        engine.dispose()
 
 
 def setup_logging(level: str) -> None:
@@ -208,21 +223,15 @@ def status(database_url: str | None, kafka_bootstrap: str | None, schema: str | 
     """Pending, in flight, parked, delayed and recent deliveries, per topic and relay."""
     import json
 
-    from sqlalchemy import create_engine
-
     from outbox import store
     from outbox.migrate import require_current
 
     settings = _db_settings(database_url, schema)
-    engine = create_engine(settings.sqlalchemy_url)
-    try:
-        with engine.connect() as conn:
-            require_current(conn, settings.schema_name)
-            topics = store.status_by_topic(conn, settings.schema_name)
-            relays = store.relays(conn, settings.schema_name, settings.relay_lease_seconds)
-            check_backs = store.check_backlog(conn, settings.schema_name, _overdue(settings))
-    finally:
-        engine.dispose()
+    with database(settings) as conn:
+        require_current(conn, settings.schema_name)
+        topics = store.status_by_topic(conn, settings.schema_name)
+        relays = store.relays(conn, settings.schema_name, settings.relay_lease_seconds)
+        check_backs = store.check_backlog(conn, settings.schema_name, _overdue(settings))
     in_flight = sum(r["in_flight"] for r in relays)
     if as_json:
         click.echo(json.dumps({"schema": settings.schema_name, "in_flight": in_flight,
@@ -327,20 +336,15 @@ def down(state_file: Path) -> None:
 def resume(database_url: str | None, kafka_bootstrap: str | None, schema: str | None,
            ids: tuple[int, ...], resume_all: bool) -> None:
     """Re-queue PARKED messages and re-arm the check-backs of DISCARDED ones."""
-    from sqlalchemy import create_engine
 
     from outbox import store
 
     if not ids and not resume_all:
         raise click.UsageError("give message ids, or --all")
     settings = _db_settings(database_url, schema)
-    engine = create_engine(settings.sqlalchemy_url)
-    try:
-        with engine.begin() as conn:
-            resumed = store.resume(conn, settings.schema_name, f"cli:{settings.worker_id}",
-                                   ids, resume_all=resume_all)
-    finally:
-        engine.dispose()
+    with database(settings) as conn, conn.begin():
+        resumed = store.resume(conn, settings.schema_name, f"cli:{settings.worker_id}",
+                               ids, resume_all=resume_all)
     for message_id, was in resumed:
         click.echo(f"resumed message {message_id} (was {was})")
     missing = set(ids) - {message_id for message_id, _ in resumed}
@@ -405,17 +409,12 @@ def sweep(database_url: str | None, kafka_bootstrap: str | None, schema: str | N
 def discarded(database_url: str | None, kafka_bootstrap: str | None, schema: str | None,
               limit: int) -> None:
     """List messages discarded after their last inconclusive check-back."""
-    from sqlalchemy import create_engine
 
     from outbox import store
 
     settings = _db_settings(database_url, schema)
-    engine = create_engine(settings.sqlalchemy_url)
-    try:
-        with engine.connect() as conn:
-            rows = store.discarded(conn, settings.schema_name, limit)
-    finally:
-        engine.dispose()
+    with database(settings) as conn:
+        rows = store.discarded(conn, settings.schema_name, limit)
     if not rows:
         click.echo("no discarded messages", err=True)
         return
