@@ -7,6 +7,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from typing import Protocol, TypeVar
 
 import pytest
 from sqlalchemy import Engine, create_engine, text
@@ -65,10 +66,17 @@ def outbox(settings: Settings) -> Outbox:
     return Outbox(settings=settings)
 
 
+class Daemon(Protocol):
+    def run(self) -> None: ...
+    def stop(self) -> None: ...
+
+
+D = TypeVar("D", bound=Daemon)
+
+
 @contextlib.contextmanager
-def running_relay(settings: Settings) -> Iterator[Relay]:
-    """A relay running in a thread until the block ends; its crash fails the test."""
-    daemon = Relay(settings)
+def running(daemon: D, name: str) -> Iterator[D]:
+    """A relay or sweeper running in a thread until the block ends; its crash fails the test."""
     failure: list[BaseException] = []
 
     def run() -> None:
@@ -77,15 +85,21 @@ def running_relay(settings: Settings) -> Iterator[Relay]:
         except BaseException as exc:
             failure.append(exc)
 
-    thread = threading.Thread(target=run, name="relay", daemon=True)
+    thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
     try:
         yield daemon
     finally:
         daemon.stop()
         thread.join(30)
-    assert not thread.is_alive(), "relay did not stop within 30 s"
-    assert not failure, f"relay crashed: {failure[0]!r}"
+    assert not thread.is_alive(), f"{name} did not stop within 30 s"
+    assert not failure, f"{name} crashed: {failure[0]!r}"
+
+
+@contextlib.contextmanager
+def running_relay(settings: Settings) -> Iterator[Relay]:
+    with running(Relay(settings), "relay") as daemon:
+        yield daemon
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ from outbox.settings import Settings
 from outbox.topic_reader import read_topic
 from relay.relay import Relay
 from relay.sweeper import Sweeper
-from tests.conftest import publish_orders, wait_delivered, wait_until
+from tests.conftest import publish_orders, running, wait_delivered, wait_until
 from tests.processes import outbox_env, run_outbox, start_outbox
 
 GROUP = "orders"
@@ -50,24 +50,8 @@ def orders(fast: Settings) -> Outbox:
 def sweeping(settings: Settings, checkers: Mapping[str, Checker] | None = None,
              **overrides: Any) -> Iterator[Sweeper]:
     """A sweeper running in a thread; stopping it waits for the checks in flight."""
-    sweeper = Sweeper(settings.model_copy(update=overrides), checkers)
-    failure: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            sweeper.run()
-        except BaseException as exc:
-            failure.append(exc)
-
-    thread = threading.Thread(target=run, name="sweeper", daemon=True)
-    thread.start()
-    try:
+    with running(Sweeper(settings.model_copy(update=overrides), checkers), "sweeper") as sweeper:
         yield sweeper
-    finally:
-        sweeper.stop()
-        thread.join(30)
-        assert not thread.is_alive(), "sweeper did not stop within 30 s"
-        assert not failure, f"sweeper crashed: {failure[0]!r}"
 
 
 def prepare(engine: Engine, outbox: Outbox, topic: str = "orders", payload: object = "x",
