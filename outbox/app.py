@@ -10,7 +10,9 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, TypeVar, overload
 
+import psycopg
 from sqlalchemy import Connection, Engine, Result, Row, TextClause
+from sqlalchemy.exc import ProgrammingError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
@@ -22,6 +24,7 @@ from outbox.exceptions import (
     InvalidMessage,
     MessageNotFound,
     NotInTransaction,
+    SchemaNotMigrated,
 )
 from outbox.message import EncodedMessage, delivery_time, encode
 from outbox.schema import Resolution
@@ -181,11 +184,12 @@ class Outbox:
         """Run one statement in the caller's open transaction, or in an engine's own one."""
         if isinstance(bind, AsyncSession | AsyncConnection | AsyncEngine):
             return self._execute_async(bind, statement, params, read)
-        if isinstance(bind, Engine):
-            with bind.begin() as conn:
-                return read(conn.execute(statement, params))
-        _require_transaction(bind.in_transaction(), _connection_of(bind))
-        return read(bind.execute(statement, params))
+        with _missing_tables(self.schema):
+            if isinstance(bind, Engine):
+                with bind.begin() as conn:
+                    return read(conn.execute(statement, params))
+            _require_transaction(bind.in_transaction(), _connection_of(bind))
+            return read(bind.execute(statement, params))
 
     async def _execute_async(
         self,
@@ -194,13 +198,14 @@ class Outbox:
         params: dict[str, Any],
         read: Callable[[Result[Any]], T],
     ) -> T:
-        if isinstance(bind, AsyncEngine):
-            async with bind.begin() as conn:
-                return read(await conn.execute(statement, params))
-        in_transaction = bind.in_transaction()
-        connection = await bind.connection() if isinstance(bind, AsyncSession) else bind
-        _require_transaction(in_transaction, connection.sync_connection)
-        return read(await bind.execute(statement, params))
+        with _missing_tables(self.schema):
+            if isinstance(bind, AsyncEngine):
+                async with bind.begin() as conn:
+                    return read(await conn.execute(statement, params))
+            in_transaction = bind.in_transaction()
+            connection = await bind.connection() if isinstance(bind, AsyncSession) else bind
+            _require_transaction(in_transaction, connection.sync_connection)
+            return read(await bind.execute(statement, params))
 
     # Two-phase messages (RocketMQ transactional messages) -------------------------------
 
@@ -431,12 +436,21 @@ class Outbox:
             content_type=message.content_type,
         )
 
-    def checker(self, producer_group: str | None = None) -> Callable[[C], C]:
+    @overload
+    def checker(self, producer_group: C) -> C: ...
+
+    @overload
+    def checker(self, producer_group: str | None = None) -> Callable[[C], C]: ...
+
+    def checker(self, producer_group: str | C | None = None) -> Callable[[C], C] | C:
         """Register ``func(message, connection) -> COMMIT | ROLLBACK | UNKNOWN`` for a group.
 
         The sweeper (``outbox sweep --app module:outbox``) calls it for messages of that
-        producer group (default: this outbox's) whose resolution is still UNKNOWN.
+        producer group (default: this outbox's) whose resolution is still UNKNOWN. Use it as
+        ``@outbox.checker``, ``@outbox.checker()`` or ``@outbox.checker("group")``.
         """
+        if callable(producer_group):
+            return self.checker(None)(producer_group)
         group = producer_group or self.producer_group
 
         def register(func: C) -> C:
@@ -446,6 +460,20 @@ class Outbox:
             return func
 
         return register
+
+
+@contextlib.contextmanager
+def _missing_tables(schema: str) -> Iterator[None]:
+    """An unmigrated schema is a setup mistake: say which command fixes it."""
+    try:
+        yield
+    except ProgrammingError as exc:
+        if isinstance(exc.orig, psycopg.errors.UndefinedTable):
+            raise SchemaNotMigrated(
+                f"outbox schema {schema!r} has no outbox tables: run `outbox db upgrade` "
+                "(or outbox.migrate.upgrade) against this database first"
+            ) from exc
+        raise
 
 
 def _message_id(result: Result[Any]) -> int:

@@ -119,3 +119,27 @@ def test_publish_with_a_plain_connection_in_a_transaction(engine: Engine, outbox
         message_id = outbox.publish(conn, "t", {"a": 1}, headers={"h": b"\xff", "s": "v"})
     assert message_id > 0
     assert message_count(engine, schema) == 1
+
+
+def test_publish_into_an_unmigrated_schema_says_how_to_fix_it(engine: Engine,
+                                                              settings: Settings) -> None:
+    from outbox import SchemaNotMigrated
+
+    unmigrated = Outbox(settings=settings, schema="never_migrated")
+    with Session(engine) as session, session.begin(), pytest.raises(
+            SchemaNotMigrated, match="run `outbox db upgrade`"):
+        unmigrated.publish(session, "t", {"a": 1})
+
+
+def test_checker_registers_with_or_without_parentheses(settings: Settings) -> None:
+    outbox = Outbox(settings=settings, producer_group="shop")
+
+    @outbox.checker
+    def bare(message: object, conn: object) -> str:
+        return "COMMIT"
+
+    @outbox.checker("billing")
+    def named(message: object, conn: object) -> str:
+        return "ROLLBACK"
+
+    assert outbox.checkers == {"shop": bare, "billing": named}
