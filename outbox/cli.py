@@ -389,9 +389,9 @@ def sweep(database_url: str | None, kafka_bootstrap: str | None, schema: str | N
     setup_logging(settings.log_level)
     daemon = Sweeper(settings, load_app(app_path).checkers if app_path else {})
     if metrics_port is not None:
-        from prometheus_client import start_http_server
+        from relay import metrics
 
-        start_http_server(metrics_port)
+        metrics.serve(metrics_port)
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
         logging.getLogger("outbox.sweeper").info("%s: stopping", signal.Signals(signum).name)

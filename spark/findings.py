@@ -1,7 +1,8 @@
 """What the reconciliation looks for: each finding, its default threshold, and how it is found.
 
-Every finding is a DataFrame with the same columns (``FINDING_SCHEMA``), one row per message
-or per Kafka record involved, so all of them land in one Parquet dataset. Most are filters
+Every finding is a DataFrame with the same columns (finding, message_id, topic, partition,
+offset, detail), one row per message or per Kafka record involved, so all of them land in one
+Parquet dataset. Most are filters
 over ``facts``: one row per message of the window with what its op records and the topic say
 about it.
 """
@@ -51,9 +52,6 @@ FINDINGS = (
     Finding("discarded", "discarded rows", None),
 )
 BY_NAME = {finding.name: finding for finding in FINDINGS}
-FINDING_SCHEMA = (
-    "finding string, message_id long, topic string, partition int, offset long, detail string"
-)
 
 
 def thresholds(overrides: Mapping[str, int | None]) -> dict[str, int | None]:
@@ -138,7 +136,7 @@ def several(facts: DataFrame) -> DataFrame:
 
 def find(inputs: Inputs, facts: DataFrame, unknown: DataFrame | None,
          claims: DataFrame | None) -> DataFrame:
-    """All findings of the run, as one DataFrame of ``FINDING_SCHEMA``.
+    """All findings of the run, as one DataFrame of the columns named above.
 
     ``unknown``: (topic, outbox_id) of new records that match no prepare row at all;
     ``claims``: (id, topic, partition, offset) of each DELIVERED op record of ``several``.
