@@ -14,7 +14,7 @@ test:
 lint:
 	@scripts/bootstrap.sh dev,spark
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy
+	scripts/typecheck.sh
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache

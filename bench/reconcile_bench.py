@@ -25,12 +25,13 @@ from typing import Any
 from kafka import KafkaProducer
 from sqlalchemy import Engine, create_engine, text
 
-from outbox import devservices, migrate
-from outbox.schema import RunOutcome
+from outbox import migrate
+from outbox.dev import services as devservices
+from outbox.dev.topics import create_topic
 from outbox.settings import Settings, sqlalchemy_url
-from outbox.topic_reader import create_topic
-from spark import reconcile as job
-from spark.kafka_source import high_watermarks
+from outbox.spark import reconcile as job
+from outbox.spark.kafka_source import high_watermarks
+from outbox.spark.runs import RunOutcome
 
 TOPIC = "bench"
 SCHEMA = "outbox"

@@ -25,11 +25,12 @@ from kafka import KafkaProducer
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.orm import Session
 
-from outbox import Outbox, devservices, migrate, store
+from outbox import Outbox, migrate, store
+from outbox.dev import services as devservices
+from outbox.dev.topics import create_topic
+from outbox.relay.producer import PRODUCER_DEFAULTS
 from outbox.schema import SHARDS
 from outbox.settings import sqlalchemy_url
-from outbox.topic_reader import create_topic
-from relay.producer import PRODUCER_DEFAULTS
 
 PAYLOAD = b"x" * 1024
 KEYS = 1000
@@ -93,7 +94,7 @@ def delivered(engine: Engine, schema: str) -> int:
 
 def start_relays(env: dict[str, str], schema: str, count: int) -> list[subprocess.Popen[bytes]]:
     return [
-        subprocess.Popen([sys.executable, "-m", "outbox", "relay", "--schema", schema,
+        subprocess.Popen([sys.executable, "-m", "outbox", "--schema", schema, "relay",
                           "--log-level", "WARNING"], env=env)
         for _ in range(count)
     ]

@@ -18,10 +18,11 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, create_engine, text
 
-from outbox import Message, devservices, migrate, store
+from outbox import Message, migrate, store
+from outbox.dev import services as devservices
+from outbox.relay.sweeper import CLAIM_MARGIN, Sweeper
 from outbox.schema import SHARDS
 from outbox.settings import Settings, sqlalchemy_url
-from relay.sweeper import CLAIM_MARGIN, Sweeper
 
 GROUP = "bench"
 

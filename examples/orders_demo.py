@@ -33,9 +33,10 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import Session
 
-from outbox import Message, Outbox, devservices, migrate
+from outbox import Message, Outbox, migrate
+from outbox.dev import services as devservices
+from outbox.dev.topics import create_topic, read_topic
 from outbox.settings import sqlalchemy_url
-from outbox.topic_reader import create_topic, read_topic
 
 shop = MetaData(schema="shop")
 orders = Table(

@@ -7,7 +7,8 @@ in ``config.attributes``; an application's own Alembic never sees our version ta
 from alembic import context
 from sqlalchemy import Connection, create_engine, text
 
-from outbox.schema import VERSION_TABLE, metadata, translate
+from outbox.migrations import target_metadata
+from outbox.schema import VERSION_TABLE, translate
 from outbox.settings import validate_identifier
 
 config = context.config
@@ -18,7 +19,7 @@ def run(connection: Connection) -> None:
     connection.execute(text(f"CREATE SCHEMA IF NOT EXISTS {schema}"))
     context.configure(
         connection=connection.execution_options(schema_translate_map=translate(schema)),
-        target_metadata=metadata,
+        target_metadata=target_metadata(),
         version_table=VERSION_TABLE,
         version_table_schema=schema,
         include_schemas=True,

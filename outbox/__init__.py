@@ -1,6 +1,6 @@
 """Transactional outbox on PostgreSQL: publish inside your transaction, the relay delivers."""
 
-from outbox.app import Outbox, TransactionResult
+from outbox.app import Outbox
 from outbox.exceptions import (
     ConfigurationError,
     DecisionConflict,
@@ -11,9 +11,9 @@ from outbox.exceptions import (
     SchemaNotMigrated,
     ServiceUnavailable,
 )
+from outbox.message import Message, TransactionResult
 from outbox.schema import Resolution, Status
 from outbox.settings import Settings
-from outbox.store import Message
 
 __all__ = [
     "ConfigurationError",

@@ -6,7 +6,6 @@ import contextlib
 import inspect
 import random
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping
-from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, TypeVar, overload
 
@@ -18,6 +17,7 @@ from sqlalchemy.orm import Session
 
 from outbox import store
 from outbox.checkers import Checker, to_resolution
+from outbox.encoding import EncodedMessage, delivery_time, encode
 from outbox.exceptions import (
     ConfigurationError,
     DecisionConflict,
@@ -26,10 +26,9 @@ from outbox.exceptions import (
     NotInTransaction,
     SchemaNotMigrated,
 )
-from outbox.message import EncodedMessage, delivery_time, encode
+from outbox.message import Message, TransactionResult
 from outbox.schema import Resolution
-from outbox.settings import Settings, load_settings
-from outbox.store import Message
+from outbox.settings import PublishSettings, load_settings, with_overrides
 
 SyncTarget = Session | Connection
 AsyncTarget = AsyncSession | AsyncConnection
@@ -45,14 +44,6 @@ T = TypeVar("T")
 C = TypeVar("C", bound=Checker)
 
 
-@dataclass(frozen=True, slots=True)
-class TransactionResult:
-    """What ``send_in_transaction`` recorded (RocketMQ's TransactionSendResult)."""
-
-    message_id: int
-    resolution: Resolution
-
-
 class Outbox:
     """Writes prepare rows in the caller's transaction; the relay delivers them once committed.
 
@@ -65,14 +56,14 @@ class Outbox:
         schema: str | None = None,
         max_payload_bytes: int | None = None,
         producer_group: str = "default",
-        settings: Settings | None = None,
+        settings: PublishSettings | None = None,
     ) -> None:
         overrides = {"schema": schema, "max_payload_bytes": max_payload_bytes}
         if settings is None:
-            settings = load_settings(**overrides)
+            settings = load_settings(PublishSettings, **overrides)
         elif schema is not None or max_payload_bytes is not None:
-            settings = load_settings(**{**settings.model_dump(), **overrides})
-        self.settings = settings
+            settings = with_overrides(settings, **overrides)
+        self.settings: PublishSettings = settings
         self.schema = self.settings.schema_name
         self.producer_group = producer_group
         #: Checkers by producer group, registered with :meth:`checker`.

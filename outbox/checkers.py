@@ -15,8 +15,8 @@ from typing import Any
 from sqlalchemy import Connection
 
 from outbox import store
+from outbox.message import Message
 from outbox.schema import Resolution
-from outbox.store import Message
 
 #: ``checker(message, connection)``; the connection is in a read-only transaction whose
 #: statements are cut off at the checker timeout.

@@ -3,63 +3,73 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
-import signal
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from types import FrameType
 from typing import Any, TypeVar
 
 import click
 from sqlalchemy import Connection
 from sqlalchemy.exc import OperationalError
 
-from outbox.exceptions import ConfigurationError, OutboxError
-from outbox.settings import CONFIG_ENV, Settings, load_settings, mask_url
+from outbox.exceptions import ConfigurationError, OutboxError, first_line
+from outbox.settings import (
+    CONFIG_ENV,
+    DatabaseSettings,
+    ReconcileSettings,
+    RelaySettings,
+    Settings,
+    SweepSettings,
+    load_settings,
+    mask_url,
+)
 
-F = TypeVar("F", bound=Callable[..., Any])
 DEFAULT_STATE = Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state"),
                      "outbox", "dev-services.json")
+S = TypeVar("S", bound=DatabaseSettings)
 
 
-def settings_options(func: F) -> F:
-    """The options every command shares; unset ones fall back to OUTBOX_* variables."""
-    options = [
-        click.option("--database-url", help="PostgreSQL URL [env OUTBOX_DATABASE_URL]"),
-        click.option("--kafka-bootstrap", help="Kafka host:port,... [env OUTBOX_KAFKA_BOOTSTRAP]"),
-        click.option("--schema", help="schema of the outbox tables [env OUTBOX_SCHEMA; outbox]"),
-    ]
-    for option in reversed(options):
-        func = option(func)
-    return func
+@dataclass
+class Shared:
+    """The group's options, for every command (``click`` context object)."""
+
+    database_url: str | None = None
+    schema: str | None = None
+    #: The database URL the command actually uses, for error lines (masked there).
+    used_url: str = ""
+
+    def settings(self, cls: type[S], *, require_database: bool = True, **overrides: Any) -> S:
+        """``cls`` from the group's options, the command's own ``overrides``, then OUTBOX_*."""
+        settings = load_settings(cls, database_url=self.database_url, schema=self.schema,
+                                 **overrides)
+        self.used_url = settings.database_url
+        if require_database:
+            settings.require("database_url")
+        return settings
 
 
-def friendly_errors(func: F) -> F:
-    """One line on stderr and exit code 2 for errors a user can fix; no traceback."""
+class OutboxGroup(click.Group):
+    """Errors a user can fix become one line on stderr and exit code 2, never a traceback."""
 
-    @functools.wraps(func)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
+    def invoke(self, ctx: click.Context) -> Any:
         try:
-            return func(*args, **kwargs)
+            return super().invoke(ctx)
         except OutboxError as exc:
             click.echo(f"outbox: error: {exc}", err=True)
-            sys.exit(2)
+            ctx.exit(2)
         except OperationalError as exc:
-            url = kwargs.get("database_url") or os.environ.get("OUTBOX_DATABASE_URL", "")
-            reason = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
-            click.echo(f"outbox: error: cannot use PostgreSQL at {mask_url(url)}: {reason}",
-                       err=True)
-            sys.exit(2)
-
-    return wrapper  # type: ignore[return-value]
+            url = ctx.obj.used_url if isinstance(ctx.obj, Shared) else ""
+            click.echo(f"outbox: error: cannot use PostgreSQL at {mask_url(url)}: "
+                       f"{first_line(exc)}", err=True)
+            ctx.exit(2)
 
 
 @contextlib.contextmanager
-def database(settings: Settings) -> Iterator[Connection]:
+def database(settings: DatabaseSettings) -> Iterator[Connection]:
     """One connection for a short command, its engine disposed afterwards."""
     from sqlalchemy import create_engine
 
@@ -82,27 +92,37 @@ def setup_logging(level: str) -> None:
         logging.DEBUG if level.upper() == "DEBUG" else logging.CRITICAL)
 
 
-@click.group()
+kafka_bootstrap_option = click.option(
+    "--kafka-bootstrap", help="Kafka host:port,... [env OUTBOX_KAFKA_BOOTSTRAP]")
+log_level_option = click.option("--log-level", help="DEBUG, INFO, WARNING [env OUTBOX_LOG_LEVEL]")
+pass_shared = click.make_pass_decorator(Shared)
+
+
+@click.group(cls=OutboxGroup)
 @click.option("--config", "config_file", type=click.Path(dir_okay=False),
               help="TOML file of settings (below flags and OUTBOX_* variables) "
                    "[env OUTBOX_CONFIG]")
-def main(config_file: str | None) -> None:
+@click.option("--database-url", help="PostgreSQL URL [env OUTBOX_DATABASE_URL]")
+@click.option("--schema", help="schema of the outbox tables [env OUTBOX_SCHEMA; outbox]")
+@click.pass_context
+def main(ctx: click.Context, config_file: str | None, database_url: str | None,
+         schema: str | None) -> None:
     """Transactional outbox on PostgreSQL, relayed to Kafka."""
     if config_file:
         os.environ[CONFIG_ENV] = config_file
+    ctx.obj = Shared(database_url=database_url, schema=schema)
 
 
 @main.command("config")
-@settings_options
+@kafka_bootstrap_option
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
-@friendly_errors
-def show_config(database_url: str | None, kafka_bootstrap: str | None, schema: str | None,
-                as_json: bool) -> None:
+@pass_shared
+def show_config(shared: Shared, kafka_bootstrap: str | None, as_json: bool) -> None:
     """Print the effective settings, passwords masked."""
     import json
 
-    settings = load_settings(database_url=database_url, kafka_bootstrap=kafka_bootstrap,
-                             schema=schema)
+    settings = shared.settings(Settings, require_database=False,
+                               kafka_bootstrap=kafka_bootstrap)
     values = settings.masked()
     if as_json:
         click.echo(json.dumps(values, default=str, sort_keys=True))
@@ -116,63 +136,51 @@ def db() -> None:
     """Migrate the outbox tables (Alembic, own version table)."""
 
 
-def _db_settings(database_url: str | None, schema: str | None) -> Settings:
-    settings = load_settings(database_url=database_url, schema=schema)
-    settings.require("database_url")
-    return settings
-
-
-def _migrate(direction: str, database_url: str | None, schema: str | None, revision: str
-             ) -> None:
+def _migrate(shared: Shared, direction: str, revision: str) -> DatabaseSettings:
     from outbox import migrate
 
-    settings = _db_settings(database_url, schema)
+    settings = shared.settings(DatabaseSettings)
     getattr(migrate, direction)(settings.database_url, settings.schema_name, revision)
     click.echo(f"schema {settings.schema_name} is at revision "
                f"{migrate.current(settings.database_url, settings.schema_name)}")
+    return settings
 
 
 @db.command()
-@settings_options
 @click.option("--revision", default="head", show_default=True)
 @click.option("--create-roles", is_flag=True,
               help="also create the least-privilege roles <schema>_app, _relay, _sweeper")
-@friendly_errors
-def upgrade(database_url: str | None, kafka_bootstrap: str | None, schema: str | None,
-            revision: str, create_roles: bool) -> None:
+@pass_shared
+def upgrade(shared: Shared, revision: str, create_roles: bool) -> None:
     """Create or upgrade the outbox tables."""
-    _migrate("upgrade", database_url, schema, revision)
+    settings = _migrate(shared, "upgrade", revision)
     if create_roles:
         from outbox import migrate
 
-        settings = _db_settings(database_url, schema)
         roles = migrate.create_roles(settings.database_url, settings.schema_name)
         click.echo(f"roles {', '.join(roles)} granted; GRANT them to your login roles")
 
 
 @db.command()
-@settings_options
 @click.argument("revision")
-@friendly_errors
-def downgrade(database_url: str | None, kafka_bootstrap: str | None, schema: str | None,
-              revision: str) -> None:
+@pass_shared
+def downgrade(shared: Shared, revision: str) -> None:
     """Downgrade the outbox tables to REVISION ('base' removes them)."""
-    _migrate("downgrade", database_url, schema, revision)
+    _migrate(shared, "downgrade", revision)
 
 
 @db.command()
-@settings_options
-@friendly_errors
-def current(database_url: str | None, kafka_bootstrap: str | None, schema: str | None) -> None:
+@pass_shared
+def current(shared: Shared) -> None:
     """Print the applied revision (nothing when not migrated)."""
     from outbox import migrate
 
-    settings = _db_settings(database_url, schema)
+    settings = shared.settings(DatabaseSettings)
     click.echo(migrate.current(settings.database_url, settings.schema_name) or "(none)")
 
 
 @main.command()
-@settings_options
+@kafka_bootstrap_option
 @click.option("--batch-size", type=int, help="messages per batch [env OUTBOX_RELAY_BATCH_SIZE]")
 @click.option("--poll-interval", type=float,
               help="seconds between polls without NOTIFY [env OUTBOX_RELAY_POLL_INTERVAL]")
@@ -180,53 +188,39 @@ def current(database_url: str | None, kafka_bootstrap: str | None, schema: str |
               help="shard lease length [env OUTBOX_RELAY_LEASE_SECONDS]")
 @click.option("--metrics-port", type=int,
               help="serve Prometheus metrics on this port [env OUTBOX_RELAY_METRICS_PORT]")
-@click.option("--log-level", help="DEBUG, INFO, WARNING [env OUTBOX_LOG_LEVEL]")
-@friendly_errors
-def relay(database_url: str | None, kafka_bootstrap: str | None, schema: str | None,
-          batch_size: int | None, poll_interval: float | None, lease_seconds: float | None,
-          metrics_port: int | None, log_level: str | None) -> None:
+@log_level_option
+@pass_shared
+def relay(shared: Shared, kafka_bootstrap: str | None, batch_size: int | None,
+          poll_interval: float | None, lease_seconds: float | None, metrics_port: int | None,
+          log_level: str | None) -> None:
     """Deliver committed messages to Kafka until SIGTERM or Ctrl-C."""
-    from relay import metrics
-    from relay.relay import Relay
+    from outbox.relay import metrics
+    from outbox.relay.daemon import run_until_signalled
+    from outbox.relay.relay import Relay
 
-    settings = load_settings(
-        database_url=database_url, kafka_bootstrap=kafka_bootstrap, schema=schema,
-        relay_batch_size=batch_size, relay_poll_interval=poll_interval,
-        relay_lease_seconds=lease_seconds, relay_metrics_port=metrics_port,
-        log_level=log_level,
+    settings = shared.settings(
+        RelaySettings, kafka_bootstrap=kafka_bootstrap, relay_batch_size=batch_size,
+        relay_poll_interval=poll_interval, relay_lease_seconds=lease_seconds,
+        relay_metrics_port=metrics_port, log_level=log_level,
     )
     setup_logging(settings.log_level)
     daemon = Relay(settings)
     if settings.relay_metrics_port is not None:
         metrics.serve(settings.relay_metrics_port)
-
-    def on_signal(signum: int, _frame: FrameType | None) -> None:
-        again = daemon.stopping.is_set()
-        logging.getLogger("outbox.relay").info(
-            "%s: %s", signal.Signals(signum).name,
-            "abandoning the batch (its messages stay pending)" if again
-            else "finishing the current batch, then stopping (signal again to abandon it)",
-        )
-        daemon.stop(abandon_batch=again)
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    daemon.run()
+    run_until_signalled(daemon)
 
 
 @main.command()
-@settings_options
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
-@friendly_errors
-def status(database_url: str | None, kafka_bootstrap: str | None, schema: str | None,
-           as_json: bool) -> None:
+@pass_shared
+def status(shared: Shared, as_json: bool) -> None:
     """Pending, in flight, parked, delayed and recent deliveries, per topic and relay."""
     import json
 
     from outbox import store
     from outbox.migrate import require_current
 
-    settings = _db_settings(database_url, schema)
+    settings = shared.settings(Settings)
     with database(settings) as conn:
         require_current(conn, settings.schema_name)
         topics = store.status_by_topic(conn, settings.schema_name)
@@ -243,6 +237,15 @@ def status(database_url: str | None, kafka_bootstrap: str | None, schema: str | 
     for relay_row in relays:
         click.echo(f"  relay {relay_row['worker_id']}: {relay_row['shards']} shards, "
                    f"{relay_row['in_flight']} in flight")
+    _print_topics(topics)
+    for group in check_backs:
+        overdue = (f", {group['overdue']} overdue: is a sweeper with a checker for this group "
+                   "running?" if group["overdue"] else "")
+        click.echo(f"producer group {group['producer_group']}: {group['unresolved']} awaiting "
+                   f"their check-back{overdue}")
+
+
+def _print_topics(topics: list[dict[str, Any]]) -> None:
     columns = ["pending", "unresolved", "delayed", "parked", "discarded",
                "delivered_last_minute"]
     header = ["topic", *[c.replace("delivered_last_minute", "delivered/min") for c in columns],
@@ -255,32 +258,23 @@ def status(database_url: str | None, kafka_bootstrap: str | None, schema: str | 
         click.echo("  ".join(str(x).ljust(w) for x, w in zip(line, widths, strict=True)))
     if not rows:
         click.echo("(no undelivered messages and no deliveries in the last minute)")
-    for group in check_backs:
-        overdue = (f", {group['overdue']} overdue: is a sweeper with a checker for this group "
-                   "running?" if group["overdue"] else "")
-        click.echo(f"producer group {group['producer_group']}: {group['unresolved']} awaiting "
-                   f"their check-back{overdue}")
 
 
-def _overdue(settings: Settings) -> float:
+def _overdue(settings: SweepSettings) -> float:
     """How long past due an UNKNOWN message may wait before a working sweeper claims it."""
-    from relay.sweeper import CLAIM_MARGIN
+    from outbox.relay.sweeper import CLAIM_MARGIN
 
     return settings.checker_timeout + CLAIM_MARGIN + settings.sweep_poll_interval
 
 
 @main.command()
-@settings_options
 @click.option("--retention-hours", type=float, help="[env OUTBOX_RETENTION_HOURS; 72]")
-@friendly_errors
-def prune(database_url: str | None, kafka_bootstrap: str | None, schema: str | None,
-          retention_hours: float | None) -> None:
+@pass_shared
+def prune(shared: Shared, retention_hours: float | None) -> None:
     """Delete delivered and rolled-back rows and op records older than the retention."""
-    from relay.retention import prune as prune_all
+    from outbox.relay.retention import prune as prune_all
 
-    settings = load_settings(database_url=database_url, schema=schema,
-                             retention_hours=retention_hours)
-    settings.require("database_url")
+    settings = shared.settings(RelaySettings, retention_hours=retention_hours)
     messages, op_records = prune_all(settings)
     click.echo(f"pruned {messages} messages and {op_records} op records older than "
                f"{settings.retention_hours:g} h")
@@ -296,10 +290,9 @@ def dev() -> None:
               show_default=True, help="where to record what was started")
 @click.option("--durable/--fast", default=False,
               help="keep PostgreSQL's fsync on (for benchmarks); default off")
-@friendly_errors
 def up(state_file: Path, durable: bool) -> None:
     """Start the services and print the OUTBOX_* settings to export."""
-    from outbox import devservices
+    from outbox.dev import services as devservices
 
     if state_file.exists():
         raise click.ClickException(
@@ -315,10 +308,9 @@ def up(state_file: Path, durable: bool) -> None:
 @dev.command()
 @click.option("--state-file", type=click.Path(path_type=Path), default=DEFAULT_STATE,
               show_default=True)
-@friendly_errors
 def down(state_file: Path) -> None:
     """Stop exactly what `outbox dev up` started."""
-    from outbox import devservices
+    from outbox.dev import services as devservices
 
     if not state_file.exists():
         click.echo(f"nothing recorded in {state_file}; nothing to stop", err=True)
@@ -329,19 +321,16 @@ def down(state_file: Path) -> None:
 
 
 @main.command()
-@settings_options
 @click.argument("ids", nargs=-1, type=int)
 @click.option("--all", "resume_all", is_flag=True, help="every PARKED and DISCARDED message")
-@friendly_errors
-def resume(database_url: str | None, kafka_bootstrap: str | None, schema: str | None,
-           ids: tuple[int, ...], resume_all: bool) -> None:
+@pass_shared
+def resume(shared: Shared, ids: tuple[int, ...], resume_all: bool) -> None:
     """Re-queue PARKED messages and re-arm the check-backs of DISCARDED ones."""
-
     from outbox import store
 
     if not ids and not resume_all:
         raise click.UsageError("give message ids, or --all")
-    settings = _db_settings(database_url, schema)
+    settings = shared.settings(DatabaseSettings)
     with database(settings) as conn, conn.begin():
         resumed = store.resume(conn, settings.schema_name, f"cli:{settings.worker_id}",
                                ids, resume_all=resume_all)
@@ -357,7 +346,6 @@ def resume(database_url: str | None, kafka_bootstrap: str | None, schema: str | 
 
 
 @main.command()
-@settings_options
 @click.option("--app", "app_path",
               help="module:attribute of your Outbox; its @outbox.checker functions answer")
 @click.option("--check-interval", type=float,
@@ -369,50 +357,39 @@ def resume(database_url: str | None, kafka_bootstrap: str | None, schema: str | 
 @click.option("--concurrency", type=int,
               help="checks run at once [env OUTBOX_SWEEP_CONCURRENCY; 8]")
 @click.option("--metrics-port", type=int, help="serve Prometheus metrics on this port")
-@click.option("--log-level", help="DEBUG, INFO, WARNING [env OUTBOX_LOG_LEVEL]")
-@friendly_errors
-def sweep(database_url: str | None, kafka_bootstrap: str | None, schema: str | None,
-          app_path: str | None, check_interval: float | None, check_max: int | None,
-          checker_timeout: float | None, concurrency: int | None, metrics_port: int | None,
-          log_level: str | None) -> None:
+@log_level_option
+@pass_shared
+def sweep(shared: Shared, app_path: str | None, check_interval: float | None,
+          check_max: int | None, checker_timeout: float | None, concurrency: int | None,
+          metrics_port: int | None, log_level: str | None) -> None:
     """Check back UNKNOWN messages with their producer group's checker, until SIGTERM.
 
     Checkers come from --app (Python) and OUTBOX_SQL_CHECKERS (SQL queries, as JSON).
     """
-    from relay.sweeper import Sweeper, load_app
+    from outbox.relay.daemon import run_until_signalled
+    from outbox.relay.sweeper import Sweeper, load_app
 
-    settings = load_settings(
-        database_url=database_url, schema=schema, check_interval=check_interval,
-        check_max=check_max, checker_timeout=checker_timeout, sweep_concurrency=concurrency,
-        log_level=log_level,
+    settings = shared.settings(
+        SweepSettings, check_interval=check_interval, check_max=check_max,
+        checker_timeout=checker_timeout, sweep_concurrency=concurrency, log_level=log_level,
     )
     setup_logging(settings.log_level)
     daemon = Sweeper(settings, load_app(app_path).checkers if app_path else {})
     if metrics_port is not None:
-        from relay import metrics
+        from outbox.relay import metrics
 
         metrics.serve(metrics_port)
-
-    def on_signal(signum: int, _frame: FrameType | None) -> None:
-        logging.getLogger("outbox.sweeper").info("%s: stopping", signal.Signals(signum).name)
-        daemon.stop()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    daemon.run()
+    run_until_signalled(daemon)
 
 
 @main.command()
-@settings_options
 @click.option("--limit", type=int, default=100, show_default=True)
-@friendly_errors
-def discarded(database_url: str | None, kafka_bootstrap: str | None, schema: str | None,
-              limit: int) -> None:
+@pass_shared
+def discarded(shared: Shared, limit: int) -> None:
     """List messages discarded after their last inconclusive check-back."""
-
     from outbox import store
 
-    settings = _db_settings(database_url, schema)
+    settings = shared.settings(DatabaseSettings)
     with database(settings) as conn:
         rows = store.discarded(conn, settings.schema_name, limit)
     if not rows:
@@ -451,7 +428,7 @@ def _thresholds(_ctx: click.Context, _param: click.Parameter, values: tuple[str,
 
 
 @main.command()
-@settings_options
+@kafka_bootstrap_option
 @click.option("--since", callback=_timestamp,
               help="window start, ISO 8601 [default: where the last run ended]")
 @click.option("--until", callback=_timestamp,
@@ -469,11 +446,11 @@ def _thresholds(_ctx: click.Context, _param: click.Parameter, values: tuple[str,
               help="parallel JDBC reads per table [env OUTBOX_RECONCILE_PARTITIONS; 8]")
 @click.option("--master", help="Spark master [env OUTBOX_RECONCILE_SPARK_MASTER; "
               "spark-submit's, else local[*]]")
-@click.option("--log-level", help="DEBUG, INFO, WARNING [env OUTBOX_LOG_LEVEL]")
-@friendly_errors
-def reconcile(database_url: str | None, kafka_bootstrap: str | None, schema: str | None,
-              since: datetime | None, until: datetime | None, read_topics: bool | None,
-              output_dir: str | None, sla_seconds: float | None,
+@log_level_option
+@pass_shared
+def reconcile(shared: Shared, kafka_bootstrap: str | None, since: datetime | None,
+              until: datetime | None, read_topics: bool | None, output_dir: str | None,
+              sla_seconds: float | None,
               thresholds: dict[str, int | None], partitions: int | None, master: str | None,
               log_level: str | None) -> None:
     """Prove every committed message reached Kafka exactly where its op record says.
@@ -483,19 +460,17 @@ def reconcile(database_url: str | None, kafka_bootstrap: str | None, schema: str
     finding over its threshold; 1: at least one is; 2: a usage or configuration error.
     """
     try:
-        from spark import reconcile as job
+        from outbox.spark import reconcile as job
     except ImportError as exc:
         raise ConfigurationError(
             f"reconcile needs the spark extra ({exc}): pip install "
             "'transactional-outbox[spark]'") from None
 
-    settings = load_settings(
-        database_url=database_url, kafka_bootstrap=kafka_bootstrap, schema=schema,
-        reconcile_read_topics=read_topics, reconcile_output_dir=output_dir,
-        reconcile_sla_seconds=sla_seconds, reconcile_partitions=partitions,
-        reconcile_spark_master=master, log_level=log_level,
+    settings = shared.settings(
+        ReconcileSettings, kafka_bootstrap=kafka_bootstrap, reconcile_read_topics=read_topics,
+        reconcile_output_dir=output_dir, reconcile_sla_seconds=sla_seconds,
+        reconcile_partitions=partitions, reconcile_spark_master=master, log_level=log_level,
     )
-    settings.require("database_url")
     settings = settings.model_copy(update={
         "reconcile_thresholds": {**settings.reconcile_thresholds, **thresholds}})
     setup_logging(settings.log_level)

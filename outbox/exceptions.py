@@ -31,3 +31,19 @@ class MessageNotFound(OutboxError, LookupError):
 
 class DecisionConflict(OutboxError):
     """A message already resolved one way was asked to be resolved the other way."""
+
+
+def first_line(exc: BaseException | None) -> str:
+    """The first line of an error (a driver's own message when wrapped), for one-line logs."""
+    if exc is None:
+        return "unknown error"
+    text = str(getattr(exc, "orig", None) or exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def describe(exc: BaseException | None) -> str:
+    """``Type: first line``: what a parked message's reason or an outage line says."""
+    if exc is None:
+        return "unknown error"
+    text = str(getattr(exc, "orig", None) or exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")

@@ -1,164 +1,36 @@
-"""Turning what an application passes to ``publish`` into a prepare row, or a clear error."""
+"""The public types a local transaction, a checker or a caller of ``send_in_transaction`` sees."""
 
 from __future__ import annotations
 
 import json
-import re
-import zlib
-from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime, timedelta
 from typing import Any
 
-from outbox.exceptions import InvalidMessage
-from outbox.schema import SHARDS
-from outbox.tracing import trace_headers
-
-TOPIC = re.compile(r"^[a-zA-Z0-9._-]{1,249}$")
-#: Header the relay adds to every record: the prepare row's id, for consumer deduplication.
-ID_HEADER = "outbox-id"
-CONTENT_TYPE_HEADER = "content-type"
-RESERVED_HEADERS = frozenset({ID_HEADER, CONTENT_TYPE_HEADER})
-
-JSON = "application/json"
-TEXT = "text/plain; charset=utf-8"
-BINARY = "application/octet-stream"
+from outbox.schema import Resolution
 
 
 @dataclass(frozen=True, slots=True)
-class EncodedMessage:
-    """A validated message, ready to be written as a prepare row."""
+class Message:
+    """A prepare row as a local transaction or a checker sees it."""
 
+    id: int
+    producer_group: str
     topic: str
     key: bytes | None
-    header_keys: list[str] | None
-    header_values: list[bytes] | None
+    headers: dict[str, bytes]
     payload: bytes
     content_type: str
-    shard: int
-    #: Advisory-lock key serialising writers of one (topic, key); None for keyless messages.
-    lock_key: int | None
+    #: Check-backs already made (0 for the local transaction and the first check).
+    check_count: int = 0
+
+    def json(self) -> Any:
+        """The payload decoded as JSON (what ``publish`` stores for non-bytes payloads)."""
+        return json.loads(self.payload)
 
 
-def validate_topic(topic: object) -> str:
-    if not isinstance(topic, str) or not TOPIC.match(topic) or topic in (".", ".."):
-        raise InvalidMessage(
-            f"invalid Kafka topic name {topic!r}: use 1-249 characters from [a-zA-Z0-9._-], "
-            "and not '.' or '..'"
-        )
-    return topic
+@dataclass(frozen=True, slots=True)
+class TransactionResult:
+    """What ``send_in_transaction`` recorded (RocketMQ's TransactionSendResult)."""
 
-
-def encode_key(key: object) -> bytes | None:
-    if key is None or isinstance(key, bytes):
-        return key
-    if isinstance(key, str):
-        return key.encode()
-    raise InvalidMessage(f"message key must be str, bytes or None, got {type(key).__name__}")
-
-
-def encode_headers(headers: object) -> tuple[list[str] | None, list[bytes] | None]:
-    if headers is None:
-        return None, None
-    if not isinstance(headers, Mapping):
-        raise InvalidMessage(
-            f"headers must be a mapping of str to str or bytes, got {type(headers).__name__}"
-        )
-    keys: list[str] = []
-    values: list[bytes] = []
-    for name, value in headers.items():
-        if not isinstance(name, str):
-            raise InvalidMessage(f"header name {name!r} must be a str")
-        if name.lower() in RESERVED_HEADERS:
-            raise InvalidMessage(f"header {name!r} is set by the outbox itself; use another name")
-        if isinstance(value, str):
-            value = value.encode()
-        elif not isinstance(value, bytes):
-            raise InvalidMessage(
-                f"header {name!r} must be str or bytes, got {type(value).__name__}"
-            )
-        keys.append(name)
-        values.append(value)
-    return (keys, values) if keys else (None, None)
-
-
-def encode_payload(payload: object) -> tuple[bytes, str]:
-    """Bytes pass through, str is UTF-8, anything else is JSON."""
-    if isinstance(payload, bytes | bytearray | memoryview):
-        return bytes(payload), BINARY
-    if isinstance(payload, str):
-        return payload.encode(), TEXT
-    try:
-        text = json.dumps(payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise InvalidMessage(
-            f"payload of type {type(payload).__name__} is not JSON-serialisable ({exc}); "
-            "pass bytes, str, or JSON-compatible data"
-        ) from None
-    return text.encode(), JSON
-
-
-def delivery_time(
-    deliver_after: timedelta | None, deliver_at: datetime | None
-) -> dict[str, Any]:
-    """The publish parameters for a delayed message (none for an immediate one)."""
-    if deliver_after is not None and deliver_at is not None:
-        raise InvalidMessage("pass deliver_after or deliver_at, not both")
-    if deliver_after is not None:
-        if not isinstance(deliver_after, timedelta) or deliver_after < timedelta(0):
-            raise InvalidMessage(
-                f"deliver_after must be a timedelta of zero or more, got {deliver_after!r}"
-            )
-        return {"delay_seconds": deliver_after.total_seconds()}
-    if deliver_at is not None:
-        if not isinstance(deliver_at, datetime) or deliver_at.tzinfo is None:
-            raise InvalidMessage(
-                f"deliver_at must be a timezone-aware datetime, got {deliver_at!r}"
-            )
-        return {"deliver_at": deliver_at}
-    return {}
-
-
-def key_hash(topic: str, key: bytes) -> int:
-    """A stable 32-bit hash of (topic, key), the same in every process."""
-    return zlib.crc32(key, zlib.crc32(topic.encode() + b"\0"))
-
-
-def encode(
-    topic: str,
-    payload: Any,
-    *,
-    key: str | bytes | None,
-    headers: Mapping[str, str | bytes] | None,
-    content_type: str | None,
-    max_payload_bytes: int,
-    random_shard: int,
-) -> EncodedMessage:
-    """Validate and encode one message; ``random_shard`` places keyless messages."""
-    topic = validate_topic(topic)
-    raw_key = encode_key(key)
-    traced = trace_headers()
-    if traced:
-        headers = {**traced, **(headers or {})}  # the caller's own headers win
-    header_keys, header_values = encode_headers(headers)
-    body, detected = encode_payload(payload)
-    if len(body) > max_payload_bytes:
-        raise InvalidMessage(
-            f"payload is {len(body)} bytes, over the maximum of {max_payload_bytes}; "
-            "store large data elsewhere and publish a reference, or raise max_payload_bytes"
-        )
-    if raw_key is None:
-        shard, lock_key = random_shard % SHARDS, None
-    else:
-        hashed = key_hash(topic, raw_key)
-        shard, lock_key = hashed % SHARDS, hashed - (1 << 32) if hashed >= 1 << 31 else hashed
-    return EncodedMessage(
-        topic=topic,
-        key=raw_key,
-        header_keys=header_keys,
-        header_values=header_values,
-        payload=body,
-        content_type=content_type or detected,
-        shard=shard,
-        lock_key=lock_key,
-    )
+    message_id: int
+    resolution: Resolution

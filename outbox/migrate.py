@@ -14,8 +14,7 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, create_engine
 
-import migrations
-from outbox import store
+from outbox import migrations, store
 from outbox.exceptions import SchemaNotMigrated
 from outbox.schema import VERSION_TABLE
 from outbox.settings import sqlalchemy_url, validate_identifier

@@ -11,7 +11,6 @@ from enum import StrEnum
 from sqlalchemy import (
     ARRAY,
     BigInteger,
-    Boolean,
     CheckConstraint,
     Column,
     DateTime,
@@ -26,7 +25,6 @@ from sqlalchemy import (
     func,
     text,
 )
-from sqlalchemy.dialects.postgresql import JSONB
 
 DEFAULT_SCHEMA = "outbox"
 #: Keys are hashed into this many virtual shards; a relay owns a shard through a lease.
@@ -63,7 +61,7 @@ class Action(StrEnum):
     RESUMED = "RESUMED"
 
 
-def _one_of(column: str, enum: type[StrEnum]) -> CheckConstraint:
+def one_of(column: str, enum: type[StrEnum]) -> CheckConstraint:
     values = ", ".join(f"'{member.value}'" for member in enum)
     return CheckConstraint(f"{column} IN ({values})", name=f"{column}_valid")
 
@@ -99,8 +97,8 @@ message = Table(
     Column("last_error", Text),
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Column("delivered_at", DateTime(timezone=True)),
-    _one_of("resolution", Resolution),
-    _one_of("status", Status),
+    one_of("resolution", Resolution),
+    one_of("status", Status),
     Index(
         "message_relay_idx",
         "id",
@@ -139,7 +137,7 @@ op_record = Table(
     Column("kafka_partition", Integer),
     Column("kafka_offset", BigInteger),
     Column("detail", Text),
-    _one_of("action", Action),
+    one_of("action", Action),
     Index("op_record_message_id_idx", "message_id"),
     Index("op_record_created_at_idx", "created_at", postgresql_using="brin"),
 )
@@ -166,34 +164,3 @@ relay_member = Table(
 def translate(schema: str) -> dict[str | None, str]:
     """The ``schema_translate_map`` that points the metadata at ``schema``."""
     return {DEFAULT_SCHEMA: schema}
-
-
-class RunOutcome(StrEnum):
-    """How a reconciliation run ended: no findings, findings within thresholds, or over one."""
-
-    CLEAN = "CLEAN"
-    FINDINGS = "FINDINGS"
-    FAILED = "FAILED"
-
-
-#: One summary row per reconciliation run; the newest is the next run's watermark.
-reconcile_run = Table(
-    "reconcile_run",
-    metadata,
-    Column("id", BigInteger, Identity(always=False), primary_key=True),
-    Column("started_at", DateTime(timezone=True), nullable=False),
-    Column("finished_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
-    Column("window_since", DateTime(timezone=True)),
-    Column("window_until", DateTime(timezone=True), nullable=False),
-    Column("read_topics", Boolean, nullable=False),
-    #: {topic: {partition: next offset}} read up to, when the run read the topics.
-    Column("kafka_offsets", JSONB),
-    Column("messages", BigInteger, nullable=False),
-    Column("op_records", BigInteger, nullable=False),
-    Column("kafka_records", BigInteger),
-    #: {finding: count}
-    Column("findings", JSONB, nullable=False),
-    Column("outcome", Text, nullable=False),
-    Column("output_path", Text, nullable=False),
-    _one_of("outcome", RunOutcome),
-)

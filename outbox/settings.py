@@ -1,5 +1,11 @@
-"""The one settings model: flags > ``OUTBOX_*`` environment variables > a TOML config file
-(``--config`` or ``OUTBOX_CONFIG``) > defaults."""
+"""Settings per component, read one way: flags > ``OUTBOX_*`` environment variables > a TOML
+config file (``--config`` or ``OUTBOX_CONFIG``) > defaults.
+
+Each part takes only what it uses: ``Outbox`` a :class:`PublishSettings`, the relay a
+:class:`RelaySettings`, the sweeper a :class:`SweepSettings`, reconciliation a
+:class:`ReconcileSettings`. :class:`Settings` is all of them at once (``outbox config``, and a
+convenient value to pass anywhere). Field and variable names are flat (``relay_batch_size`` is
+``OUTBOX_RELAY_BATCH_SIZE``) and the same in every class."""
 
 from __future__ import annotations
 
@@ -7,7 +13,7 @@ import os
 import re
 import socket
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import (
@@ -58,14 +64,110 @@ def default_worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
-class Settings(BaseSettings):
-    """Settings shared by the library, the relay and the CLI."""
+class _Base(BaseSettings):
+    """The sources and helpers every component's settings share."""
 
     model_config = SettingsConfigDict(env_prefix="OUTBOX_", extra="forbid", populate_by_name=True)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Flags (init) > environment > the config file named by OUTBOX_CONFIG > defaults."""
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        config_file = os.environ.get(CONFIG_ENV)
+        if config_file:
+            if not Path(config_file).is_file():
+                raise ConfigurationError(
+                    f"config file {config_file!r} (from --config or {CONFIG_ENV}) not found")
+            sources.append(_ConfigFile(settings_cls, toml_file=config_file))
+        return tuple(sources)
+
+    def masked(self) -> dict[str, Any]:
+        """Every setting, with passwords replaced by ``***``: safe to print or log."""
+        values = self.model_dump()
+        if "database_url" in values:
+            values["database_url"] = mask_url(values["database_url"])
+        for name, value in values.items():
+            if isinstance(value, SecretStr):
+                values[name] = "***" if value.get_secret_value() else ""
+        return values
+
+    def require(self, *names: str) -> None:
+        """Fail with one clear line when a setting a command needs is empty."""
+        for name in names:
+            if not getattr(self, name):
+                raise ConfigurationError(
+                    f"{name} is not set: pass --{name.replace('_', '-')} or set "
+                    f"OUTBOX_{name.upper()}"
+                )
+
+
+class _ConfigFile(TomlConfigSettingsSource):
+    """The TOML file holds every component's keys: each takes its own; unknown keys fail."""
+
+    def __call__(self) -> dict[str, Any]:
+        values = super().__call__()
+        known = _names(Settings)
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigurationError(
+                f"invalid settings: unknown key {unknown[0]!r} in config file "
+                f"{os.environ.get(CONFIG_ENV)}: see docs/configuration.md for the names")
+        mine = _names(self.settings_cls)
+        return {name: value for name, value in values.items() if name in mine}
+
+
+def _names(cls: type[BaseSettings]) -> set[str]:
+    """Field names and their aliases (the schema is ``schema_name`` or ``OUTBOX_SCHEMA``)."""
+    names = set(cls.model_fields)
+    for field in cls.model_fields.values():
+        if isinstance(field.validation_alias, str):
+            names.add(field.validation_alias)
+    return names
+
+
+class DatabaseSettings(_Base):
+    """Where the outbox tables are, and who is speaking (every component)."""
 
     database_url: str = Field(
         default="", description="PostgreSQL URL, e.g. postgresql://user:pass@host:5432/db"
     )
+    schema_name: str = Field(
+        default="outbox",
+        description="PostgreSQL schema holding the outbox tables",
+        validation_alias="OUTBOX_SCHEMA",
+    )
+    worker_id: str = Field(default_factory=default_worker_id)
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _level(cls, value: object) -> object:
+        return value.upper() if isinstance(value, str) else value
+
+    @field_validator("schema_name")
+    @classmethod
+    def _schema(cls, value: str) -> str:
+        try:
+            return validate_identifier(value)
+        except ConfigurationError as exc:
+            raise ValueError(str(exc)) from None
+
+    @property
+    def sqlalchemy_url(self) -> str:
+        self.require("database_url")
+        return sqlalchemy_url(self.database_url)
+
+
+class KafkaSettings(_Base):
+    """How to reach Kafka: the relay's producer and reconciliation's reader share these."""
+
     kafka_bootstrap: str = Field(default="", description="Kafka bootstrap servers, host:port,...")
     kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = (
         "PLAINTEXT")
@@ -75,16 +177,44 @@ class Settings(BaseSettings):
     kafka_ssl_cafile: str | None = Field(default=None, description="CA bundle to verify Kafka")
     kafka_ssl_certfile: str | None = Field(default=None, description="client certificate")
     kafka_ssl_keyfile: str | None = Field(default=None, description="client private key")
-    schema_name: str = Field(
-        default="outbox",
-        description="PostgreSQL schema holding the outbox tables",
-        validation_alias="OUTBOX_SCHEMA",
+    kafka_delivery_timeout_ms: int = Field(
+        default=120_000, gt=0, description="how long the producer retries a send"
     )
+    kafka_max_request_size: int = Field(
+        default=2 * 1024 * 1024, gt=0, description="largest record the producer sends"
+    )
+
+    def kafka_security(self) -> dict[str, Any]:
+        """SASL/TLS settings in kafka-python's names (unset ones are left out)."""
+        password = self.kafka_sasl_password
+        config = {
+            "security_protocol": self.kafka_security_protocol,
+            "sasl_mechanism": self.kafka_sasl_mechanism,
+            "sasl_plain_username": self.kafka_sasl_username,
+            "sasl_plain_password": password.get_secret_value() if password else None,
+            "ssl_cafile": self.kafka_ssl_cafile,
+            "ssl_certfile": self.kafka_ssl_certfile,
+            "ssl_keyfile": self.kafka_ssl_keyfile,
+        }
+        return {key: value for key, value in config.items() if value is not None}
+
+
+class PublishSettings(DatabaseSettings):
+    """What ``Outbox`` (the library applications import) needs."""
+
     max_payload_bytes: int = Field(default=1024 * 1024, gt=0)
     notify: bool = Field(
         default=True,
         description="publish wakes the relays at commit with NOTIFY; off: relays poll",
     )
+    transaction_timeout: float = Field(
+        default=6.0, gt=0, description="seconds before an UNKNOWN message is first checked back"
+    )
+
+
+class RelaySettings(DatabaseSettings, KafkaSettings):
+    """The relay daemon: batches, leases, parking, metrics and retention."""
+
     relay_batch_size: int = Field(default=500, gt=0, le=100_000)
     relay_poll_interval: float = Field(
         default=1.0, gt=0, description="seconds between polls when no NOTIFY arrives"
@@ -98,12 +228,6 @@ class Settings(BaseSettings):
     relay_metrics_port: int | None = Field(
         default=None, ge=0, le=65535, description="serve Prometheus metrics on this port"
     )
-    kafka_delivery_timeout_ms: int = Field(
-        default=120_000, gt=0, description="how long the producer retries a send"
-    )
-    kafka_max_request_size: int = Field(
-        default=2 * 1024 * 1024, gt=0, description="largest record the producer sends"
-    )
     retention_hours: float = Field(
         default=72.0, gt=0, description="delivered and rolled-back rows are pruned after this"
     )
@@ -111,8 +235,43 @@ class Settings(BaseSettings):
         default=60.0, gt=0, description="seconds between the relay's retention passes"
     )
     prune_batch_size: int = Field(default=5000, gt=0, description="rows deleted per statement")
-    worker_id: str = Field(default_factory=default_worker_id)
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
+
+
+class SweepSettings(DatabaseSettings):
+    """The check-back sweeper (RocketMQ's names and defaults)."""
+
+    check_interval: float = Field(
+        default=30.0, gt=0, description="seconds between check-backs of an UNKNOWN message"
+    )
+    check_max: int = Field(
+        default=15, gt=0, description="inconclusive check-backs before a message is discarded"
+    )
+    checker_timeout: float = Field(
+        default=5.0, gt=0, description="seconds a checker may take before it counts as UNKNOWN"
+    )
+    sweep_concurrency: int = Field(default=8, gt=0, le=256, description="checks run at once")
+    sweep_batch_size: int = Field(default=500, gt=0, le=100_000,
+                                  description="most messages claimed per sweep round")
+    sweep_poll_interval: float = Field(
+        default=1.0, gt=0, description="longest the sweeper sleeps before looking for due rows"
+    )
+    sql_checkers: dict[str, str] = Field(
+        default_factory=dict,
+        description="producer group -> SQL query returning COMMIT, ROLLBACK or UNKNOWN (JSON)",
+    )
+
+    @field_validator("sql_checkers")
+    @classmethod
+    def _sql_checkers(cls, value: dict[str, str]) -> dict[str, str]:
+        for group, sql in value.items():
+            if not group or not sql.strip():
+                raise ValueError("each entry maps a producer group to a non-empty SQL query")
+        return value
+
+
+class ReconcileSettings(DatabaseSettings, KafkaSettings):
+    """The Spark reconciliation job."""
+
     reconcile_output_dir: str = Field(
         default="reconcile-output", description="where reconciliation runs write their files"
     )
@@ -138,105 +297,39 @@ class Settings(BaseSettings):
         default="/usr/share/java/postgresql.jar",
         description="the PostgreSQL JDBC driver jar (Debian: libpostgresql-jdbc-java)",
     )
-    # Two-phase messages and their check-back (RocketMQ's names and defaults).
-    transaction_timeout: float = Field(
-        default=6.0, gt=0, description="seconds before an UNKNOWN message is first checked back"
-    )
-    check_interval: float = Field(
-        default=30.0, gt=0, description="seconds between check-backs of an UNKNOWN message"
-    )
-    check_max: int = Field(
-        default=15, gt=0, description="inconclusive check-backs before a message is discarded"
-    )
-    checker_timeout: float = Field(
-        default=5.0, gt=0, description="seconds a checker may take before it counts as UNKNOWN"
-    )
-    sweep_concurrency: int = Field(default=8, gt=0, le=256, description="checks run at once")
-    sweep_batch_size: int = Field(default=500, gt=0, le=100_000,
-                                  description="most messages claimed per sweep round")
-    sweep_poll_interval: float = Field(
-        default=1.0, gt=0, description="longest the sweeper sleeps before looking for due rows"
-    )
-    sql_checkers: dict[str, str] = Field(
-        default_factory=dict,
-        description="producer group -> SQL query returning COMMIT, ROLLBACK or UNKNOWN (JSON)",
-    )
-
-    @field_validator("log_level", mode="before")
-    @classmethod
-    def _level(cls, value: object) -> object:
-        return value.upper() if isinstance(value, str) else value
-
-    @field_validator("schema_name")
-    @classmethod
-    def _schema(cls, value: str) -> str:
-        try:
-            return validate_identifier(value)
-        except ConfigurationError as exc:
-            raise ValueError(str(exc)) from None
-
-    @field_validator("sql_checkers")
-    @classmethod
-    def _sql_checkers(cls, value: dict[str, str]) -> dict[str, str]:
-        for group, sql in value.items():
-            if not group or not sql.strip():
-                raise ValueError("each entry maps a producer group to a non-empty SQL query")
-        return value
-
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        """Flags (init) > environment > the config file named by OUTBOX_CONFIG > defaults."""
-        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
-        config_file = os.environ.get(CONFIG_ENV)
-        if config_file:
-            if not Path(config_file).is_file():
-                raise ConfigurationError(
-                    f"config file {config_file!r} (from --config or {CONFIG_ENV}) not found")
-            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=config_file))
-        return tuple(sources)
-
-    def masked(self) -> dict[str, Any]:
-        """Every setting, with passwords replaced by ``***``: safe to print or log."""
-        values = self.model_dump()
-        values["database_url"] = mask_url(self.database_url)
-        for name, value in values.items():
-            if isinstance(value, SecretStr):
-                values[name] = "***" if value.get_secret_value() else ""
-        return values
-
-    def require(self, *names: str) -> None:
-        """Fail with one clear line when a setting a command needs is empty."""
-        for name in names:
-            if not getattr(self, name):
-                raise ConfigurationError(
-                    f"{name} is not set: pass --{name.replace('_', '-')} or set "
-                    f"OUTBOX_{name.upper()}"
-                )
-
-    @property
-    def sqlalchemy_url(self) -> str:
-        self.require("database_url")
-        return sqlalchemy_url(self.database_url)
 
 
-def load_settings(**overrides: Any) -> Settings:
-    """Build the settings, turning validation errors into one line per bad field."""
+class Settings(PublishSettings, RelaySettings, SweepSettings, ReconcileSettings):
+    """Every setting at once: what ``outbox config`` prints; valid wherever a part is wanted."""
+
+
+S = TypeVar("S", bound=_Base)
+
+
+def load_settings(cls: type[S] = Settings, **overrides: Any) -> S:  # type: ignore[assignment]
+    """Build ``cls`` from its sources, turning validation errors into one line per bad field."""
     given = {k: v for k, v in overrides.items() if v is not None}
     if "schema" in given:
         given["schema_name"] = given.pop("schema")
     try:
-        return Settings(**given)
+        return cls(**given)
     except SettingsError as exc:
         raise ConfigurationError(f"invalid settings: {exc} (expected JSON)") from None
     except ValidationError as exc:
-        lines = [
-            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
-        ]
-        raise ConfigurationError("invalid settings: " + "; ".join(lines)) from None
+        raise ConfigurationError(_one_line(exc)) from None
+
+
+def with_overrides(settings: S, **overrides: Any) -> S:
+    """``settings`` with some values replaced and validated again (no source is re-read)."""
+    given = {k: v for k, v in overrides.items() if v is not None}
+    if "schema" in given:
+        given["schema_name"] = given.pop("schema")
+    try:
+        return type(settings).model_validate({**settings.model_dump(), **given})
+    except ValidationError as exc:
+        raise ConfigurationError(_one_line(exc)) from None
+
+
+def _one_line(exc: ValidationError) -> str:
+    lines = [f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()]
+    return "invalid settings: " + "; ".join(lines)

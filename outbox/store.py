@@ -6,7 +6,6 @@ session to run), so the library, the relay and the CLI share one set of queries.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -18,7 +17,8 @@ from typing import Any, NamedTuple
 from sqlalchemy import Connection, TextClause, text
 from sqlalchemy.dialects.postgresql.psycopg import dialect as psycopg_dialect
 
-from outbox.message import EncodedMessage
+from outbox.encoding import EncodedMessage
+from outbox.message import Message
 from outbox.schema import Resolution
 from outbox.settings import validate_identifier
 
@@ -253,25 +253,6 @@ def schema_version(conn: Connection, schema: str) -> str | None:
     if not conn.execute(query("table_exists", schema), {"table": table}).scalar_one():
         return None
     return conn.execute(query("schema_version", schema)).scalar_one_or_none()
-
-
-@dataclass(frozen=True, slots=True)
-class Message:
-    """A prepare row as a local transaction or a checker sees it."""
-
-    id: int
-    producer_group: str
-    topic: str
-    key: bytes | None
-    headers: dict[str, bytes]
-    payload: bytes
-    content_type: str
-    #: Check-backs already made (0 for the local transaction and the first check).
-    check_count: int = 0
-
-    def json(self) -> Any:
-        """The payload decoded as JSON (what ``publish`` stores for non-bytes payloads)."""
-        return json.loads(self.payload)
 
 
 def decide(

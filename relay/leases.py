@@ -18,9 +18,10 @@ from collections.abc import Callable
 from sqlalchemy import Connection, create_engine
 
 from outbox import store
+from outbox.exceptions import first_line
+from outbox.relay import metrics
 from outbox.schema import SHARDS
-from outbox.settings import Settings
-from relay import metrics
+from outbox.settings import RelaySettings
 
 log = logging.getLogger("outbox.relay")
 
@@ -100,7 +101,7 @@ class Leases:
 class LeaseKeeper(threading.Thread):
     """Keeps the leases (and the pending-messages gauge) fresh on its own connection."""
 
-    def __init__(self, settings: Settings, leases: Leases,
+    def __init__(self, settings: RelaySettings, leases: Leases,
                  in_flight: Callable[[], int] = lambda: 0) -> None:
         super().__init__(name=f"leases-{leases.worker_id}", daemon=True)
         self._engine = create_engine(settings.sqlalchemy_url, pool_size=1, max_overflow=0,
@@ -137,13 +138,8 @@ class LeaseKeeper(threading.Thread):
             except Exception as exc:
                 if not self._failing:
                     log.warning("relay %s cannot renew its leases (%s); retrying every %.1fs",
-                                self._leases.worker_id, _first_line(exc), interval)
+                                self._leases.worker_id, first_line(exc), interval)
                     self._failing = True
                 self._engine.dispose()
                 self._halt.wait(interval)
         self._engine.dispose()
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(getattr(exc, "orig", None) or exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__

@@ -8,7 +8,7 @@ from kafka import KafkaProducer
 from kafka.errors import KafkaTimeoutError
 
 from outbox.exceptions import ServiceUnavailable
-from outbox.settings import Settings
+from outbox.settings import RelaySettings
 
 PRODUCER_DEFAULTS: dict[str, Any] = {
     "acks": "all",
@@ -21,34 +21,19 @@ PRODUCER_DEFAULTS: dict[str, Any] = {
 }
 
 
-def security_config(settings: Settings) -> dict[str, Any]:
-    """SASL/TLS settings passed through to kafka-python (unset ones are left out)."""
-    password = settings.kafka_sasl_password
-    config = {
-        "security_protocol": settings.kafka_security_protocol,
-        "sasl_mechanism": settings.kafka_sasl_mechanism,
-        "sasl_plain_username": settings.kafka_sasl_username,
-        "sasl_plain_password": password.get_secret_value() if password else None,
-        "ssl_cafile": settings.kafka_ssl_cafile,
-        "ssl_certfile": settings.kafka_ssl_certfile,
-        "ssl_keyfile": settings.kafka_ssl_keyfile,
-    }
-    return {key: value for key, value in config.items() if value is not None}
-
-
-def producer_config(settings: Settings, **overrides: Any) -> dict[str, Any]:
+def producer_config(settings: RelaySettings, **overrides: Any) -> dict[str, Any]:
     return {
         **PRODUCER_DEFAULTS,
         "bootstrap_servers": settings.kafka_bootstrap.split(","),
         "client_id": f"outbox-relay-{settings.worker_id}",
         "delivery_timeout_ms": settings.kafka_delivery_timeout_ms,
         "max_request_size": settings.kafka_max_request_size,
-        **security_config(settings),
+        **settings.kafka_security(),
         **overrides,
     }
 
 
-def make_producer(settings: Settings, **overrides: Any) -> KafkaProducer:
+def make_producer(settings: RelaySettings, **overrides: Any) -> KafkaProducer:
     settings.require("kafka_bootstrap")
     try:
         return KafkaProducer(**producer_config(settings, **overrides))

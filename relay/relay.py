@@ -1,12 +1,13 @@
 """The relay: promotes committed prepare rows to Kafka and writes an op record for each.
 
-The loop is pipelined two deep: while Kafka acknowledges batch N, the relay fetches and
-sends batch N+1, then records N's partitions and offsets in one statement. A crash anywhere
+The loop is pipelined ``PIPELINE_DEPTH`` batches deep: while Kafka acknowledges batch N, the
+relay fetches and sends the next ones, and a recorder thread records N's partitions and
+offsets in one statement. A crash anywhere
 before that statement leaves N's rows pending, so they are sent again: at least once, never
 lost. Leases (relay/leases.py) decide which shards — and so which keys — this relay owns.
 
 Faults: a broker that stops acknowledging, or a lost database connection, ends the current
-pass; the outer loop backs off (tenacity) and starts again from what the database says,
+pass; the lifecycle (relay/daemon.py) backs off and starts again from what the database says,
 logging the outage once and the recovery once. A record the broker rejects permanently is
 retried a bounded number of times, then parked.
 """
@@ -17,6 +18,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,18 +28,18 @@ from kafka.errors import KafkaError, RetriableError
 from kafka.producer.future import FutureRecordMetadata
 from sqlalchemy import Connection, Engine, create_engine
 from sqlalchemy.exc import DBAPIError
-from tenacity import RetryCallState, Retrying, retry_if_exception_type, wait_exponential
 
 from outbox import store
-from outbox.exceptions import ServiceUnavailable
-from outbox.message import CONTENT_TYPE_HEADER, ID_HEADER
+from outbox.encoding import CONTENT_TYPE_HEADER, ID_HEADER
+from outbox.exceptions import ServiceUnavailable, describe
 from outbox.migrate import require_current
-from outbox.settings import Settings, mask_url
-from relay import metrics
-from relay.leases import LeaseKeeper, Leases
-from relay.producer import make_producer
-from relay.retention import Pruner
-from relay.wakeup import Wakeup
+from outbox.relay import metrics
+from outbox.relay.daemon import Lifecycle
+from outbox.relay.leases import LeaseKeeper, Leases
+from outbox.relay.producer import make_producer
+from outbox.relay.retention import Pruner
+from outbox.relay.wakeup import Wakeup
+from outbox.settings import RelaySettings, mask_url
 
 log = logging.getLogger("outbox.relay")
 #: How long acks may lag before the relay says the broker seems unreachable.
@@ -75,32 +77,33 @@ class InFlight:
 class Relay:
     """Run with :meth:`run`; :meth:`stop` (or SIGTERM via the CLI) ends it after the batch."""
 
-    def __init__(self, settings: Settings, producer: KafkaProducer | None = None) -> None:
+    def __init__(self, settings: RelaySettings, producer: KafkaProducer | None = None) -> None:
         settings.require("database_url", "kafka_bootstrap")
         self.settings = settings
         self.schema = settings.schema_name
         self.worker_id = settings.worker_id
-        self.stopping = threading.Event()
-        self.abandon = threading.Event()
+        self.lifecycle = Lifecycle(f"relay {self.worker_id}", log,
+                                   resumed="delivering again after {seconds:.1f}s")
         self.delivered = 0
         self._producer = producer
         self._engine: Engine = create_engine(
-            settings.sqlalchemy_url, pool_size=3, max_overflow=0, pool_pre_ping=True
+            settings.sqlalchemy_url, pool_size=2, max_overflow=0, pool_pre_ping=True
         )
         self._leases = Leases(self.schema, self.worker_id, settings.relay_lease_seconds)
         self._keeper = LeaseKeeper(settings, self._leases, in_flight=self.in_flight)
         self._recorder: Recorder | None = None
-        self._outage_since: float | None = None
 
     @property
     def owned_shards(self) -> frozenset[int]:
         return self._leases.active
 
-    def stop(self, *, abandon_batch: bool = False) -> None:
-        """Ask the loop to end after the current batch, or at once with ``abandon_batch``."""
-        self.stopping.set()
-        if abandon_batch:
-            self.abandon.set()
+    @property
+    def stopping(self) -> threading.Event:
+        return self.lifecycle.stopping
+
+    def stop(self, *, abandon: bool = False) -> None:
+        """Ask the loop to end after the current batch, or at once with ``abandon``."""
+        self.lifecycle.stop(abandon=abandon)
 
     def run(self) -> None:
         with self._engine.connect() as conn:
@@ -112,17 +115,9 @@ class Relay:
                  self.settings.kafka_bootstrap)
         pruner.start()
         try:
-            retrying = Retrying(
-                retry=retry_if_exception_type(
-                    (BrokerTrouble, DBAPIError, psycopg.Error, ServiceUnavailable)),
-                wait=wait_exponential(multiplier=0.2, max=5),
-                sleep=self._pause,
-                before_sleep=self._report_outage,
-                reraise=True,
-            )
-            for attempt in retrying:
-                with attempt:
-                    self._serve(producer)
+            self.lifecycle.serve(
+                lambda: self._serve(producer),
+                (BrokerTrouble, DBAPIError, psycopg.Error, ServiceUnavailable), max_wait=5)
         except Abandoned:
             log.info("relay %s abandoned its batch in flight; it stays pending", self.worker_id)
         finally:
@@ -132,37 +127,20 @@ class Relay:
                 self._keeper.join(5)
             pruner.join(5)
             self._leave()
-            producer.close(timeout=0 if self.abandon.is_set() else 10)
+            producer.close(timeout=0 if self.lifecycle.abandon.is_set() else 10)
             self._engine.dispose()
             log.info("relay %s stopped after delivering %d messages", self.worker_id,
                      self.delivered)
 
-    def _pause(self, seconds: float) -> None:
-        self.stopping.wait(seconds)
-
-    def _report_outage(self, state: RetryCallState) -> None:
-        """Say once that delivery stalls, with the reason; the recovery is said once too."""
-        if self._outage_since is None:
-            self._outage_since = time.monotonic()
-            exc = state.outcome.exception() if state.outcome else None
-            log.warning("relay %s paused: %s; retrying with backoff", self.worker_id,
-                        _describe(exc))
-
-    def _recovered(self) -> None:
-        if self._outage_since is not None:
-            log.warning("relay %s delivering again after %.1fs", self.worker_id,
-                        time.monotonic() - self._outage_since)
-            self._outage_since = None
-
     def _leave(self) -> None:
-        if self.abandon.is_set():
+        if self.lifecycle.abandon.is_set():
             return
         try:
             with self._engine.connect() as conn:
                 self._leases.leave(conn)
         except DBAPIError as exc:
             log.warning("relay %s could not hand back its shards (%s); they expire in %.0fs",
-                        self.worker_id, _describe(exc), self.settings.relay_lease_seconds)
+                        self.worker_id, describe(exc), self.settings.relay_lease_seconds)
 
     def _serve(self, producer: KafkaProducer) -> None:
         """One pass: deliver until stopped, or until the broker or the database fails."""
@@ -172,7 +150,7 @@ class Relay:
         if self._keeper.ident is None:
             # LISTEN first: the others answer our first heartbeat with a NOTIFY.
             self._keeper.start()
-        recorder = self._recorder = Recorder(self)
+        recorder = self._recorder = Recorder(self.settings, self._settle)
         recorder.start()
         try:
             with self._engine.connect() as conn:
@@ -237,10 +215,8 @@ class Relay:
         metrics.BATCH_SIZE.observe(len(batch))
         return flight
 
-    def _settle(self, conn: Connection, flight: InFlight | None) -> None:
+    def _settle(self, conn: Connection, flight: InFlight) -> None:
         """Wait for a batch's acks, then record them; raises BrokerTrouble if Kafka failed."""
-        if flight is None:
-            return
         self._await_acks(flight)
         acks: list[tuple[int, int, int]] = []
         failures: list[store.Failure] = []
@@ -252,7 +228,7 @@ class Relay:
                 acks.append((row.id, meta.partition, meta.offset))
                 continue
             exc = outcome if isinstance(outcome, BaseException) else outcome.exception
-            failures.append(store.Failure(row.id, _describe(exc), _is_permanent(exc)))
+            failures.append(store.Failure(row.id, describe(exc), _is_permanent(exc)))
         with conn.begin():
             closed = store.mark_delivered(conn, self.schema, self.worker_id, acks)
             parked = store.record_failures(conn, self.schema, self.worker_id, failures,
@@ -268,7 +244,7 @@ class Relay:
                       "`outbox resume %d`)", message_id, self.settings.relay_max_attempts,
                       reason, message_id)
         if acks:
-            self._recovered()
+            self.lifecycle.recovered()
         transient = [f for f in failures if not f.permanent]
         for failure in failures:
             metrics.FAILURES.labels("permanent" if failure.permanent else "retriable").inc()
@@ -280,16 +256,14 @@ class Relay:
         started = time.monotonic()
         warned = False
         while not flight.done.wait(0.25):
-            if self.abandon.is_set():
+            if self.lifecycle.abandon.is_set():
                 raise Abandoned
             if not warned and time.monotonic() - started > SLOW_ACK_SECONDS:
                 warned = True
-                if self._outage_since is None:
-                    self._outage_since = started
-                    log.warning("relay %s: Kafka has not acknowledged %d messages for %.0fs; "
-                                "waiting (the producer retries for %.0fs)", self.worker_id,
-                                len(flight.rows), SLOW_ACK_SECONDS,
-                                self.settings.kafka_delivery_timeout_ms / 1000)
+                self.lifecycle.outage(
+                    f"Kafka has not acknowledged {len(flight.rows)} messages for "
+                    f"{SLOW_ACK_SECONDS:.0f}s (the producer retries for "
+                    f"{self.settings.kafka_delivery_timeout_ms / 1000:.0f}s)", since=started)
 
     def in_flight(self) -> int:
         recorder = self._recorder
@@ -297,14 +271,16 @@ class Relay:
 
 
 class Recorder(threading.Thread):
-    """Waits for each sent batch's acks, in order, and records them on its own connection,
-    so the main loop can fetch and send the next batches meanwhile. After a failure it
-    records nothing more (those rows stay pending and are sent again) and the main loop
-    raises the failure to start a new pass."""
+    """Waits for each sent batch's acks, in order, and records them (``settle``) on its own
+    connection, so the main loop can fetch and send the next batches meanwhile. After a
+    failure it records nothing more (those rows stay pending and are sent again) and the main
+    loop raises the failure to start a new pass."""
 
-    def __init__(self, relay: Relay) -> None:
-        super().__init__(name=f"recorder-{relay.worker_id}", daemon=True)
-        self._relay = relay
+    def __init__(self, settings: RelaySettings,
+                 settle: Callable[[Connection, InFlight], None]) -> None:
+        super().__init__(name=f"recorder-{settings.worker_id}", daemon=True)
+        self._url = settings.sqlalchemy_url
+        self._settle = settle
         self._queue: queue.Queue[InFlight | None] = queue.Queue()
         self._changed = threading.Condition()
         self._unsettled: list[InFlight] = []
@@ -338,12 +314,13 @@ class Recorder(threading.Thread):
         self.join(30)
 
     def run(self) -> None:
+        engine = create_engine(self._url, pool_size=1, max_overflow=0, pool_pre_ping=True)
         try:
-            with self._relay._engine.connect() as conn:
+            with engine.connect() as conn:
                 while (flight := self._queue.get()) is not None:
                     if self._failure is None:
                         try:
-                            self._relay._settle(conn, flight)
+                            self._settle(conn, flight)
                         except BaseException as exc:
                             self._failure = exc
                     with self._changed:
@@ -354,18 +331,13 @@ class Recorder(threading.Thread):
                 self._failure = self._failure or exc
                 self._unsettled.clear()
                 self._changed.notify_all()
+        finally:
+            engine.dispose()
 
 
 def _is_permanent(exc: BaseException | None) -> bool:
     """Kafka's non-retriable errors (record too large, invalid or unauthorised topic, ...)."""
     return isinstance(exc, KafkaError) and not isinstance(exc, RetriableError)
-
-
-def _describe(exc: BaseException | None) -> str:
-    if exc is None:
-        return "unknown error"
-    text = str(getattr(exc, "orig", None) or exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
 
 
 def _headers(row: store.Deliverable) -> list[tuple[str, bytes]]:

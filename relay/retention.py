@@ -13,12 +13,13 @@ from sqlalchemy import create_engine
 from sqlalchemy.exc import DBAPIError
 
 from outbox import store
-from outbox.settings import Settings
+from outbox.exceptions import first_line
+from outbox.settings import RelaySettings
 
 log = logging.getLogger("outbox.retention")
 
 
-def prune(settings: Settings, stop: threading.Event | None = None) -> tuple[int, int]:
+def prune(settings: RelaySettings, stop: threading.Event | None = None) -> tuple[int, int]:
     """Delete everything past the retention window, batch by batch; returns the totals."""
     engine = create_engine(settings.sqlalchemy_url, pool_size=1, max_overflow=0)
     totals = [0, 0]
@@ -44,7 +45,7 @@ def prune(settings: Settings, stop: threading.Event | None = None) -> tuple[int,
 class Pruner(threading.Thread):
     """Runs :func:`prune` every ``prune_interval`` seconds inside the relay."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: RelaySettings) -> None:
         super().__init__(name="pruner", daemon=True)
         self._settings = settings
         self._halt = threading.Event()
@@ -58,4 +59,4 @@ class Pruner(threading.Thread):
                 prune(self._settings, self._halt)
             except DBAPIError as exc:
                 log.warning("retention pass failed (%s); trying again in %.0fs",
-                            str(exc.orig or exc).splitlines()[0], self._settings.prune_interval)
+                            first_line(exc), self._settings.prune_interval)

@@ -29,15 +29,15 @@ import psycopg
 from prometheus_client import Counter, Gauge
 from sqlalchemy import Connection, Engine, create_engine
 from sqlalchemy.exc import DBAPIError
-from tenacity import RetryCallState, Retrying, retry_if_exception_type, wait_exponential
 
 from outbox import store
 from outbox.app import Outbox
 from outbox.checkers import Checker, SqlChecker, to_resolution
-from outbox.exceptions import ConfigurationError
+from outbox.exceptions import ConfigurationError, first_line
 from outbox.migrate import require_current
+from outbox.relay.daemon import Lifecycle
 from outbox.schema import Resolution, Status
-from outbox.settings import Settings, mask_url
+from outbox.settings import SweepSettings, mask_url
 
 log = logging.getLogger("outbox.sweeper")
 
@@ -80,7 +80,7 @@ def load_app(path: str) -> Outbox:
     return app
 
 
-def checkers_for(settings: Settings, checkers: Mapping[str, Checker]) -> dict[str, Checker]:
+def checkers_for(settings: SweepSettings, checkers: Mapping[str, Checker]) -> dict[str, Checker]:
     """Python checkers and the SQL checkers of ``OUTBOX_SQL_CHECKERS``, by producer group."""
     found: dict[str, Checker] = {
         group: SqlChecker(sql) for group, sql in settings.sql_checkers.items()
@@ -120,7 +120,7 @@ class SweepCounts:
 class Sweeper:
     """Run with :meth:`run`; :meth:`stop` (or SIGTERM via the CLI) ends it."""
 
-    def __init__(self, settings: Settings, checkers: Mapping[str, Checker] | None = None
+    def __init__(self, settings: SweepSettings, checkers: Mapping[str, Checker] | None = None
                  ) -> None:
         settings.require("database_url")
         self.settings = settings
@@ -129,19 +129,26 @@ class Sweeper:
         self.groups = sorted(self.checkers)
         self.actor = f"sweeper:{settings.worker_id}"
         self.counts = SweepCounts()
-        self.stopping = threading.Event()
+        self.lifecycle = Lifecycle(
+            f"sweeper {settings.worker_id}", log,
+            paused="cannot reach PostgreSQL ({reason}); retrying with backoff",
+            resumed="reaches PostgreSQL again after {seconds:.1f}s")
         self._stopped: Future[None] = Future()  # completed by stop(): wakes the loop's wait
         self._lock = threading.Lock()
         self._reported: set[str] = set()
-        self._outage = False
         self._engine: Engine = create_engine(
             settings.sqlalchemy_url, pool_size=settings.sweep_concurrency + 1, max_overflow=2,
             pool_pre_ping=True,
             connect_args={"application_name": f"outbox-sweeper:{settings.worker_id}"[:63]},
         )
 
-    def stop(self) -> None:
-        self.stopping.set()
+    @property
+    def stopping(self) -> threading.Event:
+        return self.lifecycle.stopping
+
+    def stop(self, *, abandon: bool = False) -> None:
+        """Stop claiming; running checks may land their answers (unless ``abandon``)."""
+        self.lifecycle.stop(abandon=abandon)
         if not self._stopped.done():
             self._stopped.set_result(None)
 
@@ -154,45 +161,28 @@ class Sweeper:
                  ", ".join(self.groups))
         executor = ThreadPoolExecutor(self.settings.sweep_concurrency, "checker")
         running: dict[Future[None], _Running] = {}
-        retrying = Retrying(
-            retry=retry_if_exception_type(DBAPIError),
-            wait=wait_exponential(multiplier=0.2, max=10),
-            sleep=self._pause,
-            stop=lambda _state: self.stopping.is_set(),
-            before_sleep=self._report_outage,
-            reraise=True,
-        )
         try:
-            for attempt in retrying:
-                with attempt, self._engine.connect() as conn:
-                    self._loop(conn, executor, running)
+            self.lifecycle.serve(lambda: self._serve(executor, running), (DBAPIError,),
+                                 max_wait=10)
         finally:
             executor.shutdown(wait=False, cancel_futures=True)
-            wait(running, timeout=self.settings.checker_timeout)  # let their answers land
+            if not self.lifecycle.abandon.is_set():
+                wait(running, timeout=self.settings.checker_timeout)  # let answers land
             self._engine.dispose()
             log.info("sweeper %s stopped after %d check-backs", self.settings.worker_id,
                      sum(self.counts.outcomes.values()))
 
-    def _pause(self, seconds: float) -> None:
-        self.stopping.wait(seconds)
-
-    def _report_outage(self, state: RetryCallState) -> None:
-        """Say once that checks stall, and why; the recovery is said once too."""
-        if self._outage:
-            return
-        self._outage = True
-        exc = state.outcome.exception() if state.outcome else None
-        log.warning("sweeper %s cannot reach PostgreSQL (%s); retrying with backoff",
-                    self.settings.worker_id, _first_line(exc))
+    def _serve(self, executor: ThreadPoolExecutor, running: dict[Future[None], _Running]
+               ) -> None:
+        with self._engine.connect() as conn:
+            self._loop(conn, executor, running)
 
     def _loop(self, conn: Connection, executor: ThreadPoolExecutor,
               running: dict[Future[None], _Running]) -> None:
         settings = self.settings
         report_at = 0.0
         while not self.stopping.is_set():
-            if self._outage:
-                log.info("sweeper %s reaches PostgreSQL again", self.settings.worker_id)
-                self._outage = False
+            self.lifecycle.recovered()
             now = time.monotonic()
             self._expire(conn, running, now)
             if now >= report_at:
@@ -224,7 +214,7 @@ class Sweeper:
             for future in done:
                 if running.pop(future, None) is not None and future.exception() is not None:
                     log.warning("check-back failed, retried when its claim expires: %s",
-                                _first_line(future.exception()))
+                                first_line(future.exception()))
 
     def _check(self, claim: store.Claim) -> None:
         """One check-back, in a worker thread; records its own outcome on the same connection."""
@@ -244,7 +234,7 @@ class Sweeper:
                     kind, detail = "TIMEOUT", _timed_out(self.settings.checker_timeout)
                 else:
                     kind = "ERROR"
-                    detail = f"checker raised {type(exc).__name__}: {_first_line(exc)}"
+                    detail = f"checker raised {type(exc).__name__}: {first_line(exc)}"
                 log.warning("message %d (producer group %r): %s; counted as inconclusive",
                             message.id, group, detail)
             outcome = store.CheckOutcome(message.id, claim.token, resolution, detail)
@@ -312,8 +302,3 @@ class Sweeper:
 
 def _timed_out(seconds: float) -> str:
     return f"checker timed out after {seconds:g} s"
-
-
-def _first_line(exc: BaseException | None) -> str:
-    text = str(getattr(exc, "orig", None) or exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__

@@ -20,7 +20,7 @@ from pyspark.sql import functions as F
 
 from outbox.exceptions import ConfigurationError
 from outbox.schema import Resolution, Status
-from spark.queries import POSITION_OFFSET_BITS
+from outbox.spark.queries import POSITION_OFFSET_BITS
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ import pyarrow as pa
 from kafka import KafkaConsumer, TopicPartition
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
+from outbox.encoding import ID_HEADER
 from outbox.exceptions import ServiceUnavailable
-from outbox.message import ID_HEADER
 
 FORMAT = "outbox_kafka"
 SCHEMA = pa.schema([

@@ -20,6 +20,7 @@ from sqlalchemy.dialects import postgresql
 from outbox import schema as outbox_schema
 from outbox.schema import Action
 from outbox.settings import validate_identifier
+from outbox.spark import runs
 
 #: Message ids sent per ``= ANY(...)`` lookup.
 LOOKUP_CHUNK = 10_000
@@ -51,7 +52,7 @@ def tables(schema: str) -> Tables:
     return Tables(
         message=outbox_schema.message.to_metadata(copy, schema=name),
         op_record=outbox_schema.op_record.to_metadata(copy, schema=name),
-        reconcile_run=outbox_schema.reconcile_run.to_metadata(copy, schema=name),
+        reconcile_run=runs.reconcile_run.to_metadata(copy, schema=name),
     )
 
 

@@ -30,11 +30,10 @@ from sqlalchemy import create_engine
 
 from outbox.exceptions import ConfigurationError
 from outbox.migrate import require_current
-from outbox.schema import RunOutcome
-from outbox.settings import Settings
-from relay.producer import security_config
-from spark import findings, queries, report, sources
-from spark.kafka_source import high_watermarks
+from outbox.settings import ReconcileSettings
+from outbox.spark import findings, queries, report, sources
+from outbox.spark.kafka_source import high_watermarks
+from outbox.spark.runs import RunOutcome
 
 log = logging.getLogger("outbox.reconcile")
 #: Message ids listed per finding in the report and summary (all are in the Parquet files).
@@ -59,7 +58,7 @@ class Result:
         return 1 if self.outcome is RunOutcome.FAILED else 0
 
 
-def local_session(settings: Settings) -> SparkSession:
+def local_session(settings: ReconcileSettings) -> SparkSession:
     """The session: spark-submit's when launched by it, else local[*] with the JDBC jar."""
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
@@ -83,7 +82,7 @@ def local_session(settings: Settings) -> SparkSession:
 
 
 @contextlib.contextmanager
-def session(settings: Settings) -> Iterator[SparkSession]:
+def session(settings: ReconcileSettings) -> Iterator[SparkSession]:
     """The active session, or a new one (see local_session) stopped when the block ends."""
     active = SparkSession.getActiveSession()
     spark = active or local_session(settings)
@@ -94,7 +93,7 @@ def session(settings: Settings) -> Iterator[SparkSession]:
             spark.stop()
 
 
-def run(spark: SparkSession, settings: Settings, *, since: datetime | None = None,
+def run(spark: SparkSession, settings: ReconcileSettings, *, since: datetime | None = None,
         until: datetime | None = None) -> Result:
     """Reconcile one window and record it; see the module docstring."""
     started_at = datetime.now(UTC)
@@ -232,7 +231,7 @@ def _window(since: datetime | None, mark: queries.Watermark, clock: queries.Cloc
     return queries.Window(start, clock.until), source
 
 
-def _read_topics(spark: SparkSession, settings: Settings, engine: Any, messages: DataFrame,
+def _read_topics(spark: SparkSession, settings: ReconcileSettings, engine: Any, messages: DataFrame,
                  mark: queries.Watermark, window: queries.Window, cached: list[DataFrame]
                  ) -> tuple[DataFrame, dict[str, dict[str, int]]]:
     """The topics from the last run's end (or the window's first op record) to their end."""
@@ -252,7 +251,7 @@ def _read_topics(spark: SparkSession, settings: Settings, engine: Any, messages:
         conn.rollback()
     topics = {r.topic for r in messages.select("topic").distinct().collect()}
     topics |= set(mark.kafka_offsets or {})
-    client = security_config(settings)
+    client = settings.kafka_security()
     ends = high_watermarks(settings.kafka_bootstrap, sorted(topics), client)
     plan = sources.plan_topics(ends, first_ops, mark.kafka_offsets, window.since is None)
     log.info("reading %d offset ranges of %d topics (%d records)", len(plan.ranges),

@@ -14,7 +14,7 @@ from pyspark.sql import functions as F
 from sqlalchemy.engine import make_url
 
 from outbox.exceptions import ConfigurationError
-from spark.kafka_source import FORMAT, SPARK_SCHEMA, KafkaRangeSource, OffsetRange
+from outbox.spark.kafka_source import FORMAT, SPARK_SCHEMA, KafkaRangeSource, OffsetRange
 
 JDBC_DRIVER = "org.postgresql.Driver"
 FETCH_SIZE = 10_000

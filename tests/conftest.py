@@ -13,10 +13,11 @@ import pytest
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.orm import Session
 
-from outbox import Outbox, devservices, migrate
+from outbox import Outbox, migrate
+from outbox.dev import services as devservices
+from outbox.dev.topics import create_topic
+from outbox.relay.relay import Relay
 from outbox.settings import Settings, sqlalchemy_url
-from outbox.topic_reader import create_topic
-from relay.relay import Relay
 
 
 @pytest.fixture(scope="session")

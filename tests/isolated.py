@@ -9,9 +9,10 @@ from dataclasses import dataclass
 
 from sqlalchemy import Engine, create_engine
 
-from outbox import Outbox, devservices, migrate
+from outbox import Outbox, migrate
+from outbox.dev import services as devservices
+from outbox.dev.topics import create_topic
 from outbox.settings import Settings, sqlalchemy_url
-from outbox.topic_reader import create_topic
 from tests.tcp_proxy import TcpProxy
 
 

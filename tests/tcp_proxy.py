@@ -7,7 +7,7 @@ import select
 import socket
 import threading
 
-from outbox.devservices import free_port
+from outbox.dev.services import free_port
 
 
 class TcpProxy:

@@ -8,9 +8,9 @@ from sqlalchemy import Engine
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 
 from outbox import Outbox
+from outbox.dev.topics import read_topic
+from outbox.relay.relay import Relay
 from outbox.settings import Settings, sqlalchemy_url
-from outbox.topic_reader import read_topic
-from relay.relay import Relay
 from tests.conftest import wait_delivered
 
 

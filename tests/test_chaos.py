@@ -15,8 +15,8 @@ from pathlib import Path
 
 from sqlalchemy import text
 
-from outbox import devservices
-from outbox.topic_reader import read_topic
+from outbox.dev import services as devservices
+from outbox.dev.topics import read_topic
 from tests.conftest import wait_until
 from tests.isolated import Isolated, isolated_services
 from tests.processes import start_outbox

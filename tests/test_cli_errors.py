@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-from outbox import devservices
+from outbox.dev import services as devservices
 from outbox.settings import Settings
 from tests.processes import outbox_env, run_outbox
 

@@ -14,7 +14,7 @@ from typing import Any
 import jsonschema
 import yaml
 
-from outbox import devservices
+from outbox.dev import services as devservices
 from outbox.settings import Settings
 from tests.conftest import wait_until
 from tests.processes import outbox_env, run_outbox, start_outbox

@@ -10,9 +10,9 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 from outbox import InvalidMessage, Outbox
+from outbox.dev.topics import read_topic
+from outbox.relay.relay import Relay
 from outbox.settings import Settings
-from outbox.topic_reader import read_topic
-from relay.relay import Relay
 from tests.conftest import count_status, publish_orders, wait_delivered
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import psycopg
 from kafka import KafkaProducer
 
-from outbox.devservices import Services
+from outbox.dev.services import Services
 from tests.processes import run_outbox
 
 

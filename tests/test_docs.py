@@ -63,12 +63,12 @@ def test_every_public_name_is_in_the_api_reference(name: str) -> None:
 
 
 def metric_names() -> list[str]:
-    import relay.metrics
-    import relay.sweeper
+    import outbox.relay.metrics
+    import outbox.relay.sweeper
 
     return sorted(
         value._name
-        for module in (relay.metrics, relay.sweeper)
+        for module in (outbox.relay.metrics, outbox.relay.sweeper)
         for value in vars(module).values()
         if isinstance(value, MetricWrapperBase)
     )

@@ -11,10 +11,10 @@ from fastapi.testclient import TestClient
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
+from outbox.dev.topics import create_topic, read_topic
+from outbox.relay.relay import Relay
+from outbox.relay.sweeper import Sweeper, load_app
 from outbox.settings import Settings
-from outbox.topic_reader import create_topic, read_topic
-from relay.relay import Relay
-from relay.sweeper import Sweeper, load_app
 from tests.conftest import count_status, wait_delivered, wait_until
 
 

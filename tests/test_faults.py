@@ -10,9 +10,10 @@ import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
-from outbox import Outbox, devservices
+from outbox import Outbox
+from outbox.dev import services as devservices
+from outbox.dev.topics import Record, read_topic
 from outbox.settings import Settings
-from outbox.topic_reader import Record, read_topic
 from tests.conftest import count_status, publish_orders, running_relay, wait_delivered, wait_until
 from tests.isolated import Isolated, isolated_services
 from tests.processes import run_outbox

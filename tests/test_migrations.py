@@ -8,14 +8,16 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import Engine, MetaData, inspect, text
 
-from outbox import devservices, migrate
-from outbox.schema import SHARDS, VERSION_TABLE, metadata
+from outbox import migrate
+from outbox.dev import services as devservices
+from outbox.migrations import target_metadata
+from outbox.schema import SHARDS, VERSION_TABLE
 from tests.processes import run_outbox
 
 
 def test_migrated_schema_matches_the_metadata(engine: Engine, schema: str) -> None:
     in_schema = MetaData()
-    for table in metadata.sorted_tables:
+    for table in target_metadata().sorted_tables:
         table.to_metadata(in_schema, schema=schema)
     with engine.connect() as conn:
         context = MigrationContext.configure(
@@ -35,7 +37,7 @@ def test_constraint_names_match_the_metadata(engine: Engine, schema: str) -> Non
             "WHERE n.nspname = :schema AND conrelid::regclass::text NOT LIKE '%alembic%'"
         ), {"schema": schema}).scalars())
     declared = {
-        str(constraint.name) for table in metadata.sorted_tables
+        str(constraint.name) for table in target_metadata().sorted_tables
         for constraint in table.constraints
     }
     assert in_database == declared
@@ -59,7 +61,7 @@ def test_upgrade_downgrade_upgrade_through_the_cli(
         assert f"schema {schema} is at revision {migrate.head()}" in up.stdout
         assert run_outbox(None, "db", "current", env=env).stdout.strip() == migrate.head()
         tables = set(inspect(engine).get_table_names(schema=schema))
-        assert tables == {table.name for table in metadata.sorted_tables} | {VERSION_TABLE}
+        assert tables == {table.name for table in target_metadata().sorted_tables} | {VERSION_TABLE}
         assert "alembic_version" not in inspect(engine).get_table_names(schema="public")
 
         down = run_outbox(None, "db", "downgrade", "base", env=env)

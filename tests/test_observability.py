@@ -10,7 +10,8 @@ from prometheus_client import start_http_server
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
-from outbox import Outbox, devservices
+from outbox import Outbox
+from outbox.dev import services as devservices
 from outbox.settings import Settings
 from tests.conftest import count_status, publish_orders, running_relay, wait_delivered
 from tests.processes import run_outbox

@@ -21,12 +21,13 @@ from pyspark.sql import SparkSession
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
-from outbox import Outbox, devservices, migrate
+from outbox import Outbox, migrate
 from outbox.cli import main
-from outbox.schema import RunOutcome
+from outbox.dev import services as devservices
+from outbox.dev.topics import create_topic, read_topic
 from outbox.settings import Settings
-from outbox.topic_reader import create_topic, read_topic
-from spark import reconcile as job
+from outbox.spark import reconcile as job
+from outbox.spark.runs import RunOutcome
 from tests.conftest import publish_orders, running_relay, wait_delivered
 
 INTEGRITY = {

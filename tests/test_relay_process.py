@@ -8,8 +8,8 @@ from collections import Counter
 from sqlalchemy import Engine, text
 
 from outbox import Outbox
+from outbox.dev.topics import read_topic
 from outbox.settings import Settings
-from outbox.topic_reader import read_topic
 from tests.conftest import count_status, publish_orders, wait_delivered, wait_until
 from tests.processes import start_outbox
 

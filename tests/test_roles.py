@@ -13,8 +13,8 @@ from sqlalchemy.exc import ProgrammingError
 from sqlalchemy.orm import Session
 
 from outbox import Outbox
+from outbox.dev.topics import read_topic
 from outbox.settings import Settings, sqlalchemy_url
-from outbox.topic_reader import read_topic
 from tests.conftest import count_status, running_relay, wait_until
 from tests.processes import outbox_env, run_outbox, start_outbox
 

@@ -11,9 +11,9 @@ from collections import Counter
 from sqlalchemy import Engine, text
 
 from outbox import Outbox
+from outbox.dev.topics import read_topic
 from outbox.schema import SHARDS
 from outbox.settings import Settings
-from outbox.topic_reader import read_topic
 from tests.conftest import publish_orders, running_relay, wait_delivered, wait_until
 from tests.processes import start_outbox
 

@@ -6,8 +6,8 @@ import json
 import os
 from pathlib import Path
 
+from outbox.relay.producer import producer_config
 from outbox.settings import Settings
-from relay.producer import producer_config
 from tests.processes import run_outbox
 
 
@@ -33,8 +33,8 @@ def test_flags_beat_environment_beats_config_file_beats_defaults(tmp_path: Path)
     assert values["relay_batch_size"] == 222  # environment over file
     assert values["schema_name"] == "from_env"
     assert values["check_max"] == 15  # default
-    flagged = run_outbox(None, "--config", str(config), "config", "--json", "--schema",
-                         "from_flag", env=clean_env())
+    flagged = run_outbox(None, "--config", str(config), "--schema", "from_flag", "config",
+                         "--json", env=clean_env())
     assert json.loads(flagged.stdout)["schema_name"] == "from_flag"
     assert json.loads(flagged.stdout)["relay_batch_size"] == 111
 

@@ -22,10 +22,10 @@ from sqlalchemy.orm import Session
 
 from outbox import Message, Outbox, store
 from outbox.checkers import Checker
+from outbox.dev.topics import read_topic
+from outbox.relay.relay import Relay
+from outbox.relay.sweeper import Sweeper
 from outbox.settings import Settings
-from outbox.topic_reader import read_topic
-from relay.relay import Relay
-from relay.sweeper import Sweeper
 from tests.conftest import publish_orders, running, wait_delivered, wait_until
 from tests.processes import outbox_env, run_outbox, start_outbox
 

@@ -22,9 +22,9 @@ from outbox import (
     Resolution,
     TransactionResult,
 )
+from outbox.dev.topics import read_topic
+from outbox.relay.relay import Relay
 from outbox.settings import Settings, sqlalchemy_url
-from outbox.topic_reader import read_topic
-from relay.relay import Relay
 from tests.conftest import publish_orders, wait_delivered
 
 

@@ -22,9 +22,8 @@ from pydantic import BaseModel
 from sqlalchemy import Column, Connection, Integer, MetaData, Numeric, Table, Text, select
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
 
-from outbox import Outbox
+from outbox import Message, Outbox
 from outbox.settings import sqlalchemy_url
-from outbox.store import Message
 
 shop = MetaData(schema=os.environ.get("SHOP_SCHEMA", "shop"))
 orders = Table(

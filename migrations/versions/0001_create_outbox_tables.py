@@ -8,7 +8,7 @@ Create Date: 2026-11-22
 import sqlalchemy as sa
 from alembic import op
 
-from migrations import target_schema
+from outbox.migrations import target_schema
 
 revision = "0001"
 down_revision = None

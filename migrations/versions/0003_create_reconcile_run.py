@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects.postgresql import JSONB
 
-from migrations import target_schema
+from outbox.migrations import target_schema
 
 revision = "0003"
 down_revision = "0002"

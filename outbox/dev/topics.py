@@ -13,7 +13,7 @@ from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
 from kafka.admin import NewTopic
 from kafka.errors import TopicAlreadyExistsError
 
-from outbox.message import ID_HEADER
+from outbox.encoding import ID_HEADER
 
 
 @dataclass(frozen=True, slots=True)

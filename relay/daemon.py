@@ -1,0 +1,119 @@
+"""The lifecycle the relay and the sweeper share: stop flags, signals, backoff on outages.
+
+A daemon's pass fails when PostgreSQL (or Kafka) cannot be reached; :meth:`Lifecycle.serve`
+runs the pass again with exponential backoff until told to stop, and says once that work
+stalled (with the reason) and once that it resumed — never a line per retry.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+from types import FrameType
+from typing import Protocol
+
+from tenacity import RetryCallState, Retrying, retry_if_exception_type, wait_exponential
+
+from outbox.exceptions import describe
+
+
+class Daemon(Protocol):
+    lifecycle: Lifecycle
+
+    def run(self) -> None: ...
+
+    def stop(self, *, abandon: bool = False) -> None: ...
+
+
+class Lifecycle:
+    """Stop and abandon flags, and the outage state, of one daemon (safe from any thread)."""
+
+    def __init__(self, name: str, log: logging.Logger, *,
+                 paused: str = "paused: {reason}; retrying with backoff",
+                 resumed: str = "working again after {seconds:.1f}s") -> None:
+        self.name = name
+        self.log = log
+        self._paused = paused
+        self._resumed = resumed
+        #: Finish the work in hand, then stop.
+        self.stopping = threading.Event()
+        #: Stop at once; work in hand is left for the next owner.
+        self.abandon = threading.Event()
+        self._lock = threading.Lock()
+        self._outage_since: float | None = None
+
+    def stop(self, *, abandon: bool = False) -> None:
+        self.stopping.set()
+        if abandon:
+            self.abandon.set()
+
+    def pause(self, seconds: float) -> None:
+        """Sleep, but wake at once when told to stop."""
+        self.stopping.wait(seconds)
+
+    def serve(self, one_pass: Callable[[], None], retry_on: tuple[type[BaseException], ...],
+              *, max_wait: float) -> None:
+        """Run ``one_pass`` until it returns; after a ``retry_on`` failure, back off and rerun
+        it, unless stopping (then the failure is swallowed if we were asked to stop)."""
+        retrying = Retrying(
+            retry=retry_if_exception_type(retry_on),
+            wait=wait_exponential(multiplier=0.2, max=max_wait),
+            sleep=self.pause,
+            stop=lambda _state: self.stopping.is_set(),
+            before_sleep=self._before_sleep,
+            reraise=True,
+        )
+        try:
+            for attempt in retrying:
+                with attempt:
+                    one_pass()
+        except retry_on:
+            if not self.stopping.is_set():
+                raise
+
+    def _before_sleep(self, state: RetryCallState) -> None:
+        self.outage(state.outcome.exception() if state.outcome else None)
+
+    def outage(self, reason: BaseException | str | None, since: float | None = None) -> None:
+        """Say once that work stalls, and why."""
+        with self._lock:
+            if self._outage_since is not None:
+                return
+            self._outage_since = since or time.monotonic()
+        text = reason if isinstance(reason, str) else describe(reason)
+        self.log.warning("%s %s", self.name, self._paused.format(reason=text))
+
+    def recovered(self) -> None:
+        """Say once that work goes on again, after how long."""
+        with self._lock:
+            since, self._outage_since = self._outage_since, None
+        if since is not None:
+            self.log.warning("%s %s", self.name,
+                             self._resumed.format(seconds=time.monotonic() - since))
+
+    @property
+    def in_outage(self) -> bool:
+        with self._lock:
+            return self._outage_since is not None
+
+
+def run_until_signalled(daemon: Daemon) -> None:
+    """Run ``daemon`` in this (main) thread: the first SIGTERM or Ctrl-C finishes the work in
+    hand and stops; a second one abandons it."""
+    lifecycle = daemon.lifecycle
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        again = lifecycle.stopping.is_set()
+        lifecycle.log.info(
+            "%s: %s", signal.Signals(signum).name,
+            "abandoning the work in hand (it stays pending)" if again
+            else "finishing the work in hand, then stopping (signal again to abandon it)",
+        )
+        daemon.stop(abandon=again)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    daemon.run()
