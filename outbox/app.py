@@ -6,8 +6,8 @@ import contextlib
 import inspect
 import random
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping
-from datetime import datetime, timedelta
-from typing import Any, TypeVar, overload
+from datetime import timedelta
+from typing import Any, TypeVar, Unpack, get_type_hints, overload
 
 import psycopg
 from sqlalchemy import Connection, Engine, Result, Row, TextClause
@@ -26,7 +26,7 @@ from outbox.exceptions import (
     NotInTransaction,
     SchemaNotMigrated,
 )
-from outbox.message import Message, TransactionResult
+from outbox.message import Message, PrepareOptions, PublishOptions, TransactionResult
 from outbox.schema import Resolution
 from outbox.settings import PublishSettings, load_settings, with_overrides
 
@@ -76,12 +76,7 @@ class Outbox:
         session: SyncTarget,
         topic: str,
         payload: Any,
-        *,
-        key: str | bytes | None = None,
-        headers: Mapping[str, str | bytes] | None = None,
-        content_type: str | None = None,
-        deliver_after: timedelta | None = None,
-        deliver_at: datetime | None = None,
+        **options: Unpack[PublishOptions],
     ) -> int: ...
 
     @overload
@@ -90,12 +85,7 @@ class Outbox:
         session: AsyncTarget,
         topic: str,
         payload: Any,
-        *,
-        key: str | bytes | None = None,
-        headers: Mapping[str, str | bytes] | None = None,
-        content_type: str | None = None,
-        deliver_after: timedelta | None = None,
-        deliver_at: datetime | None = None,
+        **options: Unpack[PublishOptions],
     ) -> Coroutine[Any, Any, int]: ...
 
     def publish(
@@ -103,12 +93,7 @@ class Outbox:
         session: SyncTarget | AsyncTarget,
         topic: str,
         payload: Any,
-        *,
-        key: str | bytes | None = None,
-        headers: Mapping[str, str | bytes] | None = None,
-        content_type: str | None = None,
-        deliver_after: timedelta | None = None,
-        deliver_at: datetime | None = None,
+        **options: Unpack[PublishOptions],
     ) -> int | Coroutine[Any, Any, int]:
         """Write a prepare row for ``payload`` inside ``session``'s open transaction.
 
@@ -118,31 +103,25 @@ class Outbox:
         ``deliver_after`` / ``deliver_at`` hold it back until then (later messages of the
         same key wait behind it).
         """
-        message = self._encode(topic, payload, key, headers, content_type)
+        _check_options("publish", options, _PUBLISH_KEYS)
+        message = self._encode(topic, payload, options)
         statement, params = store.publish(
             self.schema,
             message,
             producer_group=self.producer_group,
             notify=self.settings.notify,
-            **delivery_time(deliver_after, deliver_at),
+            **delivery_time(options.get("deliver_after"), options.get("deliver_at")),
         )
         _refuse_engine(session)
         return self._execute(session, statement, params, _message_id)
 
-    def _encode(
-        self,
-        topic: str,
-        payload: Any,
-        key: str | bytes | None,
-        headers: Mapping[str, str | bytes] | None,
-        content_type: str | None,
-    ) -> EncodedMessage:
+    def _encode(self, topic: str, payload: Any, options: PublishOptions) -> EncodedMessage:
         return encode(
             topic,
             payload,
-            key=key,
-            headers=headers,
-            content_type=content_type,
+            key=options.get("key"),
+            headers=options.get("headers"),
+            content_type=options.get("content_type"),
             max_payload_bytes=self.settings.max_payload_bytes,
             random_shard=self._random.getrandbits(16),
         )
@@ -206,13 +185,7 @@ class Outbox:
         session: SyncTarget,
         topic: str,
         payload: Any,
-        *,
-        key: str | bytes | None = None,
-        headers: Mapping[str, str | bytes] | None = None,
-        content_type: str | None = None,
-        deliver_after: timedelta | None = None,
-        deliver_at: datetime | None = None,
-        check_immunity: timedelta | None = None,
+        **options: Unpack[PrepareOptions],
     ) -> int: ...
 
     @overload
@@ -221,13 +194,7 @@ class Outbox:
         session: AsyncTarget,
         topic: str,
         payload: Any,
-        *,
-        key: str | bytes | None = None,
-        headers: Mapping[str, str | bytes] | None = None,
-        content_type: str | None = None,
-        deliver_after: timedelta | None = None,
-        deliver_at: datetime | None = None,
-        check_immunity: timedelta | None = None,
+        **options: Unpack[PrepareOptions],
     ) -> Coroutine[Any, Any, int]: ...
 
     def prepare(
@@ -235,13 +202,7 @@ class Outbox:
         session: SyncTarget | AsyncTarget,
         topic: str,
         payload: Any,
-        *,
-        key: str | bytes | None = None,
-        headers: Mapping[str, str | bytes] | None = None,
-        content_type: str | None = None,
-        deliver_after: timedelta | None = None,
-        deliver_at: datetime | None = None,
-        check_immunity: timedelta | None = None,
+        **options: Unpack[PrepareOptions],
     ) -> int | Coroutine[Any, Any, int]:
         """Write a half message: a prepare row whose resolution is UNKNOWN, in ``session``.
 
@@ -250,20 +211,16 @@ class Outbox:
         producer group's checker, first after ``transaction_timeout`` (or ``check_immunity``).
         Later messages of the same key wait behind it. Returns the message id.
         """
-        message = self._encode(topic, payload, key, headers, content_type)
-        statement, params = self._prepare_statement(
-            message, deliver_after, deliver_at, check_immunity
-        )
+        _check_options("prepare", options, _PREPARE_KEYS)
+        message = self._encode(topic, payload, options)
+        statement, params = self._prepare_statement(message, options)
         _refuse_engine(session)
         return self._execute(session, statement, params, _message_id)
 
     def _prepare_statement(
-        self,
-        message: EncodedMessage,
-        deliver_after: timedelta | None,
-        deliver_at: datetime | None,
-        check_immunity: timedelta | None,
+        self, message: EncodedMessage, options: PrepareOptions
     ) -> tuple[TextClause, dict[str, Any]]:
+        check_immunity = options.get("check_immunity")
         if check_immunity is None:
             check_after = self.settings.transaction_timeout
         elif isinstance(check_immunity, timedelta) and check_immunity >= timedelta(0):
@@ -279,7 +236,7 @@ class Outbox:
             notify=False,  # not deliverable until decided
             resolution=Resolution.UNKNOWN,
             check_after_seconds=check_after,
-            **delivery_time(deliver_after, deliver_at),
+            **delivery_time(options.get("deliver_after"), options.get("deliver_at")),
         )
 
     @overload
@@ -335,13 +292,7 @@ class Outbox:
         topic: str,
         payload: Any,
         local_transaction: LocalTransaction,
-        *,
-        key: str | bytes | None = None,
-        headers: Mapping[str, str | bytes] | None = None,
-        content_type: str | None = None,
-        deliver_after: timedelta | None = None,
-        deliver_at: datetime | None = None,
-        check_immunity: timedelta | None = None,
+        **options: Unpack[PrepareOptions],
     ) -> TransactionResult: ...
 
     @overload
@@ -351,13 +302,7 @@ class Outbox:
         topic: str,
         payload: Any,
         local_transaction: AsyncLocalTransaction,
-        *,
-        key: str | bytes | None = None,
-        headers: Mapping[str, str | bytes] | None = None,
-        content_type: str | None = None,
-        deliver_after: timedelta | None = None,
-        deliver_at: datetime | None = None,
-        check_immunity: timedelta | None = None,
+        **options: Unpack[PrepareOptions],
     ) -> Coroutine[Any, Any, TransactionResult]: ...
 
     def send_in_transaction(
@@ -366,13 +311,7 @@ class Outbox:
         topic: str,
         payload: Any,
         local_transaction: LocalTransaction | AsyncLocalTransaction,
-        *,
-        key: str | bytes | None = None,
-        headers: Mapping[str, str | bytes] | None = None,
-        content_type: str | None = None,
-        deliver_after: timedelta | None = None,
-        deliver_at: datetime | None = None,
-        check_immunity: timedelta | None = None,
+        **options: Unpack[PrepareOptions],
     ) -> TransactionResult | Coroutine[Any, Any, TransactionResult]:
         """RocketMQ's sendMessageInTransaction, for a local transaction that is not ours.
 
@@ -382,10 +321,9 @@ class Outbox:
         UNKNOWN or None, an exception (which propagates, noting the message id), or a crash
         leaves the row UNKNOWN for the check-back. Async engines take sync or async callables.
         """
-        message = self._encode(topic, payload, key, headers, content_type)
-        statement, params = self._prepare_statement(
-            message, deliver_after, deliver_at, check_immunity
-        )
+        _check_options("send_in_transaction", options, _PREPARE_KEYS)
+        message = self._encode(topic, payload, options)
+        statement, params = self._prepare_statement(message, options)
         if isinstance(engine, AsyncEngine):
             return self._send_async(engine, message, statement, params, local_transaction)
         message_id = self._execute(engine, statement, params, _message_id)
@@ -451,6 +389,17 @@ class Outbox:
             return func
 
         return register
+
+
+_PUBLISH_KEYS = frozenset(get_type_hints(PublishOptions))
+_PREPARE_KEYS = frozenset(get_type_hints(PrepareOptions))
+
+
+def _check_options(call: str, options: Mapping[str, object], allowed: frozenset[str]) -> None:
+    """``**options`` accepts only the TypedDict's names, as a plain signature would."""
+    unknown = options.keys() - allowed
+    if unknown:
+        raise TypeError(f"{call}() got an unexpected keyword argument {min(unknown)!r}")
 
 
 @contextlib.contextmanager

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from datetime import datetime, timedelta
+from typing import Any, TypedDict
 
 from outbox.schema import Resolution
 
@@ -34,3 +36,23 @@ class TransactionResult:
 
     message_id: int
     resolution: Resolution
+
+
+class PublishOptions(TypedDict, total=False):
+    """The keyword options of ``publish`` (and of ``prepare`` and ``send_in_transaction``)."""
+
+    #: Messages with the same key keep their order (and land on one partition).
+    key: str | bytes | None
+    headers: Mapping[str, str | bytes] | None
+    #: Default: detected from the payload (JSON, text or bytes).
+    content_type: str | None
+    #: Hold the message back this long (later messages of its key wait behind it).
+    deliver_after: timedelta | None
+    #: Or until this time (timezone-aware).
+    deliver_at: datetime | None
+
+
+class PrepareOptions(PublishOptions, total=False):
+    """``PublishOptions`` and, for a half message, when it is first checked back."""
+
+    check_immunity: timedelta | None

@@ -20,7 +20,7 @@ from tests.conftest import wait_until
 from tests.processes import outbox_env, run_outbox, start_outbox
 
 COMPOSE: dict[str, Any] = yaml.safe_load(
-    (Path(__file__).parent.parent / "docker-compose.yml").read_text())
+    (Path(__file__).parents[2] / "docker-compose.yml").read_text())
 
 
 def compose_schema() -> dict[str, Any]:

@@ -14,7 +14,7 @@ import outbox
 from outbox.cli import main
 from outbox.settings import Settings
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
 def doc(name: str) -> str:
