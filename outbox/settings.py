@@ -308,11 +308,8 @@ S = TypeVar("S", bound=_Base)
 
 def load_settings(cls: type[S] = Settings, **overrides: Any) -> S:  # type: ignore[assignment]
     """Build ``cls`` from its sources, turning validation errors into one line per bad field."""
-    given = {k: v for k, v in overrides.items() if v is not None}
-    if "schema" in given:
-        given["schema_name"] = given.pop("schema")
     try:
-        return cls(**given)
+        return cls(**_given(overrides))
     except SettingsError as exc:
         raise ConfigurationError(f"invalid settings: {exc} (expected JSON)") from None
     except ValidationError as exc:
@@ -321,13 +318,18 @@ def load_settings(cls: type[S] = Settings, **overrides: Any) -> S:  # type: igno
 
 def with_overrides(settings: S, **overrides: Any) -> S:
     """``settings`` with some values replaced and validated again (no source is re-read)."""
+    try:
+        return type(settings).model_validate({**settings.model_dump(), **_given(overrides)})
+    except ValidationError as exc:
+        raise ConfigurationError(_one_line(exc)) from None
+
+
+def _given(overrides: dict[str, Any]) -> dict[str, Any]:
+    """The overrides actually given (None means "not given"); ``schema`` is ``schema_name``."""
     given = {k: v for k, v in overrides.items() if v is not None}
     if "schema" in given:
         given["schema_name"] = given.pop("schema")
-    try:
-        return type(settings).model_validate({**settings.model_dump(), **given})
-    except ValidationError as exc:
-        raise ConfigurationError(_one_line(exc)) from None
+    return given
 
 
 def _one_line(exc: ValidationError) -> str:

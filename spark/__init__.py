@@ -1,6 +1,6 @@
 """PySpark reconciliation of the outbox tables against the Kafka topics.
 
-``reconcile.py`` is the job (``outbox reconcile`` or ``spark-submit spark/reconcile.py``);
+``reconcile.py`` is the job (``outbox reconcile``, also under spark-submit);
 ``queries.py`` holds its SQL, ``sources.py`` its JDBC and Kafka reads, ``kafka_source.py``
 the Python data source over kafka-python, ``findings.py`` what it looks for and its
 thresholds, ``report.py`` the short text report.

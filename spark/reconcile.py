@@ -1,5 +1,6 @@
-"""The reconciliation job: ``outbox reconcile`` locally, ``spark-submit spark/reconcile.py``
-on a cluster (same options; pass the JDBC driver with ``--jars``).
+"""The reconciliation job: ``outbox reconcile`` locally; on a cluster, spark-submit runs the
+same CLI (``outbox/__main__.py reconcile``, same options; pass the JDBC driver with
+``--jars``). The job never imports the CLI: the CLI drives the job.
 
 A run covers a window of prepare rows by created_at: from the last run's end (or
 ``--since``) to ``--until`` (default: now minus the SLA, never past the oldest open
@@ -316,8 +317,3 @@ def _output_dir(root: Path, started_at: datetime) -> Path:
 def _iso(value: datetime | None) -> str | None:
     return None if value is None else value.astimezone(UTC).isoformat().replace("+00:00", "Z")
 
-
-if __name__ == "__main__":
-    from outbox.cli import reconcile
-
-    reconcile(prog_name="spark-submit spark/reconcile.py")

@@ -1,4 +1,5 @@
-"""Reading a whole topic up to its high-watermark, for the demo, tests and reconciliation.
+"""Creating a topic and reading it whole up to its high-watermark, for the demo, tests and
+benchmarks (reconciliation reads topics with its own Spark data source, spark/kafka_source.py).
 
 The high-watermark is taken from fetch responses rather than ListOffsets, which some
 Kafka-compatible brokers answer wrongly; this works against Apache Kafka as well.

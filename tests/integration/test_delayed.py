@@ -1,4 +1,4 @@
-"""Delayed delivery works with transactions and keeps per-key order (DESIGN §3.7)."""
+"""Delayed delivery works with transactions and keeps per-key order (docs/guarantees.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Atomicity, no loss, no skipping and per-key order with one relay (DESIGN §3.1-3.4)."""
+"""Atomicity, no loss, no skipping and per-key order with one relay (docs/guarantees.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Faults injected for real: the broker's connections cut, PostgreSQL restarted, records the
-broker refuses, a session idle in transaction (DESIGN §3.2, §3.8, §3.9)."""
+broker refuses, a session idle in transaction (docs/guarantees.md)."""
 
 from __future__ import annotations
 

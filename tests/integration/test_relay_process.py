@@ -1,4 +1,4 @@
-"""The relay as a process: killed with -9 mid-batch, stopped with SIGTERM (DESIGN §3.2)."""
+"""The relay as a process: killed with -9 mid-batch, stopped with SIGTERM (docs/guarantees.md)."""
 
 from __future__ import annotations
 

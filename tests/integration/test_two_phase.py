@@ -1,4 +1,4 @@
-"""Two-phase messages: prepare, local transaction, COMMIT / ROLLBACK / UNKNOWN (DESIGN §2, §3.6).
+"""Two-phase messages: prepare, local transaction, COMMIT / ROLLBACK / UNKNOWN (docs/guarantees.md).
 
 The check-back of messages left UNKNOWN is proven in test_sweeper.py.
 """

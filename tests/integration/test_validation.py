@@ -1,4 +1,4 @@
-"""Bad input to publish gets a one-line error and writes nothing (DESIGN §3.9)."""
+"""Bad input to publish gets a one-line error and writes nothing (docs/guarantees.md)."""
 
 from __future__ import annotations
 
