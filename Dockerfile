@@ -5,6 +5,7 @@ COPY pyproject.toml README.md ./
 COPY outbox ./outbox
 COPY relay ./relay
 COPY migrations ./migrations
+COPY spark ./spark
 RUN pip install --no-cache-dir . && useradd --system --uid 10001 outbox
 USER outbox
 ENTRYPOINT ["outbox"]
