@@ -14,7 +14,7 @@ from outbox.exceptions import InvalidMessage
 from outbox.schema import SHARDS
 from outbox.tracing import trace_headers
 
-TOPIC = re.compile(r"^[a-zA-Z0-9._-]{1,249}$")
+TOPIC = re.compile(r"[a-zA-Z0-9._-]{1,249}")
 #: Header the relay adds to every record: the prepare row's id, for consumer deduplication.
 ID_HEADER = "outbox-id"
 CONTENT_TYPE_HEADER = "content-type"
@@ -41,7 +41,7 @@ class EncodedMessage:
 
 
 def validate_topic(topic: object) -> str:
-    if not isinstance(topic, str) or not TOPIC.match(topic) or topic in (".", ".."):
+    if not isinstance(topic, str) or not TOPIC.fullmatch(topic) or topic in (".", ".."):
         raise InvalidMessage(
             f"invalid Kafka topic name {topic!r}: use 1-249 characters from [a-zA-Z0-9._-], "
             "and not '.' or '..'"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import socket
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -29,16 +30,23 @@ from outbox.exceptions import ConfigurationError
 
 #: Environment variable naming the TOML config file (also set by ``outbox --config``).
 CONFIG_ENV = "OUTBOX_CONFIG"
-IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+IDENTIFIER = re.compile(r"[a-z_][a-z0-9_]*")
+#: PostgreSQL truncates names at 63 bytes; the longest role suffix is ``_reconcile``.
+MAX_SCHEMA_LENGTH = 63 - len("_reconcile")
 
 
 def validate_identifier(value: str, what: str = "schema") -> str:
-    """Reject SQL identifiers that would need quoting, so none is ever interpolated raw."""
-    if not IDENTIFIER.match(value):
+    """Reject names that would need quoting, that PostgreSQL reserves, or whose derived role
+    and channel names it would truncate; so none is ever interpolated raw or mangled."""
+    if (not isinstance(value, str) or not IDENTIFIER.fullmatch(value)
+            or len(value) > MAX_SCHEMA_LENGTH):
         raise ConfigurationError(
             f"invalid {what} name {value!r}: use lower-case letters, digits and '_' "
-            "(at most 63 characters, not starting with a digit)"
+            f"(at most {MAX_SCHEMA_LENGTH} characters, not starting with a digit)"
         )
+    if value.startswith("pg_") or value == "information_schema":
+        raise ConfigurationError(
+            f"invalid {what} name {value!r}: PostgreSQL reserves it; choose another name")
     return value
 
 
@@ -61,7 +69,8 @@ def mask_url(url: str) -> str:
 
 
 def default_worker_id() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"
+    """``host:pid:random``: unique per process even where containers repeat both."""
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
 
 
 class _Base(BaseSettings):
@@ -143,7 +152,8 @@ class DatabaseSettings(_Base):
         description="PostgreSQL schema holding the outbox tables",
         validation_alias="OUTBOX_SCHEMA",
     )
-    worker_id: str = Field(default_factory=default_worker_id)
+    worker_id: str = Field(default_factory=default_worker_id, min_length=1, max_length=200,
+                           pattern=r"^\S+$")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
 
     @field_validator("log_level", mode="before")
