@@ -24,6 +24,8 @@ from outbox.settings import validate_identifier
 
 #: Namespace of the advisory locks that order writers of one key (first half of the lock key).
 LOCK_CLASS = 0x0B0C
+#: Namespace of the advisory locks that keep a relay's worker id to one live process.
+WORKER_LOCK_CLASS = 0x0B0D
 _BLOCK = re.compile(r"^-- name: (\w+)\n", re.MULTILINE)
 
 
@@ -183,6 +185,12 @@ def record_failures(
         },
     )
     return [(row.id, row.topic) for row in rows if row.status == "PARKED"]
+
+
+def claim_worker_id(conn: Connection, schema: str, worker_id: str) -> bool:
+    """Take this process's worker id for the life of ``conn``; False if a live one has it."""
+    params = {"lock_class": WORKER_LOCK_CLASS, "schema_name": schema, "worker_id": worker_id}
+    return bool(conn.execute(query("claim_worker_id", schema), params).scalar_one())
 
 
 def heartbeat(

@@ -9,6 +9,7 @@ its shards when their leases expire.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
@@ -16,9 +17,11 @@ import time
 from collections.abc import Callable
 
 from sqlalchemy import Connection, create_engine
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.pool import NullPool
 
 from outbox import store
-from outbox.exceptions import first_line
+from outbox.exceptions import ConfigurationError, first_line
 from outbox.relay import metrics
 from outbox.schema import SHARDS
 from outbox.settings import RelaySettings
@@ -96,6 +99,46 @@ class Leases:
             self._owned = self._surplus = frozenset()
             self._valid_until = 0.0
         metrics.OWNED_SHARDS.set(0)
+
+
+class TwinWorker(ConfigurationError):
+    """Another live relay already runs with this worker id in this schema."""
+
+
+class WorkerIdentity:
+    """This relay's worker id, held by one live process at a time: a session advisory lock on
+    an autocommit connection of its own (no transaction stays open), released when the
+    process stops or dies."""
+
+    def __init__(self, settings: RelaySettings) -> None:
+        self._settings = settings
+        self._engine = create_engine(settings.sqlalchemy_url, poolclass=NullPool)
+        self._conn: Connection | None = None
+
+    def hold(self) -> None:
+        """Take the id, or check it is still ours (after PostgreSQL restarted, take it again);
+        raises :class:`TwinWorker` if another live process has it."""
+        if self._conn is not None:
+            try:
+                self._conn.exec_driver_sql("SELECT 1")
+                return
+            except DBAPIError:
+                self.release()
+        conn = self._engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+        schema, worker_id = self._settings.schema_name, self._settings.worker_id
+        if not store.claim_worker_id(conn, schema, worker_id):
+            conn.close()
+            raise TwinWorker(
+                f"another live relay already uses worker id {worker_id!r} in schema {schema}: "
+                "give each relay its own OUTBOX_WORKER_ID (or leave it unset: the default is "
+                "unique per process)")
+        self._conn = conn
+
+    def release(self) -> None:
+        if self._conn is not None:
+            with contextlib.suppress(DBAPIError):
+                self._conn.close()
+            self._conn = None
 
 
 class LeaseKeeper(threading.Thread):

@@ -35,7 +35,7 @@ from outbox.exceptions import ServiceUnavailable, describe
 from outbox.migrate import require_current
 from outbox.relay import metrics
 from outbox.relay.daemon import Lifecycle
-from outbox.relay.leases import LeaseKeeper, Leases
+from outbox.relay.leases import LeaseKeeper, Leases, WorkerIdentity
 from outbox.relay.producer import make_producer
 from outbox.relay.retention import Pruner
 from outbox.relay.wakeup import Wakeup
@@ -91,6 +91,7 @@ class Relay:
         )
         self._leases = Leases(self.schema, self.worker_id, settings.relay_lease_seconds)
         self._keeper = LeaseKeeper(settings, self._leases, in_flight=self.in_flight)
+        self._identity = WorkerIdentity(settings)
         self._recorder: Recorder | None = None
 
     @property
@@ -108,6 +109,13 @@ class Relay:
     def run(self) -> None:
         with self._engine.connect() as conn:
             require_current(conn, self.schema)
+        self._identity.hold()
+        try:
+            self._run()
+        finally:
+            self._identity.release()
+
+    def _run(self) -> None:
         producer = self._producer or make_producer(self.settings)
         pruner = Pruner(self.settings)
         log.info("relay %s started: database %s, schema %s, Kafka %s", self.worker_id,
@@ -146,6 +154,7 @@ class Relay:
         """One pass: deliver until stopped, or until the broker or the database fails."""
         if self.stopping.is_set():
             return
+        self._identity.hold()  # after an outage: still ours, or taken back
         wakeup = Wakeup(self.settings.database_url, self.schema)
         if self._keeper.ident is None:
             # LISTEN first: the others answer our first heartbeat with a NOTIFY.

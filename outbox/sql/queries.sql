@@ -90,6 +90,12 @@ WITH failed AS (
 )
 SELECT id, topic, status FROM failed;
 
+-- name: claim_worker_id
+-- A relay holds a session advisory lock on (schema, worker id) for as long as it runs, on a
+-- connection of its own: a second live process with the same id cannot take it and is
+-- refused; a dead one's lock goes with its connection (kill -9 included).
+SELECT pg_try_advisory_lock(:lock_class, hashtext(:schema_name || '/' || :worker_id));
+
 -- name: heartbeat
 -- A relay says it is alive (and how many messages it has in flight), and forgets relays
 -- silent for ten lease lengths. Returns whether it just joined.
