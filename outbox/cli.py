@@ -13,10 +13,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import click
+from alembic.util.exc import CommandError as AlembicError
 from sqlalchemy import Connection
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DBAPIError, OperationalError
 
-from outbox.exceptions import ConfigurationError, OutboxError, first_line
+from outbox.exceptions import ConfigurationError, OutboxError, first_line, setup_error
 from outbox.settings import (
     CONFIG_ENV,
     DatabaseSettings,
@@ -26,6 +27,7 @@ from outbox.settings import (
     SweepSettings,
     load_settings,
     mask_url,
+    unknown_variables,
 )
 
 DEFAULT_STATE = Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state"),
@@ -65,6 +67,15 @@ class OutboxGroup(click.Group):
             url = ctx.obj.used_url if isinstance(ctx.obj, Shared) else ""
             click.echo(f"outbox: error: cannot use PostgreSQL at {mask_url(url)}: "
                        f"{first_line(exc)}", err=True)
+            ctx.exit(2)
+        except DBAPIError as exc:
+            hint = setup_error(exc)
+            if hint is None:
+                raise
+            click.echo(f"outbox: error: {hint}", err=True)
+            ctx.exit(2)
+        except AlembicError as exc:
+            click.echo(f"outbox: error: {first_line(exc)}", err=True)
             ctx.exit(2)
 
 
@@ -110,6 +121,8 @@ def main(ctx: click.Context, config_file: str | None, database_url: str | None,
     """Transactional outbox on PostgreSQL, relayed to Kafka."""
     if config_file:
         os.environ[CONFIG_ENV] = config_file
+    for warning in unknown_variables(os.environ):
+        click.echo(f"outbox: warning: {warning}", err=True)
     ctx.obj = Shared(database_url=database_url, schema=schema)
 
 
@@ -321,7 +334,7 @@ def down(state_file: Path) -> None:
 
 
 @main.command()
-@click.argument("ids", nargs=-1, type=int)
+@click.argument("ids", nargs=-1, type=click.IntRange(1, 2**63 - 1))
 @click.option("--all", "resume_all", is_flag=True, help="every PARKED and DISCARDED message")
 @pass_shared
 def resume(shared: Shared, ids: tuple[int, ...], resume_all: bool) -> None:
@@ -356,7 +369,8 @@ def resume(shared: Shared, ids: tuple[int, ...], resume_all: bool) -> None:
               help="seconds a checker may take [env OUTBOX_CHECKER_TIMEOUT; 5]")
 @click.option("--concurrency", type=int,
               help="checks run at once [env OUTBOX_SWEEP_CONCURRENCY; 8]")
-@click.option("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+@click.option("--metrics-port", type=int,
+              help="serve Prometheus metrics on this port [env OUTBOX_SWEEP_METRICS_PORT]")
 @log_level_option
 @pass_shared
 def sweep(shared: Shared, app_path: str | None, check_interval: float | None,
@@ -371,19 +385,20 @@ def sweep(shared: Shared, app_path: str | None, check_interval: float | None,
 
     settings = shared.settings(
         SweepSettings, check_interval=check_interval, check_max=check_max,
-        checker_timeout=checker_timeout, sweep_concurrency=concurrency, log_level=log_level,
+        checker_timeout=checker_timeout, sweep_concurrency=concurrency,
+        sweep_metrics_port=metrics_port, log_level=log_level,
     )
     setup_logging(settings.log_level)
     daemon = Sweeper(settings, load_app(app_path).checkers if app_path else {})
-    if metrics_port is not None:
+    if settings.sweep_metrics_port is not None:
         from outbox.relay import metrics
 
-        metrics.serve(metrics_port)
+        metrics.serve(settings.sweep_metrics_port)
     run_until_signalled(daemon)
 
 
 @main.command()
-@click.option("--limit", type=int, default=100, show_default=True)
+@click.option("--limit", type=click.IntRange(min=1), default=100, show_default=True)
 @pass_shared
 def discarded(shared: Shared, limit: int) -> None:
     """List messages discarded after their last inconclusive check-back."""

@@ -47,3 +47,19 @@ def describe(exc: BaseException | None) -> str:
         return "unknown error"
     text = str(getattr(exc, "orig", None) or exc).strip()
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
+
+
+#: SQLSTATEs that no retry can fix: the role lacks a privilege, or an object is missing.
+_SETUP_SQLSTATES = {"42501": "the database role lacks a privilege",
+                    "42P01": "a table is missing", "3F000": "the schema is missing"}
+
+
+def setup_error(exc: BaseException) -> str | None:
+    """One line for a database error that is a setup mistake, not an outage; else None."""
+    orig = getattr(exc, "orig", None)
+    state = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
+    what = _SETUP_SQLSTATES.get(str(state))
+    if what is None:
+        return None
+    return (f"{what} ({first_line(exc)}): run `outbox db upgrade` (with --create-roles for "
+            "the roles) and grant this login the role it needs (docs/operations.md)")

@@ -6,6 +6,8 @@ Our revisions carry the branch label ``outbox`` and record their version in
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 from alembic import command
@@ -31,22 +33,33 @@ def alembic_config(url: str, schema: str, connection: Connection | None = None) 
 
 
 def upgrade(url: str, schema: str, revision: str = "head") -> None:
-    command.upgrade(alembic_config(url, schema), revision)
+    with _serialised(url, schema) as conn:
+        command.upgrade(alembic_config(url, schema, conn), revision)
 
 
 def downgrade(url: str, schema: str, revision: str) -> None:
-    command.downgrade(alembic_config(url, schema), revision)
+    with _serialised(url, schema) as conn:
+        command.downgrade(alembic_config(url, schema, conn), revision)
 
 
 def create_roles(url: str, schema: str) -> list[str]:
     """Create (if absent) and grant the least-privilege roles; returns their names."""
+    with _serialised(url, schema) as conn:
+        conn.exec_driver_sql(str(store.query("create_roles", schema)))
+    return [f"{schema}_{kind}" for kind in ("app", "relay", "sweeper")]
+
+
+@contextlib.contextmanager
+def _serialised(url: str, schema: str) -> Iterator[Connection]:
+    """One transaction holding the schema's migration lock: two ``db upgrade`` runs at once
+    take turns (the second finds the work done) instead of racing to create the same tables."""
     engine = create_engine(sqlalchemy_url(url))
     try:
         with engine.begin() as conn:
-            conn.exec_driver_sql(str(store.query("create_roles", schema)))
+            store.lock_migrations(conn, validate_identifier(schema))
+            yield conn
     finally:
         engine.dispose()
-    return [f"{schema}_{kind}" for kind in ("app", "relay", "sweeper")]
 
 
 def head() -> str:

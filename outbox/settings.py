@@ -9,10 +9,13 @@ convenient value to pass anywhere). Field and variable names are flat (``relay_b
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import secrets
 import socket
+import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -76,7 +79,9 @@ def default_worker_id() -> str:
 class _Base(BaseSettings):
     """The sources and helpers every component's settings share."""
 
-    model_config = SettingsConfigDict(env_prefix="OUTBOX_", extra="forbid", populate_by_name=True)
+    # No inf or NaN: an infinite lease or timeout silently disables what it bounds.
+    model_config = SettingsConfigDict(env_prefix="OUTBOX_", extra="forbid", populate_by_name=True,
+                                      allow_inf_nan=False)
 
     @classmethod
     def settings_customise_sources(
@@ -94,7 +99,11 @@ class _Base(BaseSettings):
             if not Path(config_file).is_file():
                 raise ConfigurationError(
                     f"config file {config_file!r} (from --config or {CONFIG_ENV}) not found")
-            sources.append(_ConfigFile(settings_cls, toml_file=config_file))
+            try:
+                sources.append(_ConfigFile(settings_cls, toml_file=config_file))
+            except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+                raise ConfigurationError(
+                    f"config file {config_file} is not valid TOML: {exc}") from None
         return tuple(sources)
 
     def masked(self) -> dict[str, Any]:
@@ -130,6 +139,19 @@ class _ConfigFile(TomlConfigSettingsSource):
                 f"{os.environ.get(CONFIG_ENV)}: see docs/configuration.md for the names")
         mine = _names(self.settings_cls)
         return {name: value for name, value in values.items() if name in mine}
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """A line for each ``OUTBOX_*`` variable no setting reads (a typo would be ignored)."""
+    known = {CONFIG_ENV} | {name if name.startswith("OUTBOX_") else f"OUTBOX_{name.upper()}"
+                            for name in _names(Settings)}
+    lines = []
+    for name in sorted(environ):
+        if name.startswith("OUTBOX_") and name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            lines.append(f"unknown setting {name} is ignored{hint}")
+    return lines
 
 
 def _names(cls: type[BaseSettings]) -> set[str]:
@@ -218,7 +240,8 @@ class PublishSettings(DatabaseSettings):
         description="publish wakes the relays at commit with NOTIFY; off: relays poll",
     )
     transaction_timeout: float = Field(
-        default=6.0, gt=0, description="seconds before an UNKNOWN message is first checked back"
+        default=6.0, gt=0, le=86400,
+        description="seconds before an UNKNOWN message is first checked back"
     )
 
 
@@ -227,10 +250,11 @@ class RelaySettings(DatabaseSettings, KafkaSettings):
 
     relay_batch_size: int = Field(default=500, gt=0, le=100_000)
     relay_poll_interval: float = Field(
-        default=1.0, gt=0, description="seconds between polls when no NOTIFY arrives"
+        default=1.0, ge=0.01, le=3600, description="seconds between polls when no NOTIFY arrives"
     )
     relay_lease_seconds: float = Field(
-        default=10.0, gt=0, description="a dead relay's shards are taken over after this"
+        default=10.0, ge=1, le=3600,
+        description="a dead relay's shards are taken over after this (1 s to 1 h)"
     )
     relay_max_attempts: int = Field(
         default=5, gt=0, description="permanent rejections before a message is parked"
@@ -239,10 +263,11 @@ class RelaySettings(DatabaseSettings, KafkaSettings):
         default=None, ge=0, le=65535, description="serve Prometheus metrics on this port"
     )
     retention_hours: float = Field(
-        default=72.0, gt=0, description="delivered and rolled-back rows are pruned after this"
+        default=72.0, gt=0, le=24 * 3650,
+        description="delivered and rolled-back rows are pruned after this"
     )
     prune_interval: float = Field(
-        default=60.0, gt=0, description="seconds between the relay's retention passes"
+        default=60.0, ge=1, le=86400, description="seconds between the relay's retention passes"
     )
     prune_batch_size: int = Field(default=5000, gt=0, description="rows deleted per statement")
 
@@ -251,19 +276,25 @@ class SweepSettings(DatabaseSettings):
     """The check-back sweeper (RocketMQ's names and defaults)."""
 
     check_interval: float = Field(
-        default=30.0, gt=0, description="seconds between check-backs of an UNKNOWN message"
+        default=30.0, gt=0, le=86400,
+        description="seconds between check-backs of an UNKNOWN message"
     )
     check_max: int = Field(
         default=15, gt=0, description="inconclusive check-backs before a message is discarded"
     )
     checker_timeout: float = Field(
-        default=5.0, gt=0, description="seconds a checker may take before it counts as UNKNOWN"
+        default=5.0, gt=0, le=3600,
+        description="seconds a checker may take before it counts as UNKNOWN"
     )
     sweep_concurrency: int = Field(default=8, gt=0, le=256, description="checks run at once")
     sweep_batch_size: int = Field(default=500, gt=0, le=100_000,
                                   description="most messages claimed per sweep round")
     sweep_poll_interval: float = Field(
-        default=1.0, gt=0, description="longest the sweeper sleeps before looking for due rows"
+        default=1.0, ge=0.01, le=3600,
+        description="longest the sweeper sleeps before looking for due rows"
+    )
+    sweep_metrics_port: int | None = Field(
+        default=None, ge=0, le=65535, description="serve the sweeper's metrics on this port"
     )
     sql_checkers: dict[str, str] = Field(
         default_factory=dict,

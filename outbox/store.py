@@ -26,6 +26,8 @@ from outbox.settings import validate_identifier
 LOCK_CLASS = 0x0B0C
 #: Namespace of the advisory locks that keep a relay's worker id to one live process.
 WORKER_LOCK_CLASS = 0x0B0D
+#: Namespace of the advisory lock that serialises migrations of one schema.
+MIGRATION_LOCK_CLASS = 0x0B0E
 _BLOCK = re.compile(r"^-- name: (\w+)\n", re.MULTILINE)
 
 
@@ -185,6 +187,12 @@ def record_failures(
         },
     )
     return [(row.id, row.topic) for row in rows if row.status == "PARKED"]
+
+
+def lock_migrations(conn: Connection, schema: str) -> None:
+    """Wait for, then hold until the transaction ends, the lock of ``schema``'s migrations."""
+    params = {"lock_class": MIGRATION_LOCK_CLASS, "schema_name": schema}
+    conn.execute(query("lock_migrations", schema), params)
 
 
 def claim_worker_id(conn: Connection, schema: str, worker_id: str) -> bool:

@@ -15,9 +15,9 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Protocol
 
-from tenacity import RetryCallState, Retrying, retry_if_exception_type, wait_exponential
+from tenacity import RetryCallState, Retrying, retry_if_exception, wait_exponential
 
-from outbox.exceptions import describe
+from outbox.exceptions import describe, setup_error
 
 
 class Daemon(Protocol):
@@ -57,9 +57,11 @@ class Lifecycle:
     def serve(self, one_pass: Callable[[], None], retry_on: tuple[type[BaseException], ...],
               *, max_wait: float) -> None:
         """Run ``one_pass`` until it returns; after a ``retry_on`` failure, back off and rerun
-        it, unless stopping (then the failure is swallowed if we were asked to stop)."""
+        it, unless stopping (then the failure is swallowed if we were asked to stop). A setup
+        mistake (a missing privilege or table) is raised at once: no retry can fix it."""
         retrying = Retrying(
-            retry=retry_if_exception_type(retry_on),
+            retry=retry_if_exception(
+                lambda exc: isinstance(exc, retry_on) and setup_error(exc) is None),
             wait=wait_exponential(multiplier=0.2, max=max_wait),
             sleep=self.pause,
             stop=lambda _state: self.stopping.is_set(),
@@ -70,8 +72,8 @@ class Lifecycle:
             for attempt in retrying:
                 with attempt:
                     one_pass()
-        except retry_on:
-            if not self.stopping.is_set():
+        except retry_on as exc:
+            if not self.stopping.is_set() or setup_error(exc) is not None:
                 raise
 
     def _before_sleep(self, state: RetryCallState) -> None:

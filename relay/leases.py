@@ -21,7 +21,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.pool import NullPool
 
 from outbox import store
-from outbox.exceptions import ConfigurationError, first_line
+from outbox.exceptions import ConfigurationError, first_line, setup_error
 from outbox.relay import metrics
 from outbox.schema import SHARDS
 from outbox.settings import RelaySettings
@@ -155,6 +155,8 @@ class LeaseKeeper(threading.Thread):
         self._poke = threading.Event()
         self._failing = False
         self.first_tick = threading.Event()
+        #: A setup mistake (e.g. the role may not touch the lease tables): the relay stops.
+        self.fatal: BaseException | None = None
 
     def poke(self) -> None:
         """Tick now: a relay joined or left."""
@@ -179,6 +181,10 @@ class LeaseKeeper(threading.Thread):
                         self._poke.wait(interval)
                         self._poke.clear()
             except Exception as exc:
+                if setup_error(exc) is not None:
+                    self.fatal = exc
+                    self.first_tick.set()
+                    break
                 if not self._failing:
                     log.warning("relay %s cannot renew its leases (%s); retrying every %.1fs",
                                 self._leases.worker_id, first_line(exc), interval)

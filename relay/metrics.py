@@ -6,6 +6,7 @@ from prometheus_client import Counter, Gauge, Histogram, start_http_server
 from sqlalchemy import Connection
 
 from outbox import store
+from outbox.exceptions import ConfigurationError
 
 DELIVERED = Counter("outbox_messages_delivered", "Messages acknowledged by Kafka", ["topic"])
 PARKED = Counter("outbox_messages_parked", "Messages parked after permanent rejection",
@@ -35,4 +36,10 @@ def observe_backlog(conn: Connection, schema: str) -> None:
 
 
 def serve(port: int, address: str = "0.0.0.0") -> None:
-    start_http_server(port, addr=address)
+    """Serve /metrics; a port in use or not ours to bind is a configuration error."""
+    try:
+        start_http_server(port, addr=address)
+    except OSError as exc:
+        raise ConfigurationError(
+            f"cannot serve metrics on {address}:{port}: {exc.strerror or exc}; "
+            "choose another --metrics-port") from None

@@ -177,6 +177,8 @@ class Relay:
         promote_at = 0.0  # monotonic time of the next look for due delayed rows
         self._keeper.first_tick.wait(self.settings.relay_lease_seconds)
         while not self.stopping.is_set():
+            if self._keeper.fatal is not None:
+                raise self._keeper.fatal
             recorder.raise_failure()
             if self._leases.surplus:
                 recorder.drain()  # never hand back a shard with a batch in flight

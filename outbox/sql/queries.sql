@@ -90,6 +90,10 @@ WITH failed AS (
 )
 SELECT id, topic, status FROM failed;
 
+-- name: lock_migrations
+-- Migrations of one schema take turns: held until the migrating transaction ends.
+SELECT pg_advisory_xact_lock(:lock_class, hashtext(:schema_name));
+
 -- name: claim_worker_id
 -- A relay holds a session advisory lock on (schema, worker id) for as long as it runs, on a
 -- connection of its own: a second live process with the same id cannot take it and is
