@@ -1,7 +1,8 @@
-# The two commands of the README: `make demo` (the whole flow) and `make test`.
+# The two commands of the README: `make demo` (the whole flow) and `make test`
+# (`make unit`: the fast tier alone).
 VENV := .venv
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test unit lint bench clean
 
 demo:
 	@scripts/bootstrap.sh dev,spark
@@ -10,6 +11,11 @@ demo:
 test:
 	@scripts/bootstrap.sh dev,spark
 	$(VENV)/bin/pytest -q
+
+# Pure functions, settings, CLI parsing and import rules: seconds, no database or broker.
+unit:
+	@scripts/bootstrap.sh dev,spark
+	$(VENV)/bin/pytest -q tests/unit
 
 lint:
 	@scripts/bootstrap.sh dev,spark

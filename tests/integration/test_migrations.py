@@ -1,9 +1,15 @@
-"""Alembic revisions match the Core metadata, reverse cleanly and keep to their own table."""
+"""Alembic revisions match the Core metadata, reverse cleanly and keep to their own table.
+
+These tests run Alembic online (``schema`` is overridden below): they prove the migrations
+themselves, and that the copy every other test gets (tests/conftest.py) is the same schema.
+"""
 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterator
 
+import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import Engine, MetaData, inspect, text
@@ -12,7 +18,51 @@ from outbox import migrate
 from outbox.dev import services as devservices
 from outbox.migrations import target_metadata
 from outbox.schema import SHARDS, VERSION_TABLE
+from tests.conftest import copy_schema, drop_schema
 from tests.processes import run_outbox
+
+
+@pytest.fixture
+def schema(alembic_schema: str) -> str:
+    """Migrated by Alembic online, not copied from the session's rendered script."""
+    return alembic_schema
+
+
+CATALOG = {
+    "columns": "SELECT table_name, column_name, data_type, is_nullable, column_default, "
+               "is_identity FROM information_schema.columns WHERE table_schema = :schema",
+    "constraints": "SELECT t.relname, c.conname, pg_get_constraintdef(c.oid) FROM pg_constraint c "
+                   "JOIN pg_class t ON t.oid = c.conrelid JOIN pg_namespace n "
+                   "ON n.oid = c.connamespace WHERE n.nspname = :schema",
+    "indexes": "SELECT tablename, indexname, replace(indexdef, :schema || '.', '') "
+               "FROM pg_indexes WHERE schemaname = :schema",
+}
+
+
+def catalog(engine: Engine, schema: str) -> dict[str, set[tuple[object, ...]]]:
+    """Columns, constraints, indexes and rows of a schema, with its name left out."""
+    with engine.connect() as conn:
+        found = {what: {tuple(row) for row in conn.execute(text(sql), {"schema": schema})}
+                 for what, sql in CATALOG.items()}
+        for table in (VERSION_TABLE, "relay_lease", "relay_member", "message"):
+            found[table] = {tuple(row) for row in conn.execute(text(
+                f"SELECT * FROM {schema}.{table}"))}
+    return found
+
+
+@pytest.fixture
+def copied_schema(engine: Engine, migration_script: str) -> Iterator[str]:
+    name = f"c_{uuid.uuid4().hex[:12]}"
+    copy_schema(engine, migration_script, name)
+    yield name
+    drop_schema(engine, name)
+
+
+def test_the_tests_schema_copy_is_what_alembic_builds(engine: Engine, schema: str,
+                                                       copied_schema: str) -> None:
+    built = catalog(engine, schema)
+    assert built["indexes"] and len(built["relay_lease"]) == SHARDS
+    assert catalog(engine, copied_schema) == built
 
 
 def test_migrated_schema_matches_the_metadata(engine: Engine, schema: str) -> None:

@@ -1,5 +1,5 @@
 """Several relays share the shards, keep per-key order and take over from each other
-(DESIGN §3.2, §3.4)."""
+(docs/guarantees.md)."""
 
 from __future__ import annotations
 

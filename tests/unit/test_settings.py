@@ -4,10 +4,26 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
+import pytest
+
+from outbox.exceptions import ConfigurationError
 from outbox.relay.producer import producer_config
-from outbox.settings import Settings
+from outbox.settings import (
+    DatabaseSettings,
+    PublishSettings,
+    ReconcileSettings,
+    RelaySettings,
+    Settings,
+    SweepSettings,
+    load_settings,
+    mask_url,
+    sqlalchemy_url,
+    validate_identifier,
+    with_overrides,
+)
 from tests.processes import run_outbox
 
 
@@ -83,3 +99,94 @@ def test_outbox_arguments_override_the_settings_it_is_given() -> None:
     assert (outbox.schema, outbox.settings.max_payload_bytes) == ("billing", 10)
     assert outbox.settings.database_url == base.database_url
     assert Outbox(settings=base).settings is base
+
+
+# In process: the component classes, their sources and the helpers ----------------------------
+
+COMPONENTS = (PublishSettings, RelaySettings, SweepSettings, ReconcileSettings)
+
+
+def test_each_component_takes_only_its_own_settings() -> None:
+    assert set(Settings.model_fields) == set().union(*(c.model_fields for c in COMPONENTS))
+    assert "relay_batch_size" not in PublishSettings.model_fields
+    assert "kafka_bootstrap" not in SweepSettings.model_fields
+    with pytest.raises(ConfigurationError, match="relay_batch_size: Extra inputs"):
+        load_settings(PublishSettings, relay_batch_size=5)
+
+
+def test_a_component_reads_its_keys_from_a_file_shared_with_the_others(tmp_path: Path) -> None:
+    config = tmp_path / "outbox.toml"
+    config.write_text('schema_name = "shop"\ncheck_max = 3\nrelay_batch_size = 9\n')
+    os.environ.update(OUTBOX_CONFIG=str(config), OUTBOX_CHECK_MAX="4")
+    sweep = load_settings(SweepSettings, check_interval=2.5)
+    assert (sweep.schema_name, sweep.check_max, sweep.check_interval) == ("shop", 4, 2.5)
+    assert load_settings(RelaySettings).relay_batch_size == 9
+
+
+def test_an_unknown_key_in_the_file_names_the_key(tmp_path: Path) -> None:
+    config = tmp_path / "outbox.toml"
+    config.write_text("relay_bach_size = 5\n")
+    os.environ["OUTBOX_CONFIG"] = str(config)
+    with pytest.raises(ConfigurationError, match="unknown key 'relay_bach_size' in config file"):
+        load_settings(RelaySettings)
+
+
+def test_invalid_values_are_one_line_per_field() -> None:
+    with pytest.raises(ConfigurationError) as error:
+        load_settings(SweepSettings, check_max=0, sweep_concurrency=1000)
+    assert str(error.value).startswith("invalid settings: check_max: ")
+    assert "; sweep_concurrency: " in str(error.value) and "\n" not in str(error.value)
+    os.environ["OUTBOX_SQL_CHECKERS"] = "{not json"
+    with pytest.raises(ConfigurationError, match=r"\(expected JSON\)"):
+        load_settings(SweepSettings)
+
+
+def test_with_overrides_replaces_values_and_validates_them_again() -> None:
+    base = RelaySettings(database_url="postgresql://app@db/shop", relay_batch_size=10)
+    changed = with_overrides(base, schema="billing", relay_batch_size=None, retention_hours=1)
+    assert type(changed) is RelaySettings
+    assert (changed.schema_name, changed.relay_batch_size, changed.retention_hours) == (
+        "billing", 10, 1)
+    with pytest.raises(ConfigurationError, match="relay_batch_size"):
+        with_overrides(base, relay_batch_size=0)
+    with pytest.raises(ConfigurationError, match="invalid schema name 'Bad-Name'"):
+        with_overrides(base, schema="Bad-Name")
+
+
+def test_masked_hides_every_password_and_keeps_the_rest() -> None:
+    settings = Settings(database_url="postgresql://app:hunter2@db:5432/shop",
+                        kafka_sasl_password="kafka-secret", kafka_bootstrap="k:9092")
+    masked = settings.masked()
+    assert masked["database_url"] == "postgresql://app:***@db:5432/shop"
+    assert masked["kafka_sasl_password"] == "***"
+    assert masked["kafka_bootstrap"] == "k:9092"
+    assert Settings(kafka_sasl_password="").masked()["kafka_sasl_password"] == ""
+    assert mask_url("postgresql://app@db/shop") == "postgresql://app@db/shop"
+
+
+def test_a_missing_required_setting_says_which_flag_or_variable_to_set() -> None:
+    with pytest.raises(ConfigurationError, match="database_url is not set: pass --database-url "
+                                                 "or set OUTBOX_DATABASE_URL"):
+        DatabaseSettings().require("database_url")
+
+
+@pytest.mark.parametrize("name", ["outbox", "_private", "t_0123456789ab", "a" * 53])
+def test_plain_lower_case_identifiers_are_valid(name: str) -> None:
+    assert validate_identifier(name) == name
+
+
+@pytest.mark.parametrize("name", ["", "Outbox", "9lives", "a-b", "a b", "x;drop", "a" * 64])
+def test_identifiers_that_would_need_quoting_are_refused(name: str) -> None:
+    with pytest.raises(ConfigurationError, match=f"invalid role name {name!r}"):
+        validate_identifier(name, "role")
+
+
+def test_database_urls_are_pinned_to_psycopg_3() -> None:
+    assert sqlalchemy_url("postgresql://app:pw@db:5432/shop") == (
+        "postgresql+psycopg://app:pw@db:5432/shop")
+    assert sqlalchemy_url("postgresql+psycopg2://db/shop") == "postgresql+psycopg://db/shop"
+    wrong_backend = re.escape("must be postgresql://..., got 'mysql'")
+    with pytest.raises(ConfigurationError, match=wrong_backend):
+        sqlalchemy_url("mysql://app@db/shop")
+    with pytest.raises(ConfigurationError, match="invalid database URL 'not a url'"):
+        sqlalchemy_url("not a url")

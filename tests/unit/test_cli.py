@@ -1,0 +1,75 @@
+"""The command line's parsing: options once on the group, clear usage errors, no database."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta, timezone
+
+import click
+import pytest
+from click.testing import CliRunner, Result
+
+from outbox.cli import _thresholds, _timestamp, main, reconcile
+from tests.unit.test_docs import cli_commands
+
+
+def outbox(*args: str) -> Result:
+    return CliRunner().invoke(main, list(args), prog_name="outbox")
+
+
+@pytest.mark.parametrize("command", cli_commands())
+def test_every_command_has_help(command: str) -> None:
+    result = outbox(*command.split()[1:], "--help")
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith(f"Usage: {command} ")
+
+
+def test_group_options_come_before_the_command() -> None:
+    result = outbox("--schema", "billing", "--database-url", "postgresql://a:pw@db/x",
+                    "config", "--json")
+    assert result.exit_code == 0, result.output
+    values = json.loads(result.output)
+    assert (values["schema_name"], values["database_url"]) == ("billing",
+                                                               "postgresql://a:***@db/x")
+    misplaced = outbox("config", "--schema", "billing")
+    assert misplaced.exit_code == 2
+    assert "No such option '--schema'" in misplaced.output
+
+
+def test_resume_without_ids_is_a_usage_error() -> None:
+    result = outbox("--database-url", "postgresql://nowhere/x", "resume")
+    assert result.exit_code == 2
+    assert "give message ids, or --all" in result.output
+
+
+def test_a_command_needing_the_database_says_how_to_name_it() -> None:
+    result = outbox("db", "upgrade")
+    assert result.exit_code == 2
+    assert "outbox: error: database_url is not set: pass --database-url" in result.output
+    assert "Traceback" not in result.output
+
+
+def option(command: click.Command, name: str) -> click.Parameter:
+    return next(param for param in command.params if param.name == name)
+
+
+def test_times_are_iso_8601_and_utc_unless_they_say_otherwise() -> None:
+    ctx, since = click.Context(reconcile), option(reconcile, "since")
+    assert _timestamp(ctx, since, "2026-11-22T08:00:00") == datetime(2026, 11, 22, 8, tzinfo=UTC)
+    assert _timestamp(ctx, since, "2026-11-22T08:00:00+02:00") == datetime(
+        2026, 11, 22, 8, tzinfo=timezone(timedelta(hours=2)))
+    assert _timestamp(ctx, since, None) is None
+    bad = outbox("reconcile", "--since", "yesterday")
+    assert bad.exit_code == 2
+    assert "'yesterday' is not an ISO 8601 time" in bad.output
+
+
+def test_thresholds_are_finding_equals_a_count_or_none() -> None:
+    ctx, thresholds = click.Context(reconcile), option(reconcile, "thresholds")
+    assert _thresholds(ctx, thresholds, ("discarded=3", " key_order_broken =none")) == {
+        "discarded": 3, "key_order_broken": None}
+    assert _thresholds(ctx, thresholds, ()) == {}
+    for bad in ("discarded", "discarded=-1", "discarded=lots"):
+        result = outbox("reconcile", "--threshold", bad)
+        assert result.exit_code == 2, bad
+        assert "use FINDING=N or FINDING=none" in result.output

@@ -1,0 +1,80 @@
+"""Dependencies run one way: CLI -> daemons and jobs -> library (README, Architecture)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+#: The repository's folders and the packages they install as (pyproject's package-dir).
+PACKAGES = {"outbox": "outbox", "relay": "outbox.relay", "spark": "outbox.spark",
+            "migrations": "outbox.migrations"}
+
+
+def imported(path: Path) -> set[str]:
+    """Every module a file imports, anywhere in it, as absolute dotted names.
+
+    ``from a import b`` counts as both ``a`` and ``a.b`` (b may be a module); imports under
+    ``if __name__ == "__main__":`` count too (spark-submit runs the CLI, not a job module).
+    """
+    package = PACKAGES[path.parent.name]
+    tree = ast.parse(path.read_text(), str(path))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{parent}.{base}" if base else parent
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return found
+
+
+def reaching(path: Path, forbidden: tuple[str, ...]) -> list[str]:
+    return sorted(name for name in imported(path)
+                  if any(name == f or name.startswith(f"{f}.") for f in forbidden))
+
+
+def test_import_outbox_loads_no_kafka_alembic_click_pyspark_or_dev_helpers() -> None:
+    loaded = json.loads(subprocess.run(
+        [sys.executable, "-c", "import json, sys, outbox; print(json.dumps(sorted(sys.modules)))"],
+        capture_output=True, text=True, check=True, cwd=ROOT,
+    ).stdout)
+    assert "outbox.app" in loaded  # the probe imported the real package
+    unwanted = ("kafka", "alembic", "click", "pyspark", "outbox.dev", "outbox.relay",
+                "outbox.spark", "outbox.cli")
+    assert [m for m in loaded if any(m == u or m.startswith(f"{u}.") for u in unwanted)] == []
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "spark").glob("*.py")), ids=lambda p: p.name)
+def test_reconciliation_shares_no_code_with_the_relay_or_the_cli(path: Path) -> None:
+    assert reaching(path, ("outbox.relay", "outbox.cli")) == []
+
+
+#: outbox/*.py but the command line (cli.py, and __main__.py that runs it); outbox/dev/ is
+#: not in the glob.
+LIBRARY = sorted(p for p in (ROOT / "outbox").glob("*.py")
+                 if p.name not in ("cli.py", "__main__.py"))
+
+
+@pytest.mark.parametrize("path", LIBRARY, ids=lambda p: p.name)
+def test_the_library_imports_no_daemon_job_or_cli(path: Path) -> None:
+    assert reaching(path, ("outbox.relay", "outbox.spark", "outbox.cli")) == []
+
+
+def test_the_scan_sees_imports_in_functions_and_relative_ones(tmp_path: Path) -> None:
+    module = tmp_path / "spark" / "probe.py"
+    module.parent.mkdir()
+    module.write_text("def f():\n    from outbox.relay import relay\n"
+                      "from ..cli import main\nfrom outbox import relay as r\n"
+                      "if __name__ == '__main__':\n    import outbox.cli\n")
+    assert reaching(module, ("outbox.relay", "outbox.cli")) == [
+        "outbox.cli", "outbox.cli.main", "outbox.relay", "outbox.relay.relay"]

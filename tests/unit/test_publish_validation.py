@@ -1,0 +1,101 @@
+"""Bad input to publish gets a one-line error before any statement is sent (docs/guarantees.md).
+
+The engine here counts the connections publish asks for and refuses them all: a rejected
+message never reaches the database, so nothing can be half-written. Accepted messages and
+the size limits are proven against the real database in tests/integration/test_validation.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import Engine, create_engine
+from sqlalchemy.orm import Session
+
+from outbox import InvalidMessage, Outbox
+from outbox.settings import PublishSettings
+
+
+@pytest.fixture
+def connections() -> list[str]:
+    """Every connection the engine was asked for (none, for rejected input)."""
+    return []
+
+
+@pytest.fixture
+def engine(connections: list[str]) -> Engine:
+    def refuse() -> object:
+        connections.append("asked")
+        raise ConnectionRefusedError("the unit tier has no database")
+
+    return create_engine("postgresql+psycopg://", creator=refuse)
+
+
+@pytest.fixture
+def outbox() -> Outbox:
+    return Outbox(settings=PublishSettings(database_url="postgresql://app@nowhere/shop"))
+
+
+def publish_and_commit(engine: Engine, outbox: Outbox, **kwargs: object) -> None:
+    with Session(engine) as session, session.begin():
+        outbox.publish(session, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "topic", ["", ".", "..", "has space", "x" * 250, "ordres-é", "a/b", None, 42]
+)
+def test_invalid_topic_names_are_rejected(engine: Engine, outbox: Outbox,
+                                          connections: list[str], topic: object) -> None:
+    with pytest.raises(InvalidMessage, match="invalid Kafka topic name"):
+        publish_and_commit(engine, outbox, topic=topic, payload={"a": 1})
+    assert connections == []
+
+
+@pytest.mark.parametrize(
+    ("headers", "error"),
+    [
+        ({"trace": 5}, "header 'trace' must be str or bytes, got int"),
+        ({7: "x"}, "header name 7 must be a str"),
+        ([("a", "b")], "headers must be a mapping"),
+        ({"outbox-id": "1"}, "set by the outbox itself"),
+    ],
+)
+def test_bad_headers_are_rejected(engine: Engine, outbox: Outbox, connections: list[str],
+                                  headers: object, error: str) -> None:
+    with pytest.raises(InvalidMessage, match=error):
+        publish_and_commit(engine, outbox, topic="t", payload="p", headers=headers)
+    assert connections == []
+
+
+@pytest.mark.parametrize("payload", [object(), {"when": {1, 2}}, float("nan")])
+def test_unserialisable_payload_is_rejected(engine: Engine, outbox: Outbox,
+                                            connections: list[str], payload: object) -> None:
+    with pytest.raises(InvalidMessage, match="is not JSON-serialisable"):
+        publish_and_commit(engine, outbox, topic="t", payload=payload)
+    assert connections == []
+
+
+def test_bad_key_type_is_rejected(engine: Engine, outbox: Outbox) -> None:
+    with pytest.raises(InvalidMessage, match="key must be str, bytes or None, got int"):
+        publish_and_commit(engine, outbox, topic="t", payload="p", key=12)
+
+
+def test_a_valid_message_does_reach_for_the_database(engine: Engine, outbox: Outbox,
+                                                     connections: list[str]) -> None:
+    """The counting engine is not blind: a message that passes validation asks for one."""
+    with pytest.raises(Exception, match="the unit tier has no database"):
+        publish_and_commit(engine, outbox, topic="t", payload="p")
+    assert connections == ["asked"]
+
+
+def test_checker_registers_with_or_without_parentheses() -> None:
+    outbox = Outbox(settings=PublishSettings(), producer_group="shop")
+
+    @outbox.checker
+    def bare(message: object, conn: object) -> str:
+        return "COMMIT"
+
+    @outbox.checker("billing")
+    def named(message: object, conn: object) -> str:
+        return "ROLLBACK"
+
+    assert outbox.checkers == {"shop": bare, "billing": named}
