@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Django's command line for the example service: `python examples/django_service/manage.py migrate`."""
+"""Django's command line for the example: `python examples/django_service/manage.py migrate`."""
 
 import os
 import sys
