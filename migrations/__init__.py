@@ -15,5 +15,10 @@ def target_metadata() -> MetaData:
 def target_schema() -> str:
     """The schema being migrated: our version table lives in it, so its name is the one."""
     schema: str | None = op.get_context().version_table_schema
-    assert schema, "the outbox's env.py always sets version_table_schema"
+    if not schema:
+        raise RuntimeError(
+            "the outbox's revisions run only through outbox.migrate: remove them from your "
+            "version_locations and call outbox.migrate.upgrade() from your env.py, or run "
+            "`outbox db upgrade`"
+        )
     return schema

@@ -10,14 +10,13 @@ from datetime import timedelta
 from typing import Any, TypeVar, Unpack, get_type_hints, overload
 
 import psycopg
-from sqlalchemy import Connection, Engine, Result, Row, TextClause
-from sqlalchemy.exc import ProgrammingError
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
-from sqlalchemy.orm import Session
+from sqlalchemy import Engine, TextClause
+from sqlalchemy.ext.asyncio import AsyncEngine
 
-from outbox import store
+from outbox import connectors, store
 from outbox.checkers import Checker, to_resolution
-from outbox.encoding import EncodedMessage, delivery_time, encode
+from outbox.connectors import AsyncBind, AsyncTarget, DjangoConnection, Rows, SyncBind, SyncTarget
+from outbox.encoding import EncodedMessage, cloudevent_headers, delivery_time, encode
 from outbox.exceptions import (
     ConfigurationError,
     DecisionConflict,
@@ -30,11 +29,10 @@ from outbox.message import Message, PrepareOptions, PublishOptions, TransactionR
 from outbox.schema import Resolution
 from outbox.settings import PublishSettings, load_settings, with_overrides
 
-SyncTarget = Session | Connection
-AsyncTarget = AsyncSession | AsyncConnection
-#: Where a decision may be recorded: the caller's open transaction, or an engine's own one.
-SyncBind = Session | Connection | Engine
-AsyncBind = AsyncSession | AsyncConnection | AsyncEngine
+#: What commits the prepare row of ``send_in_transaction`` at once, before the local
+#: transaction runs: an engine, or a psycopg or Django connection outside any transaction.
+SyncOwner = Engine | psycopg.Connection[Any] | DjangoConnection
+AsyncOwner = AsyncEngine | psycopg.AsyncConnection[Any]
 #: ``local_transaction(message)`` answers COMMIT, ROLLBACK, UNKNOWN or None (= UNKNOWN).
 LocalTransaction = Callable[[Message], Resolution | str | None]
 AsyncLocalTransaction = Callable[
@@ -57,6 +55,7 @@ class Outbox:
         max_payload_bytes: int | None = None,
         producer_group: str = "default",
         settings: PublishSettings | None = None,
+        cloudevents_source: str | None = None,
     ) -> None:
         overrides = {"schema": schema, "max_payload_bytes": max_payload_bytes}
         if settings is None:
@@ -66,6 +65,8 @@ class Outbox:
         self.settings: PublishSettings = settings
         self.schema = self.settings.schema_name
         self.producer_group = producer_group
+        #: When set, every message carries CloudEvents headers with this ``ce_source``.
+        self.cloudevents_source = cloudevents_source
         #: Checkers by producer group, registered with :meth:`checker`.
         self.checkers: dict[str, Checker] = {}
         self._random = random.Random()
@@ -116,11 +117,17 @@ class Outbox:
         return self._execute(session, statement, params, _message_id)
 
     def _encode(self, topic: str, payload: Any, options: PublishOptions) -> EncodedMessage:
+        headers = options.get("headers")
+        event_type = options.get("cloudevent_type")
+        source = options.get("cloudevent_source") or self.cloudevents_source
+        if event_type or source:
+            # the caller's own headers win, as they do over trace headers
+            headers = {**cloudevent_headers(event_type or topic, source), **(headers or {})}
         return encode(
             topic,
             payload,
             key=options.get("key"),
-            headers=options.get("headers"),
+            headers=headers,
             content_type=options.get("content_type"),
             max_payload_bytes=self.settings.max_payload_bytes,
             random_shard=self._random.getrandbits(16),
@@ -132,7 +139,7 @@ class Outbox:
         bind: SyncBind,
         statement: TextClause,
         params: dict[str, Any],
-        read: Callable[[Result[Any]], T],
+        read: Callable[[Rows], T],
     ) -> T: ...
 
     @overload
@@ -141,7 +148,7 @@ class Outbox:
         bind: AsyncBind,
         statement: TextClause,
         params: dict[str, Any],
-        read: Callable[[Result[Any]], T],
+        read: Callable[[Rows], T],
     ) -> Coroutine[Any, Any, T]: ...
 
     def _execute(
@@ -149,33 +156,23 @@ class Outbox:
         bind: SyncBind | AsyncBind,
         statement: TextClause,
         params: dict[str, Any],
-        read: Callable[[Result[Any]], T],
+        read: Callable[[Rows], T],
     ) -> T | Coroutine[Any, Any, T]:
         """Run one statement in the caller's open transaction, or in an engine's own one."""
-        if isinstance(bind, AsyncSession | AsyncConnection | AsyncEngine):
+        if connectors.is_async(bind):
             return self._execute_async(bind, statement, params, read)
         with _missing_tables(self.schema):
-            if isinstance(bind, Engine):
-                with bind.begin() as conn:
-                    return read(conn.execute(statement, params))
-            _require_transaction(bind.in_transaction(), _connection_of(bind))
-            return read(bind.execute(statement, params))
+            return read(connectors.execute(bind, statement, params))
 
     async def _execute_async(
         self,
         bind: AsyncBind,
         statement: TextClause,
         params: dict[str, Any],
-        read: Callable[[Result[Any]], T],
+        read: Callable[[Rows], T],
     ) -> T:
         with _missing_tables(self.schema):
-            if isinstance(bind, AsyncEngine):
-                async with bind.begin() as conn:
-                    return read(await conn.execute(statement, params))
-            in_transaction = bind.in_transaction()
-            connection = await bind.connection() if isinstance(bind, AsyncSession) else bind
-            _require_transaction(in_transaction, connection.sync_connection)
-            return read(await bind.execute(statement, params))
+            return read(await connectors.execute_async(bind, statement, params))
 
     # Two-phase messages (RocketMQ transactional messages) -------------------------------
 
@@ -268,7 +265,7 @@ class Outbox:
 
     def _decide(self, bind: SyncBind | AsyncBind, message_id: int, resolution: Resolution
                 ) -> Coroutine[Any, Any, None] | None:
-        if isinstance(bind, AsyncSession | AsyncConnection | AsyncEngine):
+        if connectors.is_async(bind):
             return self._decide_async(bind, message_id, resolution)
         statement, params = store.decide(self.schema, message_id, resolution, self._actor)
         row = self._execute(bind, statement, params, _one_or_none)
@@ -288,7 +285,7 @@ class Outbox:
     @overload
     def send_in_transaction(
         self,
-        engine: Engine,
+        engine: SyncOwner,
         topic: str,
         payload: Any,
         local_transaction: LocalTransaction,
@@ -298,7 +295,7 @@ class Outbox:
     @overload
     def send_in_transaction(
         self,
-        engine: AsyncEngine,
+        engine: AsyncOwner,
         topic: str,
         payload: Any,
         local_transaction: AsyncLocalTransaction,
@@ -307,7 +304,7 @@ class Outbox:
 
     def send_in_transaction(
         self,
-        engine: Engine | AsyncEngine,
+        engine: SyncOwner | AsyncOwner,
         topic: str,
         payload: Any,
         local_transaction: LocalTransaction | AsyncLocalTransaction,
@@ -320,23 +317,26 @@ class Outbox:
         ``message.id`` for the checker — and records its COMMIT or ROLLBACK. An answer of
         UNKNOWN or None, an exception (which propagates, noting the message id), or a crash
         leaves the row UNKNOWN for the check-back. Async engines take sync or async callables.
+        ``engine`` may also be a psycopg or Django connection outside any transaction.
         """
         _check_options("send_in_transaction", options, _PREPARE_KEYS)
         message = self._encode(topic, payload, options)
         statement, params = self._prepare_statement(message, options)
-        if isinstance(engine, AsyncEngine):
-            return self._send_async(engine, message, statement, params, local_transaction)
-        message_id = self._execute(engine, statement, params, _message_id)
+        owner = connectors.own_transaction(engine)
+        if connectors.is_async(owner):
+            return self._send_async(owner, message, statement, params, local_transaction)
+        assert not isinstance(owner, AsyncEngine)
+        message_id = self._execute(owner, statement, params, _message_id)
         prepared = self._message(message, message_id)
         with _noting_unknown(message_id):
             answer = to_resolution(local_transaction(prepared), "the local transaction")
             if answer is not Resolution.UNKNOWN:
-                self._decide(engine, message_id, answer)
+                self._decide(owner, message_id, answer)
         return TransactionResult(message_id, answer)
 
     async def _send_async(
         self,
-        engine: AsyncEngine,
+        engine: AsyncEngine | connectors.AsyncOwnTransaction,
         message: EncodedMessage,
         statement: TextClause,
         params: dict[str, Any],
@@ -402,13 +402,17 @@ def _check_options(call: str, options: Mapping[str, object], allowed: frozenset[
         raise TypeError(f"{call}() got an unexpected keyword argument {min(unknown)!r}")
 
 
+#: PostgreSQL's SQLSTATE for "relation does not exist", whichever driver reports it.
+UNDEFINED_TABLE = "42P01"
+
+
 @contextlib.contextmanager
 def _missing_tables(schema: str) -> Iterator[None]:
     """An unmigrated schema is a setup mistake: say which command fixes it."""
     try:
         yield
-    except ProgrammingError as exc:
-        if isinstance(exc.orig, psycopg.errors.UndefinedTable):
+    except Exception as exc:
+        if _sqlstate(exc) == UNDEFINED_TABLE:
             raise SchemaNotMigrated(
                 f"outbox schema {schema!r} has no outbox tables: run `outbox db upgrade` "
                 "(or outbox.migrate.upgrade) against this database first"
@@ -416,12 +420,27 @@ def _missing_tables(schema: str) -> Iterator[None]:
         raise
 
 
-def _message_id(result: Result[Any]) -> int:
-    return int(result.scalar_one())
+def _sqlstate(exc: BaseException) -> str | None:
+    """The SQLSTATE under SQLAlchemy's or Django's wrapper: psycopg and asyncpg call it
+    ``sqlstate``, psycopg2 ``pgcode``."""
+    seen: BaseException | None = exc
+    for _ in range(4):
+        if seen is None:
+            return None
+        code = getattr(seen, "sqlstate", None) or getattr(seen, "pgcode", None)
+        if code:
+            return str(code)
+        seen = getattr(seen, "orig", None) or seen.__cause__
+    return None
 
 
-def _one_or_none(result: Result[Any]) -> Row[Any] | None:
-    return result.one_or_none()
+def _message_id(rows: Rows) -> int:
+    (row,) = rows
+    return int(row[0])
+
+
+def _one_or_none(rows: Rows) -> Any:
+    return rows[0] if rows else None
 
 
 def _refuse_engine(session: object) -> None:
@@ -433,7 +452,7 @@ def _refuse_engine(session: object) -> None:
         )
 
 
-def _check_decision(row: Row[Any] | None, message_id: int, resolution: Resolution,
+def _check_decision(row: Any, message_id: int, resolution: Resolution,
                     schema: str) -> None:
     """Deciding again the same way is a no-op; the other way is a conflict."""
     if row is None:
@@ -455,26 +474,3 @@ def _noting_unknown(message_id: int) -> Iterator[None]:
         exc.add_note(f"outbox message {message_id} stays UNKNOWN until its check-back "
                      "resolves it")
         raise
-
-
-def _connection_of(session: SyncTarget) -> Connection | None:
-    if isinstance(session, Session):
-        return session.connection() if session.in_transaction() else None
-    return session
-
-
-def _require_transaction(in_transaction: bool, connection: Connection | None) -> None:
-    """Refuse to publish where the row would not share the business transaction's fate."""
-    if connection is not None and connection.dialect.name != "postgresql":
-        raise ConfigurationError(
-            f"the outbox needs PostgreSQL, but this session uses {connection.dialect.name}"
-        )
-    autocommit = connection is not None and bool(
-        getattr(connection.connection.driver_connection, "autocommit", False)
-    )
-    if not in_transaction or autocommit:
-        raise NotInTransaction(
-            "publish() needs an open transaction so the message commits or rolls back with "
-            "your data: call it inside `with session.begin():` (or `async with ...`), "
-            "not in autocommit mode"
-        )

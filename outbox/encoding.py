@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from outbox.exceptions import InvalidMessage
@@ -96,6 +97,23 @@ def encode_payload(payload: object) -> tuple[bytes, str]:
             "pass bytes, str, or JSON-compatible data"
         ) from None
     return text.encode(), JSON
+
+
+def cloudevent_headers(event_type: str, source: str | None) -> dict[str, str]:
+    """The CloudEvents Kafka binding's binary-mode attributes (``content-type`` is the
+    outbox's own header, which the binding reads as ``datacontenttype``)."""
+    if not source:
+        raise InvalidMessage(
+            "a CloudEvent needs a source: pass cloudevent_source= or "
+            "Outbox(cloudevents_source=...)"
+        )
+    return {
+        "ce_specversion": "1.0",
+        "ce_id": str(uuid.uuid4()),
+        "ce_source": source,
+        "ce_type": event_type,
+        "ce_time": datetime.now(UTC).isoformat().replace("+00:00", "Z"),
+    }
 
 
 def delivery_time(

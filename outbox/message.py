@@ -50,6 +50,11 @@ class PublishOptions(TypedDict, total=False):
     deliver_after: timedelta | None
     #: Or until this time (timezone-aware).
     deliver_at: datetime | None
+    #: Send as a CloudEvent of this ``ce_type`` (default: the topic, when the outbox has a
+    #: ``cloudevents_source``).
+    cloudevent_type: str | None
+    #: Send as a CloudEvent from this ``ce_source`` (default: the outbox's).
+    cloudevent_source: str | None
 
 
 class PrepareOptions(PublishOptions, total=False):

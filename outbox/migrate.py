@@ -7,10 +7,10 @@ Our revisions carry the branch label ``outbox`` and record their version in
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, MutableMapping
 from pathlib import Path
 
-from alembic import command
+from alembic import command, context, op
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
@@ -32,14 +32,47 @@ def alembic_config(url: str, schema: str, connection: Connection | None = None) 
     return config
 
 
+@contextlib.contextmanager
+def _keeping_callers_alembic() -> Iterator[None]:
+    """Alembic keeps one global ``context`` and ``op``; running ours from an application's
+    env.py would leave that run without them (``KeyError: 'config'``), so put them back."""
+    outer = [proxy for proxy in (getattr(context, "_proxy", None), getattr(op, "_proxy", None))
+             if proxy is not None]
+    try:
+        yield
+    finally:
+        for proxy in outer:
+            proxy._install_proxy()
+
+
 def upgrade(url: str, schema: str, revision: str = "head") -> None:
-    with _serialised(url, schema) as conn:
+    """Also safe to call from an application's own Alembic env.py."""
+    with _keeping_callers_alembic(), _serialised(url, schema) as conn:
         command.upgrade(alembic_config(url, schema, conn), revision)
 
 
 def downgrade(url: str, schema: str, revision: str) -> None:
-    with _serialised(url, schema) as conn:
+    with _keeping_callers_alembic(), _serialised(url, schema) as conn:
         command.downgrade(alembic_config(url, schema, conn), revision)
+
+
+IncludeName = Callable[[str | None, str, MutableMapping[str, str | None]], bool]
+
+
+def ignore_outbox(schema: str = "outbox", include_name: IncludeName | None = None
+                  ) -> IncludeName:
+    """An ``include_name`` for an application's Alembic env.py: autogenerate never proposes
+    to drop (or alter) the outbox's schema and tables. Chains to your own ``include_name``."""
+    schema = validate_identifier(schema)
+
+    def include(name: str | None, type_: str, parent_names: MutableMapping[str, str | None]
+                ) -> bool:
+        if (type_ == "schema" and name == schema) or name == VERSION_TABLE or (
+                type_ == "table" and parent_names.get("schema_name") == schema):
+            return False
+        return include_name(name, type_, parent_names) if include_name else True
+
+    return include
 
 
 def create_roles(url: str, schema: str) -> list[str]:

@@ -120,9 +120,19 @@ def fetch_deliverable(
         return list(map(Deliverable._make, cursor.fetchall()))
 
 
-@cache
 def _driver_sql(name: str, schema: str) -> str:
-    return str(query(name, schema).compile(dialect=psycopg_dialect()))  # type: ignore[no-untyped-call]
+    return driver_sql(query(name, schema))
+
+
+def driver_sql(statement: TextClause) -> str:
+    """``statement`` in psycopg's ``%(name)s`` style, for connections SQLAlchemy does not hold
+    (the relay's binary fetch, plain psycopg and Django connections)."""
+    return _compiled(statement.text)
+
+
+@cache
+def _compiled(sql: str) -> str:
+    return str(text(sql).compile(dialect=psycopg_dialect()))  # type: ignore[no-untyped-call]
 
 
 def promote_due(

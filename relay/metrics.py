@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 from sqlalchemy import Connection
 
@@ -12,6 +14,11 @@ DELIVERED = Counter("outbox_messages_delivered", "Messages acknowledged by Kafka
 PARKED = Counter("outbox_messages_parked", "Messages parked after permanent rejection",
                  ["topic"])
 FAILURES = Counter("outbox_delivery_failures", "Failed delivery attempts", ["kind"])
+#: Every series whose labels are known up front starts at zero, so an alert on a relay that
+#: never delivered (or never failed) has a sample to fire on.
+FAILURE_KINDS = ("permanent", "retriable")
+for _kind in FAILURE_KINDS:
+    FAILURES.labels(_kind)
 LATENCY = Histogram(
     "outbox_delivery_latency_seconds",
     "From the start of the transaction that wrote the prepare row to the recorded broker ack "
@@ -27,6 +34,18 @@ BACKLOG = Gauge(
     "outbox_messages", "Undelivered messages by state (pending is like rocketmq_half_messages)",
     ["state"],
 )
+
+
+_topics_seen: set[str] = set()
+
+
+def topics_seen(topics: Iterable[str]) -> None:
+    """Start a topic's delivered and parked series at zero when the relay first fetches it
+    (topics are not known before: they are whatever applications publish to)."""
+    for topic in set(topics) - _topics_seen:
+        DELIVERED.labels(topic)
+        PARKED.labels(topic)
+        _topics_seen.add(topic)
 
 
 def observe_backlog(conn: Connection, schema: str) -> None:

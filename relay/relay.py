@@ -194,6 +194,7 @@ class Relay:
                     batch = store.fetch_deliverable(conn, self.schema, shards, limit,
                                                     in_flight=recorder.in_flight_ids())
             if batch:
+                metrics.topics_seen(row.topic for row in batch)
                 recorder.submit(self._send(producer, batch))
                 continue
             due = promote_at - time.monotonic() if shards else poll

@@ -23,7 +23,9 @@ from pathlib import Path
 
 from outbox.exceptions import ServiceUnavailable
 
-DB_USER = "outbox"
+#: Not named like the outbox schema: PostgreSQL's default search_path ("$user", public) would
+#: then put the application's own tables into it, unlike a production database.
+DB_USER = "outbox_dev"
 DB_PASSWORD = "outbox"  # a throwaway server on loopback; real deployments bring their own
 DB_NAME = "outbox"
 

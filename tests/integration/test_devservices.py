@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import uuid
 from pathlib import Path
 
 import psycopg
 from kafka import KafkaProducer
 
+from outbox import migrate
 from outbox.dev.services import Services
 from tests.processes import run_outbox
 
@@ -39,3 +41,20 @@ def test_dev_up_prints_settings_and_dev_down_stops_everything(tmp_path: Path) ->
     except ProcessLookupError:
         alive = False
     assert not alive, "the broker process is gone"
+
+
+def test_application_tables_land_in_public_as_in_production(services: Services) -> None:
+    """The dev user is not named like the outbox schema, so the default search_path
+    ("$user", public) never puts an application's tables among the outbox's."""
+    database = f"app_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(services.database_url, autocommit=True) as admin:
+        admin.execute(f"CREATE DATABASE {database}")
+    url = services.database_url.rsplit("/", 1)[0] + f"/{database}"
+    migrate.upgrade(url, "outbox")
+    with psycopg.connect(url) as conn:
+        conn.execute("CREATE TABLE orders (id int)")
+        assert conn.execute("SELECT to_regclass('orders')::text").fetchone() == (
+            "orders",)
+        where = conn.execute("SELECT relnamespace::regnamespace::text FROM pg_class "
+                             "WHERE relname = 'orders'").fetchone()
+    assert where == ("public",)

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 import urllib.request
 from datetime import timedelta
 
-from prometheus_client import start_http_server
+from prometheus_client import generate_latest, start_http_server
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
@@ -51,6 +52,25 @@ def test_status_reports_each_state_per_topic(
     assert text_report.returncode == 0, text_report.stderr
     assert topic in text_report.stdout and "delivered/min" in text_report.stdout
     assert settings.database_url.split("@")[0] not in text_report.stdout + text_report.stderr
+
+
+def test_metrics_have_samples_before_anything_was_delivered(
+    engine: Engine, outbox: Outbox, settings: Settings, schema: str, topic: str
+) -> None:
+    """A stall alert needs a series (at zero) to fire on, not HELP and TYPE lines alone:
+    failure kinds exist from the start, a topic's series once the relay first fetches it."""
+    from outbox.relay import metrics
+
+    for kind in metrics.FAILURE_KINDS:
+        assert re.search(rf'^outbox_delivery_failures_total{{kind="{kind}"}} \d',
+                         generate_latest().decode(), re.MULTILINE)
+    assert f'topic="{topic}"' not in generate_latest().decode()
+    with running_relay(settings):
+        publish_orders(engine, outbox, topic, [("k", 1)])
+        wait_delivered(engine, schema, 1)
+    body = generate_latest().decode()
+    assert f'outbox_messages_parked_total{{topic="{topic}"}} 0.0' in body
+    assert f'outbox_messages_delivered_total{{topic="{topic}"}} 1.0' in body
 
 
 def test_relay_metrics_are_served_for_prometheus(

@@ -13,6 +13,7 @@ from sqlalchemy.exc import ProgrammingError
 from sqlalchemy.orm import Session
 
 from outbox import Outbox
+from outbox.dev import services as devservices
 from outbox.dev.topics import read_topic
 from outbox.settings import Settings, sqlalchemy_url
 from tests.conftest import count_status, running_relay, wait_until
@@ -30,7 +31,8 @@ def logins(engine: Engine, settings: Settings, schema: str) -> Iterator[dict[str
         for kind in ("app", "relay", "sweeper"):
             login = f"{schema}_{kind}_login"
             conn.execute(text(f"CREATE ROLE {login} LOGIN PASSWORD 'pw' IN ROLE {schema}_{kind}"))
-            urls[kind] = settings.database_url.replace("outbox:outbox@", f"{login}:pw@")
+            urls[kind] = settings.database_url.replace(
+                f"{devservices.DB_USER}:{devservices.DB_PASSWORD}@", f"{login}:pw@")
     yield urls
     with engine.begin() as conn:
         for kind in ("app", "relay", "sweeper"):

@@ -1,0 +1,227 @@
+"""Where ``publish``, ``prepare`` and decisions run: whatever connection the application holds.
+
+SQLAlchemy sessions, connections and engines (psycopg 3, psycopg2, asyncpg; scoped sessions
+such as Flask-SQLAlchemy's ``db.session``), plain psycopg 3 connections and Django's
+connection. The statement is built once (store.py); this module only forks its execution,
+and asks each kind of connection the same question: is there an open transaction that the
+prepare row will share?
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import namedtuple
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import psycopg
+from psycopg.pq import TransactionStatus
+from psycopg.rows import namedtuple_row
+from sqlalchemy import Connection, Engine, TextClause
+from sqlalchemy.ext.asyncio import (
+    AsyncConnection,
+    AsyncEngine,
+    AsyncSession,
+    async_scoped_session,
+)
+from sqlalchemy.orm import Session, scoped_session
+from typing_extensions import TypeIs
+
+from outbox import store
+from outbox.exceptions import ConfigurationError, NotInTransaction
+
+
+@runtime_checkable
+class DjangoConnection(Protocol):
+    """The part of Django's ``django.db.connection`` the outbox uses (Django not imported)."""
+
+    vendor: str
+    alias: str
+    in_atomic_block: bool
+
+    def get_autocommit(self) -> bool: ...
+    def cursor(self) -> Any: ...
+
+
+@dataclass(frozen=True, slots=True)
+class OwnTransaction:
+    """A connection on which a call commits in a transaction of its own, like an engine."""
+
+    connection: psycopg.Connection[Any] | DjangoConnection
+
+
+@dataclass(frozen=True, slots=True)
+class AsyncOwnTransaction:
+    connection: psycopg.AsyncConnection[Any]
+
+
+SyncTarget = (
+    Session | Connection | scoped_session[Any] | psycopg.Connection[Any] | DjangoConnection
+)
+AsyncTarget = (
+    AsyncSession | AsyncConnection | async_scoped_session[Any] | psycopg.AsyncConnection[Any]
+)
+SyncBind = SyncTarget | Engine | OwnTransaction
+AsyncBind = AsyncTarget | AsyncEngine | AsyncOwnTransaction
+Rows = Sequence[Any]
+"""Result rows with attribute access (``row.decided``), whichever connection ran them."""
+
+_ASYNC = (AsyncSession, AsyncConnection, AsyncEngine, async_scoped_session,
+          psycopg.AsyncConnection, AsyncOwnTransaction)
+
+
+def is_async(bind: SyncBind | AsyncBind) -> TypeIs[AsyncBind]:
+    return isinstance(bind, _ASYNC)
+
+
+def own_transaction(bind: Engine | AsyncEngine | psycopg.Connection[Any]
+                    | psycopg.AsyncConnection[Any] | DjangoConnection
+                    ) -> Engine | AsyncEngine | OwnTransaction | AsyncOwnTransaction:
+    """What commits a call at once: an engine, or a connection outside any transaction."""
+    if isinstance(bind, Engine | AsyncEngine):
+        return bind
+    if isinstance(bind, psycopg.AsyncConnection):
+        return AsyncOwnTransaction(bind)
+    if isinstance(bind, psycopg.Connection | DjangoConnection):
+        return OwnTransaction(bind)
+    raise ConfigurationError(
+        f"send_in_transaction() commits on its own: pass an Engine, AsyncEngine, psycopg "
+        f"connection or Django connection, not a {type(bind).__name__}"
+    )
+
+
+def execute(bind: SyncBind, statement: TextClause, params: dict[str, Any]) -> Rows:
+    """Run ``statement`` in the caller's open transaction (an engine: in its own)."""
+    target = bind() if isinstance(bind, scoped_session) else bind
+    if isinstance(target, Engine):
+        with target.begin() as conn:
+            return list(conn.execute(statement, params))
+    if isinstance(target, Session | Connection):
+        in_transaction = target.in_transaction()
+        connection = (target.connection() if isinstance(target, Session) and in_transaction
+                      else target)
+        _require_sqlalchemy_transaction(in_transaction, connection)
+        return list(target.execute(statement, params))
+    if isinstance(target, OwnTransaction):
+        with _alone(target.connection) as alone:
+            return _run_on_driver(alone, statement, params)
+    return _run_on_driver(_in_transaction(target), statement, params)
+
+
+async def execute_async(bind: AsyncBind, statement: TextClause, params: dict[str, Any]
+                        ) -> Rows:
+    """The async twin of :func:`execute`: the same checks, awaited execution."""
+    target = bind() if isinstance(bind, async_scoped_session) else bind
+    if isinstance(target, AsyncEngine):
+        async with target.begin() as conn:
+            return list(await conn.execute(statement, params))
+    if isinstance(target, AsyncSession | AsyncConnection):
+        in_transaction = target.in_transaction()
+        connection = (await target.connection() if isinstance(target, AsyncSession) and
+                      in_transaction else target)
+        _require_sqlalchemy_transaction(in_transaction, connection)
+        return list(await target.execute(statement, params))
+    if isinstance(target, AsyncOwnTransaction):
+        _require_idle(target.connection.info.transaction_status != TransactionStatus.IDLE)
+        async with target.connection.transaction():
+            return await _run_on_async_psycopg(target.connection, statement, params)
+    _require_transaction(_psycopg_in_transaction(target), "postgresql")
+    return await _run_on_async_psycopg(target, statement, params)
+
+
+def _require_sqlalchemy_transaction(in_transaction: bool, connection: Session | Connection
+                                    | AsyncSession | AsyncConnection) -> None:
+    """``connection`` is the session itself when it has no transaction (nothing to ask)."""
+    if isinstance(connection, AsyncConnection):
+        connection = connection.sync_connection  # type: ignore[assignment]
+    if not isinstance(connection, Connection):
+        _require_transaction(False, "postgresql")
+        return
+    _require_transaction(in_transaction and not _autocommit(connection), connection.dialect.name)
+
+
+def _autocommit(connection: Connection) -> bool:
+    """SQLAlchemy's own answer for the driver in use, without a round trip."""
+    dbapi_connection = connection.connection.dbapi_connection
+    try:
+        return connection.dialect.detect_autocommit_setting(dbapi_connection)  # type: ignore[arg-type]
+    except (AttributeError, NotImplementedError):  # SQLAlchemy 2.0: the DBAPI attribute
+        return bool(getattr(dbapi_connection, "autocommit", False))
+
+
+def _psycopg_in_transaction(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]
+                            ) -> bool:
+    """Outside autocommit psycopg opens a transaction by itself; inside, only a block does."""
+    return not conn.autocommit or conn.info.transaction_status != TransactionStatus.IDLE
+
+
+def _in_transaction(bind: psycopg.Connection[Any] | DjangoConnection
+                    ) -> psycopg.Connection[Any] | DjangoConnection:
+    if isinstance(bind, psycopg.Connection):
+        _require_transaction(_psycopg_in_transaction(bind), "postgresql")
+    elif isinstance(bind, DjangoConnection):
+        _require_transaction(bind.in_atomic_block or not bind.get_autocommit(), bind.vendor)
+    else:
+        raise ConfigurationError(
+            f"cannot publish through a {type(bind).__name__}: pass a SQLAlchemy session or "
+            "connection, a psycopg connection or a Django connection"
+        )
+    return bind
+
+
+@contextlib.contextmanager
+def _alone(bind: psycopg.Connection[Any] | psycopg.AsyncConnection[Any] | DjangoConnection
+           ) -> Iterator[psycopg.Connection[Any] | DjangoConnection]:
+    if isinstance(bind, psycopg.Connection):
+        _require_idle(bind.info.transaction_status != TransactionStatus.IDLE)
+        with bind.transaction():
+            yield bind
+    elif isinstance(bind, DjangoConnection):
+        from django.db import transaction
+
+        _require_idle(bind.in_atomic_block or not bind.get_autocommit())
+        with transaction.atomic(using=bind.alias):
+            yield bind
+    else:
+        raise AssertionError(f"{type(bind).__name__} is async")
+
+
+def _run_on_driver(bind: psycopg.Connection[Any] | DjangoConnection, statement: TextClause,
+                   params: dict[str, Any]) -> Rows:
+    """psycopg's ``%(name)s`` style; Django's cursor passes it through to psycopg."""
+    if isinstance(bind, psycopg.Connection):
+        with bind.cursor(row_factory=namedtuple_row) as cursor:
+            cursor.execute(store.driver_sql(statement), params)
+            return cursor.fetchall()
+    with bind.cursor() as cursor:
+        cursor.execute(store.driver_sql(statement), params)
+        row = namedtuple("row", [column[0] for column in cursor.description])  # type: ignore[misc]
+        return [row._make(values) for values in cursor.fetchall()]
+
+
+async def _run_on_async_psycopg(bind: psycopg.AsyncConnection[Any], statement: TextClause,
+                                params: dict[str, Any]) -> Rows:
+    async with bind.cursor(row_factory=namedtuple_row) as cursor:
+        await cursor.execute(store.driver_sql(statement), params)
+        return await cursor.fetchall()
+
+
+def _require_transaction(in_transaction: bool, dialect: str) -> None:
+    """Refuse to publish where the row would not share the business transaction's fate."""
+    if dialect != "postgresql":
+        raise ConfigurationError(f"the outbox needs PostgreSQL, but this session uses {dialect}")
+    if not in_transaction:
+        raise NotInTransaction(
+            "publish() needs an open transaction so the message commits or rolls back with "
+            "your data: call it inside `with session.begin():` (or `async with ...`, "
+            "Django's `transaction.atomic()`), not in autocommit mode"
+        )
+
+
+def _require_idle(in_transaction: bool) -> None:
+    if in_transaction:
+        raise ConfigurationError(
+            "send_in_transaction() commits its prepare row before the local transaction "
+            "runs: call it on a connection outside any transaction"
+        )

@@ -1,0 +1,104 @@
+"""Django (psycopg 3): ``outbox.publish(connection, ...)`` inside ``transaction.atomic()``
+with Django's own connection, in the example project (settings, a model, ``migrate``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, text
+
+from outbox import NotInTransaction, Outbox, SchemaNotMigrated
+from outbox.dev.topics import create_topic, read_topic
+from outbox.relay.relay import Relay
+from outbox.settings import Settings
+from tests.conftest import count_status, wait_delivered
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def django_project(services: Any) -> Iterator[None]:
+    """``manage.py migrate`` for real, then Django set up in this process."""
+    env = {**os.environ, "OUTBOX_DATABASE_URL": services.database_url}
+    done = subprocess.run([sys.executable, str(ROOT / "examples/django_service/manage.py"),
+                           "migrate", "--no-input"], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    os.environ.setdefault("OUTBOX_DATABASE_URL", services.database_url)
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "examples.django_service.settings")
+    import django
+
+    django.setup()
+    yield
+    from django.db import connection
+
+    connection.close()
+
+
+@pytest.fixture
+def service(django_project: None, settings: Settings, schema: str,
+            monkeypatch: pytest.MonkeyPatch) -> Any:
+    from django.test import Client
+
+    from examples.django_service.orders import views
+
+    monkeypatch.setattr(views.outbox, "schema", schema)
+    monkeypatch.setattr(views.outbox, "settings", settings)
+    for topic in ("orders", "payments"):
+        create_topic(settings.kafka_bootstrap, topic)
+    return Client(raise_request_exception=False)
+
+
+def test_orders_publish_in_atomic_and_failed_ones_publish_nothing(
+    service: Any, engine: Engine, settings: Settings, schema: str, relay: Relay
+) -> None:
+    placed = service.post("/orders", {"customer": "ada", "total": "9.50"},
+                          content_type="application/json")
+    failed = service.post("/orders", {"customer": "bob", "total": "1", "fail": True},
+                          content_type="application/json")
+    assert (placed.status_code, failed.status_code) == (201, 500)
+    paid = service.post(f"/orders/{placed.json()['order_id']}/pay").json()
+    wait_delivered(engine, schema, 2)
+    orders = read_topic(settings.kafka_bootstrap, "orders")
+    mine = [r for r in orders if r.message_id == placed.json()["message_id"]]
+    assert len(mine) == 1 and mine[0].headers["ce_type"] == b"com.example.order.placed"
+    assert count_status(engine, schema, "DELIVERED") == 2  # the order and its payment
+    assert paid["message_id"] in {r.message_id for r in
+                                  read_topic(settings.kafka_bootstrap, "payments")}
+    with engine.connect() as conn:
+        customers = conn.execute(text("SELECT customer FROM orders_order")).scalars().all()
+    assert "bob" not in customers
+
+
+def test_django_connection_two_phase_and_autocommit(service: Any, settings: Settings,
+                                                    engine: Engine, schema: str) -> None:
+    from django.db import connection, transaction
+
+    from examples.django_service.orders.views import outbox
+
+    with pytest.raises(NotInTransaction):  # Django's autocommit, outside atomic()
+        outbox.publish(connection, "orders", {"n": 1})
+    with transaction.atomic():
+        first = outbox.prepare(connection, "orders", {"n": 1})
+        second = outbox.prepare(connection, "orders", {"n": 2})
+    with transaction.atomic():
+        outbox.commit(connection, first)
+        outbox.rollback(connection, second)
+    with engine.connect() as conn:
+        rows = dict(conn.execute(text(f"SELECT id, resolution FROM {schema}.message")).all())
+    assert rows == {first: "COMMIT", second: "ROLLBACK"}
+
+
+def test_an_unmigrated_schema_says_which_command_to_run(django_project: None,
+                                                        settings: Settings) -> None:
+    from django.db import connection, transaction
+
+    missing = Outbox(settings=settings, schema=f"missing_{uuid.uuid4().hex[:8]}")
+    with pytest.raises(SchemaNotMigrated, match="outbox db upgrade"), transaction.atomic():
+        missing.publish(connection, "orders", {"n": 1})

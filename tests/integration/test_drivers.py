@@ -1,0 +1,182 @@
+"""Every PostgreSQL driver SQLAlchemy offers behaves the same: psycopg 3 (sync and async),
+psycopg2 and asyncpg, through sessions, scoped sessions and engines."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, create_engine, text
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import (
+    AsyncEngine,
+    AsyncSession,
+    async_scoped_session,
+    async_sessionmaker,
+    create_async_engine,
+)
+from sqlalchemy.orm import Session, scoped_session, sessionmaker
+from sqlalchemy.pool import NullPool
+
+from outbox import Message, NotInTransaction, Outbox, Resolution, SchemaNotMigrated
+from outbox.dev.topics import read_topic
+from outbox.relay.relay import Relay
+from outbox.settings import Settings
+from tests.conftest import count_status, wait_delivered
+
+DRIVERS = ["psycopg", "psycopg2", "psycopg_async", "asyncpg"]
+
+
+class Stack:
+    """One driver, driven the same way whether it is sync or async."""
+
+    def __init__(self, driver: str, url: str) -> None:
+        self.driver = driver
+        self.is_async = driver in ("psycopg_async", "asyncpg")
+        self.url = make_url(url).set(drivername=f"postgresql+{driver}")
+
+    def run(self, scenario: Callable[[Any], Any], **engine_options: Any) -> Any:
+        """Run ``scenario(engine)`` (awaited for async drivers) on a fresh engine."""
+        if not self.is_async:
+            engine = create_engine(self.url, poolclass=NullPool, **engine_options)
+            try:
+                return scenario(engine)
+            finally:
+                engine.dispose()
+
+        async def main() -> Any:
+            engine = create_async_engine(self.url, poolclass=NullPool, **engine_options)
+            try:
+                return await scenario(engine)
+            finally:
+                await engine.dispose()
+
+        return asyncio.run(main())
+
+
+@pytest.fixture(params=DRIVERS)
+def stack(request: pytest.FixtureRequest, settings: Settings) -> Stack:
+    return Stack(request.param, settings.database_url)
+
+
+def publish_in_session(stack: Stack, outbox: Outbox, topic: str, n: int, *, commit: bool
+                       ) -> int:
+    def sync(engine: Engine) -> int:
+        with Session(engine) as session:
+            session.begin()
+            message_id = outbox.publish(session, topic, {"n": n}, key="k")
+            session.commit() if commit else session.rollback()
+            return message_id
+
+    async def async_(engine: AsyncEngine) -> int:
+        async with AsyncSession(engine) as session:
+            await session.begin()
+            message_id = await outbox.publish(session, topic, {"n": n}, key="k")
+            await (session.commit() if commit else session.rollback())
+            return message_id
+
+    return int(stack.run(async_ if stack.is_async else sync))
+
+
+def test_commit_is_delivered_and_rollback_is_not(
+    stack: Stack, outbox: Outbox, topic: str, engine: Engine, schema: str, settings: Settings,
+    relay: Relay,
+) -> None:
+    committed = publish_in_session(stack, outbox, topic, 1, commit=True)
+    rolled_back = publish_in_session(stack, outbox, topic, 2, commit=False)
+    wait_delivered(engine, schema, 1)
+    delivered = [r.message_id for r in read_topic(settings.kafka_bootstrap, topic)]
+    assert delivered == [committed]
+    assert rolled_back not in delivered
+
+
+def test_an_autocommit_engine_is_refused(stack: Stack, outbox: Outbox, engine: Engine,
+                                         schema: str) -> None:
+    def sync(autocommit: Engine) -> None:
+        with Session(autocommit) as session, session.begin():
+            outbox.publish(session, "orders", {"n": 1})
+
+    async def async_(autocommit: AsyncEngine) -> None:
+        async with AsyncSession(autocommit) as session, session.begin():
+            await outbox.publish(session, "orders", {"n": 1})
+
+    with pytest.raises(NotInTransaction, match="autocommit"):
+        stack.run(async_ if stack.is_async else sync, isolation_level="AUTOCOMMIT")
+    assert count_status(engine, schema, "PENDING") == 0
+
+
+def test_scoped_sessions_are_accepted(stack: Stack, outbox: Outbox, engine: Engine,
+                                      schema: str) -> None:
+    """Flask-SQLAlchemy's ``db.session`` is a ``scoped_session``."""
+
+    def sync(bound: Engine) -> int:
+        scoped = scoped_session(sessionmaker(bound))
+        try:
+            with scoped.begin():
+                return outbox.publish(scoped, "orders", {"n": 1})
+        finally:
+            scoped.remove()
+
+    async def async_(bound: AsyncEngine) -> int:
+        scoped = async_scoped_session(async_sessionmaker(bound), scopefunc=asyncio.current_task)
+        try:
+            async with scoped.begin():
+                return await outbox.publish(scoped, "orders", {"n": 1})
+        finally:
+            await scoped.remove()
+
+    message_id = stack.run(async_ if stack.is_async else sync)
+    with engine.connect() as conn:
+        assert conn.execute(text(f"SELECT status FROM {schema}.message WHERE id = :id"),
+                            {"id": message_id}).scalar_one() == "PENDING"
+
+
+def test_two_phase_prepare_commit_rollback_and_send_in_transaction(
+    stack: Stack, outbox: Outbox, engine: Engine, schema: str
+) -> None:
+    def sync(bound: Engine) -> tuple[int, int, Any]:
+        with Session(bound) as session, session.begin():
+            first = outbox.prepare(session, "orders", {"n": 1})
+            second = outbox.prepare(session, "orders", {"n": 2})
+        outbox.commit(bound, first)
+        with Session(bound) as session, session.begin():
+            outbox.rollback(session, second)
+        return first, second, outbox.send_in_transaction(bound, "orders", {"n": 3}, commit)
+
+    async def async_(bound: AsyncEngine) -> tuple[int, int, Any]:
+        async with AsyncSession(bound) as session, session.begin():
+            first = await outbox.prepare(session, "orders", {"n": 1})
+            second = await outbox.prepare(session, "orders", {"n": 2})
+        await outbox.commit(bound, first)
+        async with AsyncSession(bound) as session, session.begin():
+            await outbox.rollback(session, second)
+        sent = await outbox.send_in_transaction(bound, "orders", {"n": 3}, commit)
+        return first, second, sent
+
+    def commit(message: Message) -> str:
+        return "COMMIT"
+
+    first, second, sent = stack.run(async_ if stack.is_async else sync)
+    assert sent.resolution is Resolution.COMMIT
+    with engine.connect() as conn:
+        rows = dict(conn.execute(text(f"SELECT id, resolution FROM {schema}.message")).all())
+    assert rows == {first: "COMMIT", second: "ROLLBACK", sent.message_id: "COMMIT"}
+
+
+def test_an_unmigrated_schema_says_which_command_to_run(stack: Stack, settings: Settings
+                                                        ) -> None:
+    outbox = Outbox(settings=settings, schema=f"missing_{uuid.uuid4().hex[:8]}")
+
+    def sync(bound: Engine) -> None:
+        with Session(bound) as session, session.begin():
+            outbox.publish(session, "orders", {"n": 1})
+
+    async def async_(bound: AsyncEngine) -> None:
+        async with AsyncSession(bound) as session, session.begin():
+            await outbox.publish(session, "orders", {"n": 1})
+
+    with pytest.raises(SchemaNotMigrated, match="outbox db upgrade"):
+        stack.run(async_ if stack.is_async else sync)

@@ -1,0 +1,103 @@
+"""Services without an ORM publish through a plain psycopg 3 connection, sync or async."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import psycopg
+import pytest
+from sqlalchemy import Engine, text
+
+from outbox import Message, NotInTransaction, Outbox, Resolution, SchemaNotMigrated
+from outbox.dev.topics import read_topic
+from outbox.relay.relay import Relay
+from outbox.settings import Settings
+from tests.conftest import count_status, wait_delivered
+
+
+def resolutions(engine: Engine, schema: str) -> dict[int, str]:
+    with engine.connect() as conn:
+        return dict(conn.execute(text(f"SELECT id, resolution FROM {schema}.message")).all())
+
+
+def commit(message: Message) -> str:
+    return "COMMIT"
+
+
+def test_sync_connection_commit_is_delivered_and_rollback_is_not(
+    outbox: Outbox, topic: str, engine: Engine, schema: str, settings: Settings, relay: Relay
+) -> None:
+    with psycopg.connect(settings.database_url) as conn:          # not autocommit
+        committed = outbox.publish(conn, topic, {"n": 1}, key="k")
+        conn.commit()
+        rolled_back = outbox.publish(conn, topic, {"n": 2}, key="k")
+        conn.rollback()
+    with psycopg.connect(settings.database_url, autocommit=True) as conn:
+        with conn.transaction():
+            committed_in_block = outbox.publish(conn, topic, {"n": 3}, key="k")
+        with pytest.raises(NotInTransaction):
+            outbox.publish(conn, topic, {"n": 4}, key="k")
+    wait_delivered(engine, schema, 2)
+    delivered = [r.message_id for r in read_topic(settings.kafka_bootstrap, topic)]
+    assert delivered == [committed, committed_in_block]
+    assert rolled_back not in delivered
+
+
+def test_sync_connection_two_phase(outbox: Outbox, engine: Engine, schema: str,
+                                   settings: Settings) -> None:
+    with psycopg.connect(settings.database_url, autocommit=True) as conn:
+        with conn.transaction():
+            first = outbox.prepare(conn, "orders", {"n": 1})
+            second = outbox.prepare(conn, "orders", {"n": 2})
+        with conn.transaction():
+            outbox.commit(conn, first)
+            outbox.rollback(conn, second)
+        sent = outbox.send_in_transaction(conn, "orders", {"n": 3}, commit)
+    assert sent.resolution is Resolution.COMMIT
+    assert resolutions(engine, schema) == {first: "COMMIT", second: "ROLLBACK",
+                                           sent.message_id: "COMMIT"}
+
+
+def test_async_connection_commit_rollback_and_two_phase(
+    outbox: Outbox, topic: str, engine: Engine, schema: str, settings: Settings, relay: Relay
+) -> None:
+    async def scenario() -> tuple[int, int, int, int, int]:
+        async with await psycopg.AsyncConnection.connect(settings.database_url,
+                                                         autocommit=True) as conn:
+            async with conn.transaction():
+                committed = await outbox.publish(conn, topic, {"n": 1}, key="k")
+            with pytest.raises(NotInTransaction):
+                await outbox.publish(conn, topic, {"n": 2}, key="k")
+            async with conn.transaction():  # psycopg.Rollback rolls the block back
+                rolled_back = await outbox.publish(conn, topic, {"n": 3}, key="k")
+                raise psycopg.Rollback
+            async with conn.transaction():
+                prepared = await outbox.prepare(conn, topic, {"n": 4}, key="p")
+                dropped = await outbox.prepare(conn, topic, {"n": 5}, key="p")
+            async with conn.transaction():
+                await outbox.commit(conn, prepared)
+                await outbox.rollback(conn, dropped)
+            sent = await outbox.send_in_transaction(conn, topic, {"n": 6}, commit, key="s")
+            return committed, rolled_back, prepared, dropped, sent.message_id
+
+    committed, rolled_back, prepared, dropped, sent = asyncio.run(scenario())
+    wait_delivered(engine, schema, 3)
+    delivered = {r.message_id for r in read_topic(settings.kafka_bootstrap, topic)}
+    assert delivered == {committed, prepared, sent}
+    assert count_status(engine, schema, "ROLLED_BACK") == 1
+    assert rolled_back not in delivered and dropped not in delivered
+
+
+def test_an_unmigrated_schema_says_which_command_to_run(settings: Settings) -> None:
+    outbox = Outbox(settings=settings, schema=f"missing_{uuid.uuid4().hex[:8]}")
+    with psycopg.connect(settings.database_url) as conn, \
+            pytest.raises(SchemaNotMigrated, match="outbox db upgrade"):
+        outbox.publish(conn, "orders", {"n": 1})
+
+    async def scenario() -> None:
+        async with await psycopg.AsyncConnection.connect(settings.database_url) as conn:
+            await outbox.publish(conn, "orders", {"n": 1})
+
+    with pytest.raises(SchemaNotMigrated, match="outbox db upgrade"):
+        asyncio.run(scenario())
