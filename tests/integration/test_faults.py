@@ -14,14 +14,23 @@ from outbox import Outbox
 from outbox.dev import services as devservices
 from outbox.dev.topics import Record, read_topic
 from outbox.settings import Settings
-from tests.conftest import count_status, publish_orders, running_relay, wait_delivered, wait_until
+from tests.conftest import (
+    both_transports,
+    count_status,
+    publish_orders,
+    running_relay,
+    wait_delivered,
+    wait_until,
+)
 from tests.isolated import Isolated, isolated_services
 from tests.processes import run_outbox
 
+pytestmark = both_transports
+
 
 @pytest.fixture
-def isolated() -> Iterator[Isolated]:
-    with isolated_services() as iso:
+def isolated(kafka_client: str) -> Iterator[Isolated]:
+    with isolated_services(kafka_client=kafka_client) as iso:
         yield iso
 
 
