@@ -66,7 +66,14 @@ class KafkaPythonTransport:
         self.producer.flush(timeout)
 
     def close(self, timeout: float) -> None:
-        self.producer.close(timeout=timeout)
+        try:
+            self.producer.flush(timeout)
+        except KafkaTimeoutError:
+            # kafka-python's close() raises this too while records wait for a broker; they
+            # stay pending in the database, so drop them (it has no public call for that).
+            self.producer._sender.force_close()
+            self.producer._sender.join(5)
+        self.producer.close(timeout=0)
 
 
 def _landed(delivery: Delivery, metadata: Any) -> None:
