@@ -301,19 +301,19 @@ def main() -> None:
         say(f"\n1. throughput, {args.messages:,} messages of 1 KiB, 1000 keys")
         create_topic(services.kafka_bootstrap, "bench-raw", partitions=6)
         raw = raw_produce(services.kafka_bootstrap, "bench-raw", args.messages)
-        say(f"   raw kafka-python produce (no database):  {raw:10,.0f} msg/s  1.00x")
+        say(f"   raw kafka-python produce (no database): {raw:10,.0f} msg/s  1.00x")
         clients = args.clients.split(",")
         if "confluent" in clients:
             create_topic(services.kafka_bootstrap, "bench-raw-librdkafka", partitions=6)
             fast = raw_produce(services.kafka_bootstrap, "bench-raw-librdkafka", args.messages,
                                "confluent")
-            say(f"   raw librdkafka produce (no database):    {fast:10,.0f} msg/s  "
+            say(f"   raw librdkafka produce (no database):   {fast:10,.0f} msg/s  "
                 f"{fast / raw:.2f}x raw")
         for relays in () if "1" in skip else (1, 2):
             for client in clients:
                 rate = relay_throughput(services, engine, env, relays, args.messages,
                                         client=client)
-                say(f"   outbox relay x{relays}, {client + ' client:':20} {rate:10,.0f} msg/s  "
+                say(f"   outbox relay x{relays}, {client + ' client:':22} {rate:10,.0f} msg/s  "
                     f"{rate / raw:.2f}x raw")
         if args.history and "2" not in skip:
             say(f"\n2. bounded cost: {args.history:,} delivered rows (and op records) retained")
