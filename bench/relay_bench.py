@@ -2,7 +2,8 @@
 
     python bench/relay_bench.py [--messages 100000] [--history 1000000]
 
-1. throughput of 1 KiB messages with 1 and 2 relays vs raw kafka-python produce (no database);
+1. throughput of 1 KiB messages with 1 and 2 relays, with each Kafka client (OUTBOX_KAFKA_CLIENT),
+   vs raw kafka-python produce (no database); raw librdkafka produce for reference;
 2. the same with --history delivered rows retained in the table (bounded cost);
 3. commit -> broker ack latency at a steady 1,000 msg/s (p50, p99);
 4. business insert + publish TPS vs business insert alone;
@@ -21,6 +22,7 @@ import threading
 import time
 from typing import Any
 
+from confluent_kafka import Producer
 from kafka import KafkaProducer
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.orm import Session
@@ -28,9 +30,10 @@ from sqlalchemy.orm import Session
 from outbox import Outbox, migrate, store
 from outbox.dev import services as devservices
 from outbox.dev.topics import create_topic
+from outbox.relay.confluent import librdkafka_config
 from outbox.relay.producer import PRODUCER_DEFAULTS
 from outbox.schema import SHARDS
-from outbox.settings import sqlalchemy_url
+from outbox.settings import RelaySettings, sqlalchemy_url
 
 PAYLOAD = b"x" * 1024
 KEYS = 1000
@@ -40,20 +43,40 @@ def say(line: str) -> None:
     print(line, flush=True)
 
 
-def raw_produce(bootstrap: str, topic: str, n: int) -> float:
-    producer = KafkaProducer(bootstrap_servers=bootstrap, **PRODUCER_DEFAULTS)
+def raw_produce(bootstrap: str, topic: str, n: int, client: str = "kafka-python") -> float:
+    """Records per second of the bare client with the relay's producer settings."""
+    records = [(b"key-%d" % (i % KEYS), [("outbox-id", str(i).encode()),
+                                         ("content-type", b"application/octet-stream")])
+               for i in range(n)]
+    if client == "confluent":
+        producer = Producer(librdkafka_config(RelaySettings(kafka_bootstrap=bootstrap)))
+        acked = [0]
+
+        def count(error: Any, _message: Any) -> None:
+            assert error is None, error
+            acked[0] += 1
+
+        started = time.perf_counter()
+        for key, headers in records:
+            while True:
+                try:
+                    producer.produce(topic, PAYLOAD, key, headers=headers, on_delivery=count)
+                    break
+                except BufferError:
+                    producer.poll(0.1)
+            producer.poll(0)
+        producer.flush()
+        assert acked[0] == n
+        return n / (time.perf_counter() - started)
+    kafka = KafkaProducer(bootstrap_servers=bootstrap, **PRODUCER_DEFAULTS)
     started = time.perf_counter()
-    futures = [
-        producer.send(topic, value=PAYLOAD, key=b"key-%d" % (i % KEYS),
-                      headers=[("outbox-id", str(i).encode()),
-                               ("content-type", b"application/octet-stream")])
-        for i in range(n)
-    ]
-    producer.flush()
+    futures = [kafka.send(topic, value=PAYLOAD, key=key, headers=headers)
+               for key, headers in records]
+    kafka.flush()
     for future in futures:
         future.get()
     elapsed = time.perf_counter() - started
-    producer.close()
+    kafka.close()
     return n / elapsed
 
 
@@ -108,9 +131,12 @@ def stop(relays: list[subprocess.Popen[bytes]]) -> None:
 
 
 def relay_throughput(services: devservices.Services, engine: Engine, env: dict[str, str],
-                     relays: int, n: int, history: int = 0) -> float:
-    schema = f"bench_{relays}_{history}"
-    topic = f"bench-{relays}-{history}"
+                     relays: int, n: int, history: int = 0, client: str = "kafka-python"
+                     ) -> float:
+    suffix = "" if client == "kafka-python" else "_librdkafka"
+    schema = f"bench_{relays}_{history}{suffix}"
+    topic = f"bench-{relays}-{history}{suffix}"
+    env = {**env, "OUTBOX_KAFKA_CLIENT": client}
     migrate.upgrade(services.database_url, schema)
     create_topic(services.kafka_bootstrap, topic, partitions=6)
     if history:
@@ -260,6 +286,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=None,
                         help="OUTBOX_RELAY_BATCH_SIZE for the relays (default: theirs)")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: 1,2,3,4")
+    parser.add_argument("--clients", default="kafka-python,confluent",
+                        help="the relay's Kafka clients to measure in part 1")
     args = parser.parse_args()
     skip = set(args.skip.split(","))
 
@@ -274,10 +302,19 @@ def main() -> None:
         create_topic(services.kafka_bootstrap, "bench-raw", partitions=6)
         raw = raw_produce(services.kafka_bootstrap, "bench-raw", args.messages)
         say(f"   raw kafka-python produce (no database): {raw:10,.0f} msg/s  1.00x")
+        clients = args.clients.split(",")
+        if "confluent" in clients:
+            create_topic(services.kafka_bootstrap, "bench-raw-librdkafka", partitions=6)
+            fast = raw_produce(services.kafka_bootstrap, "bench-raw-librdkafka", args.messages,
+                               "confluent")
+            say(f"   raw librdkafka produce (no database):   {fast:10,.0f} msg/s  "
+                f"{fast / raw:.2f}x raw")
         for relays in () if "1" in skip else (1, 2):
-            rate = relay_throughput(services, engine, env, relays, args.messages)
-            say(f"   outbox relay x{relays}:                     {rate:10,.0f} msg/s  "
-                f"{rate / raw:.2f}x raw")
+            for client in clients:
+                rate = relay_throughput(services, engine, env, relays, args.messages,
+                                        client=client)
+                say(f"   outbox relay x{relays}, {client + ' client:':22} {rate:10,.0f} msg/s  "
+                    f"{rate / raw:.2f}x raw")
         if args.history and "2" not in skip:
             say(f"\n2. bounded cost: {args.history:,} delivered rows (and op records) retained")
             empty = batch_cost(services, engine, 0)

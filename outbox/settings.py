@@ -201,6 +201,11 @@ class KafkaSettings(_Base):
     """How to reach Kafka: the relay's producer and reconciliation's reader share these."""
 
     kafka_bootstrap: str = Field(default="", description="Kafka bootstrap servers, host:port,...")
+    kafka_client: Literal["kafka-python", "confluent"] = Field(
+        default="kafka-python",
+        description="the relay's Kafka client: kafka-python, or confluent (librdkafka, faster; "
+        "pip install 'transactional-outbox[confluent]')",
+    )
     kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = (
         "PLAINTEXT")
     kafka_sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
@@ -216,19 +221,44 @@ class KafkaSettings(_Base):
         default=2 * 1024 * 1024, gt=0, description="largest record the producer sends"
     )
 
-    def kafka_security(self) -> dict[str, Any]:
-        """SASL/TLS settings in kafka-python's names (unset ones are left out)."""
+    def kafka_security(self, client: Literal["kafka-python", "librdkafka"] = "kafka-python"
+                       ) -> dict[str, Any]:
+        """SASL/TLS settings in kafka-python's or librdkafka's names (unset ones left out)."""
         password = self.kafka_sasl_password
-        config = {
-            "security_protocol": self.kafka_security_protocol,
-            "sasl_mechanism": self.kafka_sasl_mechanism,
-            "sasl_plain_username": self.kafka_sasl_username,
-            "sasl_plain_password": password.get_secret_value() if password else None,
-            "ssl_cafile": self.kafka_ssl_cafile,
-            "ssl_certfile": self.kafka_ssl_certfile,
-            "ssl_keyfile": self.kafka_ssl_keyfile,
+        values = {
+            "kafka_security_protocol": self.kafka_security_protocol,
+            "kafka_sasl_mechanism": self.kafka_sasl_mechanism,
+            "kafka_sasl_username": self.kafka_sasl_username,
+            "kafka_sasl_password": password.get_secret_value() if password else None,
+            "kafka_ssl_cafile": self.kafka_ssl_cafile,
+            "kafka_ssl_certfile": self.kafka_ssl_certfile,
+            "kafka_ssl_keyfile": self.kafka_ssl_keyfile,
         }
-        return {key: value for key, value in config.items() if value is not None}
+        names = _SECURITY_NAMES[client]
+        return {names[field]: value for field, value in values.items() if value is not None}
+
+
+#: Each security setting's name in the Kafka clients' own configurations.
+_SECURITY_NAMES: dict[str, dict[str, str]] = {
+    "kafka-python": {
+        "kafka_security_protocol": "security_protocol",
+        "kafka_sasl_mechanism": "sasl_mechanism",
+        "kafka_sasl_username": "sasl_plain_username",
+        "kafka_sasl_password": "sasl_plain_password",
+        "kafka_ssl_cafile": "ssl_cafile",
+        "kafka_ssl_certfile": "ssl_certfile",
+        "kafka_ssl_keyfile": "ssl_keyfile",
+    },
+    "librdkafka": {
+        "kafka_security_protocol": "security.protocol",
+        "kafka_sasl_mechanism": "sasl.mechanisms",
+        "kafka_sasl_username": "sasl.username",
+        "kafka_sasl_password": "sasl.password",
+        "kafka_ssl_cafile": "ssl.ca.location",
+        "kafka_ssl_certfile": "ssl.certificate.location",
+        "kafka_ssl_keyfile": "ssl.key.location",
+    },
+}
 
 
 class PublishSettings(DatabaseSettings):

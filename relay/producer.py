@@ -1,13 +1,15 @@
-"""The Kafka producer the relay sends with: acks=all, idempotent, ids in headers."""
+"""The default transport, kafka-python: acks=all, idempotent, ids in headers."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from kafka import KafkaProducer
-from kafka.errors import KafkaTimeoutError
+from kafka.errors import KafkaError, KafkaTimeoutError
 
 from outbox.exceptions import ServiceUnavailable
+from outbox.relay.transport import Delivery, Headers
 from outbox.settings import RelaySettings
 
 PRODUCER_DEFAULTS: dict[str, Any] = {
@@ -41,3 +43,38 @@ def make_producer(settings: RelaySettings, **overrides: Any) -> KafkaProducer:
         raise ServiceUnavailable(
             f"no Kafka broker answers at {settings.kafka_bootstrap}: check OUTBOX_KAFKA_BOOTSTRAP"
         ) from None
+
+
+class KafkaPythonTransport:
+    """kafka-python's producer behind the relay's transport seam (relay/transport.py)."""
+
+    def __init__(self, settings: RelaySettings) -> None:
+        self.producer = make_producer(settings)
+
+    def send(self, topic: str, key: bytes | None, value: bytes, headers: Headers,
+             done: Callable[[], None]) -> Delivery:
+        delivery = Delivery(done)
+        try:
+            future = self.producer.send(topic, value=value, key=key, headers=list(headers))
+        except KafkaError as exc:  # refused before sending: size, metadata, ...
+            delivery.failed(exc)
+        else:
+            future.add_callback(_landed, delivery).add_errback(delivery.failed)
+        return delivery
+
+    def flush(self, timeout: float) -> None:
+        self.producer.flush(timeout)
+
+    def close(self, timeout: float) -> None:
+        try:
+            self.producer.flush(timeout)
+        except KafkaTimeoutError:
+            # kafka-python's close() raises this too while records wait for a broker; they
+            # stay pending in the database, so drop them (it has no public call for that).
+            self.producer._sender.force_close()
+            self.producer._sender.join(5)
+        self.producer.close(timeout=0)
+
+
+def _landed(delivery: Delivery, metadata: Any) -> None:
+    delivery.landed(metadata.partition, metadata.offset)

@@ -20,12 +20,8 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import psycopg
-from kafka import KafkaProducer
-from kafka.errors import KafkaError, RetriableError
-from kafka.producer.future import FutureRecordMetadata
 from sqlalchemy import Connection, Engine, create_engine
 from sqlalchemy.exc import DBAPIError
 
@@ -36,8 +32,8 @@ from outbox.migrate import require_current
 from outbox.relay import metrics
 from outbox.relay.daemon import Lifecycle
 from outbox.relay.leases import LeaseKeeper, Leases, WorkerIdentity
-from outbox.relay.producer import make_producer
 from outbox.relay.retention import Pruner
+from outbox.relay.transport import Delivery, Transport, is_permanent, make_transport
 from outbox.relay.wakeup import Wakeup
 from outbox.settings import RelaySettings, mask_url
 
@@ -58,16 +54,16 @@ class Abandoned(Exception):
 
 @dataclass
 class InFlight:
-    """A batch handed to the producer, waiting for its acknowledgements."""
+    """A batch handed to the transport, waiting for its acknowledgements."""
 
     rows: list[store.Deliverable]
-    #: per row: the producer's future, the error that refused it, or None if held back
-    futures: list[FutureRecordMetadata | BaseException | None]
+    #: per row: its delivery, or None if held back
+    deliveries: list[Delivery | None]
     done: threading.Event = field(default_factory=threading.Event)
     remaining: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def arrived(self, _: object) -> None:
+    def arrived(self) -> None:
         with self.lock:
             self.remaining -= 1
             if self.remaining == 0:
@@ -77,7 +73,7 @@ class InFlight:
 class Relay:
     """Run with :meth:`run`; :meth:`stop` (or SIGTERM via the CLI) ends it after the batch."""
 
-    def __init__(self, settings: RelaySettings, producer: KafkaProducer | None = None) -> None:
+    def __init__(self, settings: RelaySettings, transport: Transport | None = None) -> None:
         settings.require("database_url", "kafka_bootstrap")
         self.settings = settings
         self.schema = settings.schema_name
@@ -85,7 +81,7 @@ class Relay:
         self.lifecycle = Lifecycle(f"relay {self.worker_id}", log,
                                    resumed="delivering again after {seconds:.1f}s")
         self.delivered = 0
-        self._producer = producer
+        self._transport = transport
         self._engine: Engine = create_engine(
             settings.sqlalchemy_url, pool_size=2, max_overflow=0, pool_pre_ping=True
         )
@@ -116,15 +112,15 @@ class Relay:
             self._identity.release()
 
     def _run(self) -> None:
-        producer = self._producer or make_producer(self.settings)
+        transport = self._transport or make_transport(self.settings)
         pruner = Pruner(self.settings)
-        log.info("relay %s started: database %s, schema %s, Kafka %s", self.worker_id,
+        log.info("relay %s started: database %s, schema %s, Kafka %s (%s)", self.worker_id,
                  mask_url(self.settings.database_url), self.schema,
-                 self.settings.kafka_bootstrap)
+                 self.settings.kafka_bootstrap, self.settings.kafka_client)
         pruner.start()
         try:
             self.lifecycle.serve(
-                lambda: self._serve(producer),
+                lambda: self._serve(transport),
                 (BrokerTrouble, DBAPIError, psycopg.Error, ServiceUnavailable), max_wait=5)
         except Abandoned:
             log.info("relay %s abandoned its batch in flight; it stays pending", self.worker_id)
@@ -135,7 +131,7 @@ class Relay:
                 self._keeper.join(5)
             pruner.join(5)
             self._leave()
-            producer.close(timeout=0 if self.lifecycle.abandon.is_set() else 10)
+            transport.close(timeout=0 if self.lifecycle.abandon.is_set() else 10)
             self._engine.dispose()
             log.info("relay %s stopped after delivering %d messages", self.worker_id,
                      self.delivered)
@@ -150,7 +146,7 @@ class Relay:
             log.warning("relay %s could not hand back its shards (%s); they expire in %.0fs",
                         self.worker_id, describe(exc), self.settings.relay_lease_seconds)
 
-    def _serve(self, producer: KafkaProducer) -> None:
+    def _serve(self, transport: Transport) -> None:
         """One pass: deliver until stopped, or until the broker or the database fails."""
         if self.stopping.is_set():
             return
@@ -163,14 +159,14 @@ class Relay:
         recorder.start()
         try:
             with self._engine.connect() as conn:
-                self._loop(conn, producer, wakeup, recorder)
+                self._loop(conn, transport, wakeup, recorder)
                 recorder.drain()
                 recorder.raise_failure()
         finally:
             recorder.close()
             wakeup.close()
 
-    def _loop(self, conn: Connection, producer: KafkaProducer, wakeup: Wakeup,
+    def _loop(self, conn: Connection, transport: Transport, wakeup: Wakeup,
               recorder: Recorder) -> None:
         limit = self.settings.relay_batch_size
         poll = self.settings.relay_poll_interval
@@ -195,7 +191,7 @@ class Relay:
                                                     in_flight=recorder.in_flight_ids())
             if batch:
                 metrics.topics_seen(row.topic for row in batch)
-                recorder.submit(self._send(producer, batch))
+                recorder.submit(self._send(transport, batch))
                 continue
             due = promote_at - time.monotonic() if shards else poll
             notes = wakeup.wait(max(0.0, min(poll, due)), self.stopping)
@@ -204,26 +200,19 @@ class Relay:
             if "rebalance" in notes:
                 self._keeper.poke()
 
-    def _send(self, producer: KafkaProducer, batch: list[store.Deliverable]) -> InFlight:
-        flight = InFlight(rows=batch, futures=[], remaining=len(batch))
+    def _send(self, transport: Transport, batch: list[store.Deliverable]) -> InFlight:
+        flight = InFlight(rows=batch, deliveries=[], remaining=len(batch))
         blocked: set[tuple[str, bytes]] = set()
         for row in batch:
-            outcome: FutureRecordMetadata | BaseException | None = None
+            delivery: Delivery | None = None
             if row.key is not None and (row.topic, row.key) in blocked:
-                pass  # held back behind a refused message of its key; stays pending
+                flight.arrived()  # held back behind a refused message of its key: stays pending
             else:
-                try:
-                    outcome = producer.send(row.topic, value=row.payload, key=row.key,
-                                            headers=_headers(row))
-                except KafkaError as exc:  # refused before sending: size, metadata, ...
-                    outcome = exc
-                    if row.key is not None:
-                        blocked.add((row.topic, row.key))
-            flight.futures.append(outcome)
-            if isinstance(outcome, FutureRecordMetadata):
-                outcome.add_both(flight.arrived)
-            else:
-                flight.arrived(None)
+                delivery = transport.send(row.topic, row.key, row.payload, _headers(row),
+                                          flight.arrived)
+                if delivery.error is not None and row.key is not None:
+                    blocked.add((row.topic, row.key))
+            flight.deliveries.append(delivery)
         metrics.BATCH_SIZE.observe(len(batch))
         return flight
 
@@ -232,15 +221,14 @@ class Relay:
         self._await_acks(flight)
         acks: list[tuple[int, int, int]] = []
         failures: list[store.Failure] = []
-        for row, outcome in zip(flight.rows, flight.futures, strict=True):
-            if outcome is None:
+        for row, delivery in zip(flight.rows, flight.deliveries, strict=True):
+            if delivery is None:
                 continue
-            if isinstance(outcome, FutureRecordMetadata) and outcome.succeeded():
-                meta: Any = outcome.value
-                acks.append((row.id, meta.partition, meta.offset))
-                continue
-            exc = outcome if isinstance(outcome, BaseException) else outcome.exception
-            failures.append(store.Failure(row.id, describe(exc), _is_permanent(exc)))
+            if delivery.error is None:
+                acks.append((row.id, delivery.partition, delivery.offset))
+            else:
+                failures.append(store.Failure(row.id, describe(delivery.error),
+                                              is_permanent(delivery.error)))
         with conn.begin():
             closed = store.mark_delivered(conn, self.schema, self.worker_id, acks)
             parked = store.record_failures(conn, self.schema, self.worker_id, failures,
@@ -345,11 +333,6 @@ class Recorder(threading.Thread):
                 self._changed.notify_all()
         finally:
             engine.dispose()
-
-
-def _is_permanent(exc: BaseException | None) -> bool:
-    """Kafka's non-retriable errors (record too large, invalid or unauthorised topic, ...)."""
-    return isinstance(exc, KafkaError) and not isinstance(exc, RetriableError)
 
 
 def _headers(row: store.Deliverable) -> list[tuple[str, bytes]]:

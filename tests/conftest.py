@@ -94,11 +94,23 @@ def topic(services: devservices.Services) -> str:
     return name
 
 
+#: The relay's transports (OUTBOX_KAFKA_CLIENT). A module whose tests must hold with each sets
+#: ``pytestmark = both_transports``; elsewhere the default, kafka-python, is used.
+TRANSPORTS = ("kafka-python", "confluent")
+both_transports = pytest.mark.parametrize("kafka_client", TRANSPORTS)
+
+
 @pytest.fixture
-def settings(services: devservices.Services, schema: str) -> Settings:
+def kafka_client() -> str:
+    return "kafka-python"
+
+
+@pytest.fixture
+def settings(services: devservices.Services, schema: str, kafka_client: str) -> Settings:
     return Settings(
         database_url=services.database_url,
         kafka_bootstrap=services.kafka_bootstrap,
+        kafka_client=kafka_client,
         schema_name=schema,
         relay_poll_interval=0.5,
         relay_lease_seconds=3,

@@ -27,7 +27,8 @@ class Isolated:
 
 
 @contextlib.contextmanager
-def isolated_services(partitions: int = 3) -> Iterator[Isolated]:
+def isolated_services(partitions: int = 3, kafka_client: str = "kafka-python"
+                      ) -> Iterator[Isolated]:
     proxy_port = devservices.free_port()
     services = devservices.start(kafka_advertised_port=proxy_port)
     proxy = TcpProxy(services.kafka_port, proxy_port)
@@ -38,6 +39,7 @@ def isolated_services(partitions: int = 3) -> Iterator[Isolated]:
         create_topic(services.kafka_bootstrap, topic, partitions=partitions)
         settings = Settings(database_url=services.database_url,
                             kafka_bootstrap=services.kafka_bootstrap, relay_lease_seconds=3,
+                            kafka_client=kafka_client,
                             relay_poll_interval=0.2)
         yield Isolated(services, proxy, engine, settings, Outbox(settings=settings), topic)
     finally:

@@ -14,6 +14,7 @@ def outbox_env(settings: Settings, **extra: str) -> dict[str, str]:
         **os.environ,
         "OUTBOX_DATABASE_URL": settings.database_url,
         "OUTBOX_KAFKA_BOOTSTRAP": settings.kafka_bootstrap,
+        "OUTBOX_KAFKA_CLIENT": settings.kafka_client,
         "OUTBOX_SCHEMA": settings.schema_name,
         "OUTBOX_RELAY_LEASE_SECONDS": str(settings.relay_lease_seconds),
         "OUTBOX_RELAY_POLL_INTERVAL": str(settings.relay_poll_interval),

@@ -13,7 +13,9 @@ from outbox import Outbox
 from outbox.dev.topics import read_topic
 from outbox.relay.relay import Relay
 from outbox.settings import Settings
-from tests.conftest import count_status, publish_orders, wait_delivered, wait_until
+from tests.conftest import both_transports, count_status, publish_orders, wait_delivered, wait_until
+
+pytestmark = both_transports
 
 
 def test_committed_messages_are_delivered_exactly_once_with_op_records(

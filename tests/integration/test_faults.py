@@ -14,14 +14,23 @@ from outbox import Outbox
 from outbox.dev import services as devservices
 from outbox.dev.topics import Record, read_topic
 from outbox.settings import Settings
-from tests.conftest import count_status, publish_orders, running_relay, wait_delivered, wait_until
+from tests.conftest import (
+    both_transports,
+    count_status,
+    publish_orders,
+    running_relay,
+    wait_delivered,
+    wait_until,
+)
 from tests.isolated import Isolated, isolated_services
 from tests.processes import run_outbox
 
+pytestmark = both_transports
+
 
 @pytest.fixture
-def isolated() -> Iterator[Isolated]:
-    with isolated_services() as iso:
+def isolated(kafka_client: str) -> Iterator[Isolated]:
+    with isolated_services(kafka_client=kafka_client) as iso:
         yield iso
 
 
@@ -64,6 +73,28 @@ def test_broker_cut_delays_delivery_then_it_resumes_with_nothing_lost(
     outage_lines = [r for r in caplog.records if "has not acknowledged" in r.getMessage()]
     assert len(outage_lines) == 1, "the outage is reported once, not per message"
     assert "delivering again after" in caplog.text
+
+
+def test_abandon_during_a_broker_cut_stops_at_once_and_the_batch_stays_pending(
+    isolated: Isolated, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="outbox.relay")
+    iso = isolated
+    with running_relay(iso.settings) as relay:  # fails if the relay is not gone within 30 s
+        publish_orders(iso.engine, iso.outbox, iso.topic, [("k", 0)])
+        wait_delivered(iso.engine, "outbox", 1)
+        iso.proxy.cut()
+        stuck = publish_orders(iso.engine, iso.outbox, iso.topic,
+                               [(f"k{i % 3}", i) for i in range(1, 31)])
+        wait_until(lambda: "has not acknowledged" in caplog.text, 20, "the outage to be logged")
+        relay.stop(abandon=True)  # the producer would retry for 120 s: a graceful stop waits
+    assert "abandoned its batch in flight" in caplog.text
+    assert count_status(iso.engine, "outbox", "PENDING") == len(stuck)
+    iso.proxy.restore()
+    with running_relay(iso.settings):
+        wait_delivered(iso.engine, "outbox", 1 + len(stuck), timeout=60)
+    records = read_topic(iso.settings.kafka_bootstrap, iso.topic)
+    assert {r.message_id for r in records} >= set(stuck)
 
 
 def test_postgres_restart_is_survived(isolated: Isolated,

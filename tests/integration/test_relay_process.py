@@ -10,8 +10,10 @@ from sqlalchemy import Engine, text
 from outbox import Outbox
 from outbox.dev.topics import read_topic
 from outbox.settings import Settings
-from tests.conftest import count_status, publish_orders, wait_delivered, wait_until
+from tests.conftest import both_transports, count_status, publish_orders, wait_delivered, wait_until
 from tests.processes import start_outbox
+
+pytestmark = both_transports
 
 
 def test_relay_killed_mid_batch_then_restarted_loses_nothing(

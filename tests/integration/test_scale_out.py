@@ -14,8 +14,16 @@ from outbox import Outbox
 from outbox.dev.topics import read_topic
 from outbox.schema import SHARDS
 from outbox.settings import Settings
-from tests.conftest import publish_orders, running_relay, wait_delivered, wait_until
+from tests.conftest import (
+    both_transports,
+    publish_orders,
+    running_relay,
+    wait_delivered,
+    wait_until,
+)
 from tests.processes import start_outbox
+
+pytestmark = both_transports
 
 
 def owners(engine: Engine, schema: str) -> Counter[str | None]:

@@ -1,0 +1,123 @@
+"""The librdkafka transport (``OUTBOX_KAFKA_CLIENT=confluent``; the ``confluent`` extra).
+
+librdkafka batches, compresses and retries in C threads; Python only hands records over and
+reads delivery reports. Reports arrive only from ``poll()``, so a reporter thread polls with a
+timeout (it sleeps until a report or the timeout comes, never spins). Errors are translated
+into kafka-python's exception classes, so :func:`outbox.relay.transport.is_permanent` parks
+exactly what the kafka-python transport parks and a parked message's reason reads the same.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import kafka.errors
+from confluent_kafka import KafkaError, KafkaException, Message, Producer
+
+from outbox.exceptions import ConfigurationError, ServiceUnavailable
+from outbox.relay.producer import PRODUCER_DEFAULTS
+from outbox.relay.transport import Delivery, Headers
+from outbox.settings import RelaySettings
+
+log = logging.getLogger("outbox.relay.librdkafka")
+#: librdkafka's own (negative) error codes with a kafka-python twin; any other local error
+#: (connection, timeout, queue) is retriable.
+LOCAL_ERRORS: dict[int, type[kafka.errors.KafkaError]] = {
+    KafkaError._MSG_TIMED_OUT: kafka.errors.KafkaTimeoutError,
+    KafkaError._TIMED_OUT: kafka.errors.KafkaTimeoutError,
+    KafkaError._UNKNOWN_TOPIC: kafka.errors.UnknownTopicOrPartitionError,
+    KafkaError._UNKNOWN_PARTITION: kafka.errors.UnknownTopicOrPartitionError,
+    KafkaError._INVALID_ARG: kafka.errors.IllegalArgumentError,
+}
+#: How long the reporter thread waits for a report before checking whether to stop.
+POLL_SECONDS = 0.2
+
+
+def librdkafka_config(settings: RelaySettings) -> dict[str, Any]:
+    """The kafka-python transport's producer settings in librdkafka's names."""
+    return {
+        "bootstrap.servers": settings.kafka_bootstrap,
+        "client.id": f"outbox-relay-{settings.worker_id}",
+        "acks": "all",
+        "enable.idempotence": True,
+        # Idempotence keeps order with up to 5 requests in flight per partition.
+        "max.in.flight.requests.per.connection": 5,
+        # kafka-python's and the Java client's key -> partition mapping (not librdkafka's).
+        "partitioner": "murmur2_random",
+        "linger.ms": PRODUCER_DEFAULTS["linger_ms"],
+        "batch.size": min(PRODUCER_DEFAULTS["batch_size"], settings.kafka_max_request_size),
+        "message.max.bytes": settings.kafka_max_request_size,
+        "message.timeout.ms": settings.kafka_delivery_timeout_ms,
+        "logger": log,
+        **settings.kafka_security("librdkafka"),
+    }
+
+
+def translate(error: KafkaError) -> kafka.errors.KafkaError:
+    """librdkafka's error as the kafka-python exception the same failure raises there."""
+    code = error.code()
+    if code >= 0:
+        cls = kafka.errors.for_code(code)
+    else:
+        cls = LOCAL_ERRORS.get(code, kafka.errors.KafkaConnectionError)
+    return cls(f"{error.str()} ({error.name()})")
+
+
+class ConfluentTransport:
+    """confluent-kafka's producer behind the relay's transport seam (relay/transport.py)."""
+
+    def __init__(self, settings: RelaySettings) -> None:
+        try:
+            self.producer = Producer(librdkafka_config(settings))
+        except KafkaException as exc:
+            raise ConfigurationError(f"invalid Kafka settings for librdkafka: {exc}") from None
+        try:
+            self.producer.list_topics(timeout=PRODUCER_DEFAULTS["bootstrap_timeout_ms"] / 1000)
+        except KafkaException:
+            raise ServiceUnavailable(
+                f"no Kafka broker answers at {settings.kafka_bootstrap}: check "
+                "OUTBOX_KAFKA_BOOTSTRAP") from None
+        self._closing = threading.Event()
+        self._reporter = threading.Thread(target=self._report, daemon=True,
+                                          name=f"kafka-reports-{settings.worker_id}")
+        self._reporter.start()
+
+    def send(self, topic: str, key: bytes | None, value: bytes, headers: Headers,
+             done: Callable[[], None]) -> Delivery:
+        delivery = Delivery(done)
+
+        def reported(error: KafkaError | None, message: Message) -> None:
+            if error is None:
+                delivery.landed(message.partition() or 0, message.offset() or 0)
+            else:
+                delivery.failed(translate(error))
+
+        while True:
+            try:
+                self.producer.produce(topic, value, key, headers=list(headers),
+                                      on_delivery=reported)
+                return delivery
+            except BufferError:  # librdkafka's queue is full: wait for reports to free it
+                self.producer.poll(POLL_SECONDS)
+            except KafkaException as exc:  # refused before sending: size, unknown topic, ...
+                delivery.failed(translate(exc.args[0]))
+                return delivery
+
+    def flush(self, timeout: float) -> None:
+        self.producer.flush(timeout)
+
+    def close(self, timeout: float) -> None:
+        if timeout > 0:
+            self.producer.flush(timeout)
+        else:  # abandon: what is not yet sent stays pending in the database
+            self.producer.purge(in_queue=True, in_flight=False)
+        self._closing.set()
+        self._reporter.join()
+
+    def _report(self) -> None:
+        """Serve delivery reports (and librdkafka's log lines) as they come."""
+        while not self._closing.is_set():
+            self.producer.poll(POLL_SECONDS)

@@ -1,0 +1,82 @@
+"""The seam between the relay and a Kafka client: send a record, learn where it landed.
+
+Two transports sit behind it: kafka-python (the default, relay/producer.py) and librdkafka
+through confluent-kafka (``OUTBOX_KAFKA_CLIENT=confluent``, relay/confluent.py, an optional
+extra). Both are idempotent with acks=all and at most 5 requests in flight, so per-key order
+holds, and both map a key to the same partition (murmur2, like the Java client), so switching
+transports never moves a key. Their errors reach the relay as kafka-python's exception classes,
+so one function (:func:`is_permanent`) decides which records are parked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from kafka.errors import KafkaError
+
+from outbox.exceptions import ConfigurationError
+from outbox.settings import RelaySettings
+
+Headers = Sequence[tuple[str, bytes]]
+
+
+class Delivery:
+    """Where one record landed, or why it did not; filled in once, from any thread, which
+    then calls the ``done`` the relay passed to :meth:`Transport.send`."""
+
+    __slots__ = ("_done", "error", "offset", "partition")
+
+    def __init__(self, done: Callable[[], None]) -> None:
+        self._done = done
+        self.partition = -1
+        self.offset = -1
+        self.error: BaseException | None = None
+
+    def landed(self, partition: int, offset: int) -> None:
+        self.partition, self.offset = partition, offset
+        self._done()
+
+    def failed(self, error: BaseException) -> None:
+        self.error = error
+        self._done()
+
+
+class Transport(Protocol):
+    def send(self, topic: str, key: bytes | None, value: bytes, headers: Headers,
+             done: Callable[[], None]) -> Delivery:
+        """Hand one record over; a record refused before sending (too large, ...) comes back
+        already failed."""
+        ...
+
+    def flush(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for every record handed over to be settled."""
+        ...
+
+    def close(self, timeout: float) -> None:
+        """Flush for up to ``timeout`` seconds (0: abandon what is unsent) and disconnect."""
+        ...
+
+
+def is_permanent(error: BaseException | None) -> bool:
+    """Kafka's non-retriable errors (record too large, invalid or unauthorised topic, ...):
+    retrying the same record cannot help, so it is parked after a few attempts."""
+    return isinstance(error, KafkaError) and not error.retriable
+
+
+def make_transport(settings: RelaySettings) -> Transport:
+    """The transport ``settings.kafka_client`` names, connected to the brokers."""
+    settings.require("kafka_bootstrap")
+    if settings.kafka_client == "confluent":
+        try:
+            from outbox.relay.confluent import ConfluentTransport
+        except ModuleNotFoundError as exc:
+            if exc.name != "confluent_kafka":
+                raise
+            raise ConfigurationError(
+                "OUTBOX_KAFKA_CLIENT=confluent needs the confluent-kafka package: "
+                "pip install 'transactional-outbox[confluent]'") from None
+        return ConfluentTransport(settings)
+    from outbox.relay.producer import KafkaPythonTransport
+
+    return KafkaPythonTransport(settings)

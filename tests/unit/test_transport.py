@@ -1,0 +1,88 @@
+"""The transports agree: librdkafka gets the same settings under its own names, and its errors
+are classified like kafka-python's. No broker needed."""
+
+from __future__ import annotations
+
+import sys
+
+import kafka.errors
+import pytest
+from confluent_kafka import KafkaError
+
+from outbox.exceptions import ConfigurationError
+from outbox.relay.confluent import librdkafka_config, translate
+from outbox.relay.transport import is_permanent, make_transport
+from outbox.settings import Settings
+
+
+def test_kafka_sasl_and_tls_settings_reach_librdkafka_under_its_names() -> None:
+    settings = Settings(kafka_bootstrap="k1:9093,k2:9093", kafka_security_protocol="SASL_SSL",
+                        kafka_sasl_mechanism="SCRAM-SHA-512", kafka_sasl_username="relay",
+                        kafka_sasl_password="s3cret", kafka_ssl_cafile="/etc/ca.pem",
+                        kafka_ssl_certfile="/etc/relay.pem", kafka_ssl_keyfile="/etc/relay.key")
+    config = librdkafka_config(settings)
+    assert config["bootstrap.servers"] == "k1:9093,k2:9093"
+    assert config["security.protocol"] == "SASL_SSL"
+    assert config["sasl.mechanisms"] == "SCRAM-SHA-512"
+    assert (config["sasl.username"], config["sasl.password"]) == ("relay", "s3cret")
+    assert config["ssl.ca.location"] == "/etc/ca.pem"
+    assert config["ssl.certificate.location"] == "/etc/relay.pem"
+    assert config["ssl.key.location"] == "/etc/relay.key"
+    assert not {"security_protocol", "sasl_plain_password", "ssl_cafile"} & set(config)
+
+
+def test_librdkafka_producer_is_idempotent_ordered_and_partitions_like_java() -> None:
+    settings = Settings(kafka_bootstrap="k1:9093", kafka_max_request_size=20_000,
+                        kafka_delivery_timeout_ms=30_000)
+    config = librdkafka_config(settings)
+    assert (config["acks"], config["enable.idempotence"]) == ("all", True)
+    assert config["max.in.flight.requests.per.connection"] <= 5
+    assert config["partitioner"] == "murmur2_random"
+    assert config["message.max.bytes"] == 20_000
+    assert config["batch.size"] <= config["message.max.bytes"]
+    assert config["message.timeout.ms"] == 30_000
+
+
+def test_unset_security_settings_are_left_to_librdkafkas_defaults() -> None:
+    config = librdkafka_config(Settings(kafka_bootstrap="k1:9093"))
+    assert config["security.protocol"] == "PLAINTEXT"
+    assert not [name for name in config if name.startswith(("sasl.", "ssl."))]
+
+
+@pytest.mark.parametrize("code", [
+    KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.TOPIC_EXCEPTION,
+    KafkaError.RECORD_LIST_TOO_LARGE, KafkaError.TOPIC_AUTHORIZATION_FAILED,
+    KafkaError.INVALID_RECORD, KafkaError.NOT_LEADER_FOR_PARTITION,
+    KafkaError.NOT_ENOUGH_REPLICAS, KafkaError.REQUEST_TIMED_OUT,
+    KafkaError.UNKNOWN_TOPIC_OR_PART,
+])
+def test_broker_errors_are_classified_as_kafka_python_classifies_them(code: int) -> None:
+    kafka_python = kafka.errors.for_code(code)
+    error = translate(KafkaError(code))
+    assert type(error) is kafka_python
+    assert is_permanent(error) == (not kafka_python.retriable)
+
+
+@pytest.mark.parametrize("code", [KafkaError._MSG_TIMED_OUT, KafkaError._TRANSPORT,
+                                  KafkaError._ALL_BROKERS_DOWN, KafkaError._UNKNOWN_TOPIC,
+                                  KafkaError._PURGE_QUEUE])
+def test_librdkafkas_own_connection_and_timeout_errors_are_retriable(code: int) -> None:
+    assert not is_permanent(translate(KafkaError(code)))
+
+
+def test_a_too_large_record_reads_the_same_with_both_transports() -> None:
+    error = translate(KafkaError(KafkaError.MSG_SIZE_TOO_LARGE))
+    assert isinstance(error, kafka.errors.MessageSizeTooLargeError) and is_permanent(error)
+
+
+def test_choosing_confluent_without_the_package_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "confluent_kafka", None)  # import fails as if absent
+    monkeypatch.delitem(sys.modules, "outbox.relay.confluent")
+    settings = Settings(kafka_bootstrap="k1:9093", kafka_client="confluent")
+    with pytest.raises(ConfigurationError) as raised:
+        make_transport(settings)
+    message = str(raised.value)
+    assert "\n" not in message
+    assert "pip install 'transactional-outbox[confluent]'" in message
