@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from psycopg.conninfo import conninfo_to_dict
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import (
     BaseSettings,
@@ -53,12 +54,21 @@ def validate_identifier(value: str, what: str = "schema") -> str:
     return value
 
 
+#: Connection parameters that are secrets (libpq's names, also as URL query parameters).
+_SECRET_KEYS = frozenset({"password", "sslpassword"})
+
+
 def sqlalchemy_url(url: str) -> str:
     """Accept ``postgresql://`` URLs and pin the psycopg 3 driver."""
     try:
         parsed = make_url(url)
-    except Exception as exc:
-        raise ConfigurationError(f"invalid database URL {mask_url(url)!r}: {exc}") from None
+    except Exception:  # its message would echo the whole string, password included
+        raise ConfigurationError(
+            f"invalid database URL {mask_url(url)!r}: use postgresql://user:password@host:port/db"
+        ) from None
+    if parsed.host and "@" in parsed.host:
+        raise ConfigurationError(
+            f"invalid database URL {mask_url(url)!r}: write an '@' in the password as %40")
     if parsed.get_backend_name() != "postgresql":
         raise ConfigurationError(
             f"database URL must be postgresql://..., got {parsed.get_backend_name()!r}"
@@ -67,8 +77,27 @@ def sqlalchemy_url(url: str) -> str:
 
 
 def mask_url(url: str) -> str:
-    """The URL with its password replaced by ``***``, for logs and errors."""
-    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
+    """The database URL (or libpq ``key=value`` string) with every password replaced by
+    ``***``, for logs and errors; parsed with SQLAlchemy's and libpq's own parsers."""
+    if "://" not in url:
+        try:
+            params = conninfo_to_dict(url)
+        except Exception:  # show it only if it cannot hold a secret
+            return url if "=" not in url and "@" not in url else "(an unparseable string)"
+        return " ".join(f"{key}={'***' if key in _SECRET_KEYS else value}"
+                        for key, value in params.items())
+    try:
+        parsed = make_url(url)
+    except Exception:
+        return "(an unparseable URL)"
+    if parsed.host and "@" in parsed.host:  # an unencoded '@' in the password
+        parsed = parsed.set(password="***", host=parsed.host.rpartition("@")[2])
+    elif parsed.password is not None:
+        parsed = parsed.set(password="***")
+    query = {key: "***" if key.lower() in _SECRET_KEYS else value
+             for key, value in parsed.query.items()}
+    return (parsed.set(query=query).render_as_string(hide_password=False)
+            .replace("%2A%2A%2A", "***"))
 
 
 def default_worker_id() -> str:
