@@ -16,7 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from outbox import connectors, store
 from outbox.checkers import Checker, to_resolution
 from outbox.connectors import AsyncBind, AsyncTarget, DjangoConnection, Rows, SyncBind, SyncTarget
-from outbox.encoding import EncodedMessage, cloudevent_headers, delivery_time, encode
+from outbox.encoding import CONTROL, EncodedMessage, cloudevent_headers, delivery_time, encode
 from outbox.exceptions import (
     ConfigurationError,
     DecisionConflict,
@@ -64,6 +64,10 @@ class Outbox:
             settings = with_overrides(settings, **overrides)
         self.settings: PublishSettings = settings
         self.schema = self.settings.schema_name
+        if (not isinstance(producer_group, str) or not producer_group
+                or CONTROL.search(producer_group)):
+            raise ConfigurationError(f"producer_group must be a non-empty str without control "
+                                     f"characters, got {producer_group!r}")
         self.producer_group = producer_group
         #: When set, every message carries CloudEvents headers with this ``ce_source``.
         self.cloudevents_source = cloudevents_source
@@ -111,10 +115,14 @@ class Outbox:
             message,
             producer_group=self.producer_group,
             notify=self.settings.notify,
-            **delivery_time(options.get("deliver_after"), options.get("deliver_at")),
+            **self._delivery_time(options),
         )
         _refuse_engine(session)
         return self._execute(session, statement, params, _message_id)
+
+    def _delivery_time(self, options: PublishOptions) -> dict[str, Any]:
+        return delivery_time(options.get("deliver_after"), options.get("deliver_at"),
+                             self.settings.max_delay)
 
     def _encode(self, topic: str, payload: Any, options: PublishOptions) -> EncodedMessage:
         headers = options.get("headers")
@@ -233,7 +241,7 @@ class Outbox:
             notify=False,  # not deliverable until decided
             resolution=Resolution.UNKNOWN,
             check_after_seconds=check_after,
-            **delivery_time(options.get("deliver_after"), options.get("deliver_at")),
+            **self._delivery_time(options),
         )
 
     @overload
@@ -320,6 +328,9 @@ class Outbox:
         ``engine`` may also be a psycopg or Django connection outside any transaction.
         """
         _check_options("send_in_transaction", options, _PREPARE_KEYS)
+        if not callable(local_transaction):
+            raise InvalidMessage(f"local_transaction must be callable (it runs your local "
+                                 f"transaction), got {type(local_transaction).__name__}")
         message = self._encode(topic, payload, options)
         statement, params = self._prepare_statement(message, options)
         owner = connectors.own_transaction(engine)

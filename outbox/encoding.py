@@ -50,11 +50,35 @@ def validate_topic(topic: object) -> str:
     return topic
 
 
+#: Control characters: no header name or content type may hold them (NUL cannot even be
+#: stored in PostgreSQL text; CR/LF would let a value forge headers in HTTP/CloudEvents bridges).
+CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def utf8(text: str, what: str) -> bytes:
+    """``text`` as UTF-8, or one line saying which input holds a lone surrogate."""
+    try:
+        return text.encode()
+    except UnicodeEncodeError as exc:
+        raise InvalidMessage(
+            f"{what} is not valid UTF-8 text (a lone surrogate at position {exc.start}); "
+            "fix the text or pass bytes") from None
+
+
+def validate_name(value: object, what: str) -> str:
+    """A non-empty str of valid text without control characters (header names, content type)."""
+    if not isinstance(value, str) or not value or CONTROL.search(value):
+        raise InvalidMessage(
+            f"{what} {value!r} must be a non-empty str without control characters")
+    utf8(value, what)
+    return value
+
+
 def encode_key(key: object) -> bytes | None:
     if key is None or isinstance(key, bytes):
         return key
     if isinstance(key, str):
-        return key.encode()
+        return utf8(key, "key")
     raise InvalidMessage(f"message key must be str, bytes or None, got {type(key).__name__}")
 
 
@@ -70,10 +94,14 @@ def encode_headers(headers: object) -> tuple[list[str] | None, list[bytes] | Non
     for name, value in headers.items():
         if not isinstance(name, str):
             raise InvalidMessage(f"header name {name!r} must be a str")
+        validate_name(name, "header name")
         if name.lower() in RESERVED_HEADERS:
             raise InvalidMessage(f"header {name!r} is set by the outbox itself; use another name")
         if isinstance(value, str):
-            value = value.encode()
+            if CONTROL.search(value):
+                raise InvalidMessage(f"header {name!r} has control characters (CR, LF, NUL...) "
+                                     "in its text; pass bytes for a binary value")
+            value = utf8(value, f"header {name!r}")
         elif not isinstance(value, bytes):
             raise InvalidMessage(
                 f"header {name!r} must be str or bytes, got {type(value).__name__}"
@@ -88,7 +116,7 @@ def encode_payload(payload: object) -> tuple[bytes, str]:
     if isinstance(payload, bytes | bytearray | memoryview):
         return bytes(payload), BINARY
     if isinstance(payload, str):
-        return payload.encode(), TEXT
+        return utf8(payload, "payload"), TEXT
     try:
         text = json.dumps(payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as exc:
@@ -96,7 +124,7 @@ def encode_payload(payload: object) -> tuple[bytes, str]:
             f"payload of type {type(payload).__name__} is not JSON-serialisable ({exc}); "
             "pass bytes, str, or JSON-compatible data"
         ) from None
-    return text.encode(), JSON
+    return utf8(text, "payload"), JSON
 
 
 def cloudevent_headers(event_type: str, source: str | None) -> dict[str, str]:
@@ -116,23 +144,36 @@ def cloudevent_headers(event_type: str, source: str | None) -> dict[str, str]:
     }
 
 
+#: The longest a message may be held back by default (``OUTBOX_MAX_DELAY``): 30 days.
+DEFAULT_MAX_DELAY = 30 * 86400.0
+
+
 def delivery_time(
-    deliver_after: timedelta | None, deliver_at: datetime | None
+    deliver_after: timedelta | None, deliver_at: datetime | None,
+    max_delay: float = DEFAULT_MAX_DELAY,
 ) -> dict[str, Any]:
-    """The publish parameters for a delayed message (none for an immediate one)."""
+    """The publish parameters for a delayed message (none for an immediate one). A delay
+    beyond ``max_delay`` seconds is refused: it would hold its key back that long."""
     if deliver_after is not None and deliver_at is not None:
         raise InvalidMessage("pass deliver_after or deliver_at, not both")
+    longest = timedelta(seconds=max_delay)
     if deliver_after is not None:
         if not isinstance(deliver_after, timedelta) or deliver_after < timedelta(0):
             raise InvalidMessage(
                 f"deliver_after must be a timedelta of zero or more, got {deliver_after!r}"
             )
+        if deliver_after > longest:
+            raise InvalidMessage(f"deliver_after {deliver_after} is longer than max_delay "
+                                 f"({longest}); raise OUTBOX_MAX_DELAY to delay longer")
         return {"delay_seconds": deliver_after.total_seconds()}
     if deliver_at is not None:
         if not isinstance(deliver_at, datetime) or deliver_at.tzinfo is None:
             raise InvalidMessage(
                 f"deliver_at must be a timezone-aware datetime, got {deliver_at!r}"
             )
+        if deliver_at - datetime.now(UTC) > longest:
+            raise InvalidMessage(f"deliver_at {deliver_at.isoformat()} is further ahead than "
+                                 f"max_delay ({longest}); raise OUTBOX_MAX_DELAY to delay longer")
         return {"deliver_at": deliver_at}
     return {}
 
@@ -140,6 +181,21 @@ def delivery_time(
 def key_hash(topic: str, key: bytes) -> int:
     """A stable 32-bit hash of (topic, key), the same in every process."""
     return zlib.crc32(key, zlib.crc32(topic.encode() + b"\0"))
+
+
+def _check_size(body: bytes, key: bytes | None, header_keys: list[str] | None,
+                header_values: list[bytes] | None, limit: int) -> None:
+    """The whole record counts: key and headers too, not only the payload."""
+    extra = len(key or b"") + sum(len(name.encode()) for name in header_keys or ()) + sum(
+        len(value) for value in header_values or ())
+    if len(body) + extra <= limit:
+        return
+    size = (f"payload is {len(body)} bytes" if not extra else
+            f"message is {len(body) + extra} bytes (payload {len(body)}, key and headers "
+            f"{extra})")
+    raise InvalidMessage(
+        f"{size}, over the maximum of {limit}; store large data elsewhere and publish a "
+        "reference, or raise max_payload_bytes")
 
 
 def encode(
@@ -160,11 +216,9 @@ def encode(
         headers = {**traced, **(headers or {})}  # the caller's own headers win
     header_keys, header_values = encode_headers(headers)
     body, detected = encode_payload(payload)
-    if len(body) > max_payload_bytes:
-        raise InvalidMessage(
-            f"payload is {len(body)} bytes, over the maximum of {max_payload_bytes}; "
-            "store large data elsewhere and publish a reference, or raise max_payload_bytes"
-        )
+    if content_type is not None:
+        validate_name(content_type, "content_type")
+    _check_size(body, raw_key, header_keys, header_values, max_payload_bytes)
     if raw_key is None:
         shard, lock_key = random_shard % SHARDS, None
     else:

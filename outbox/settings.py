@@ -30,6 +30,7 @@ from pydantic_settings import (
 )
 from sqlalchemy.engine import make_url
 
+from outbox.encoding import DEFAULT_MAX_DELAY
 from outbox.exceptions import ConfigurationError
 
 #: Environment variable naming the TOML config file (also set by ``outbox --config``).
@@ -301,6 +302,11 @@ class PublishSettings(DatabaseSettings):
     transaction_timeout: float = Field(
         default=6.0, gt=0, le=86400,
         description="seconds before an UNKNOWN message is first checked back"
+    )
+    max_delay: float = Field(
+        default=DEFAULT_MAX_DELAY, gt=0, le=3650 * 86400,
+        description="longest deliver_after/deliver_at ahead, in seconds (a delayed message "
+        "holds back its key until then)",
     )
 
 

@@ -228,7 +228,7 @@ class Sweeper:
                     transaction.rollback()
                 resolution = to_resolution(answer, f"the checker of producer group {group!r}")
                 kind, detail = resolution.value, f"checker answered {resolution}"
-            except Exception as exc:
+            except (Exception, SystemExit) as exc:  # a checker calling sys.exit is an error too
                 resolution = Resolution.UNKNOWN
                 if isinstance(getattr(exc, "orig", None), psycopg.errors.QueryCanceled):
                     kind, detail = "TIMEOUT", _timed_out(self.settings.checker_timeout)

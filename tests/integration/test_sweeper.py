@@ -163,6 +163,19 @@ def test_a_checker_that_raises_counts_as_inconclusive(
                       "inventory service unreachable")]
 
 
+def test_a_checker_that_calls_sys_exit_counts_as_inconclusive(
+    engine: Engine, orders: Outbox, fast: Settings, schema: str
+) -> None:
+    def exits(message: Message, conn: Connection) -> str:
+        raise SystemExit(3)
+
+    message_id = prepare(engine, orders)
+    with sweeping(fast, {GROUP: exits}, check_max=2):
+        wait_status(engine, schema, message_id, "DISCARDED", timeout=20)
+    assert ops(engine, schema, message_id) == [
+        ("DISCARDED", "2 inconclusive check-backs, the last: checker raised SystemExit: 3")]
+
+
 def test_a_checker_that_times_out_counts_as_inconclusive_and_its_late_answer_is_ignored(
     engine: Engine, orders: Outbox, fast: Settings, schema: str
 ) -> None:

@@ -1,0 +1,95 @@
+"""Publish inputs that used to escape InvalidMessage (a multi-line driver error that aborted
+the caller's transaction) are refused with one line before any statement is sent."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from sqlalchemy import Engine, create_engine
+
+from outbox import ConfigurationError, InvalidMessage, Outbox
+from outbox.settings import PublishSettings
+from tests.unit.test_publish_validation import publish_and_commit
+
+NOW = datetime.now(UTC)
+
+
+@pytest.fixture
+def connections() -> list[str]:
+    return []
+
+
+@pytest.fixture
+def engine(connections: list[str]) -> Engine:
+    def refuse() -> object:
+        connections.append("asked")
+        raise ConnectionRefusedError("the unit tier has no database")
+
+    return create_engine("postgresql+psycopg://", creator=refuse)
+
+
+@pytest.fixture
+def outbox() -> Outbox:
+    return Outbox(settings=PublishSettings(database_url="postgresql://app@nowhere/shop",
+                                           max_payload_bytes=1000))
+
+
+@pytest.mark.parametrize(
+    ("options", "error"),
+    [
+        ({"payload": "\ud800"}, "payload is not valid UTF-8 text"),
+        ({"payload": {"a": "\udcff"}}, "payload is not valid UTF-8 text"),
+        ({"key": "\ud800"}, "key is not valid UTF-8 text"),
+        ({"headers": {"h": "\ud800"}}, "header 'h' is not valid UTF-8 text"),
+        ({"headers": {"h\ud800": "v"}}, "header name"),
+        ({"headers": {"a\x00b": "v"}}, "header name"),
+        ({"headers": {"": "v"}}, "header name"),
+        ({"headers": {"h": "line\r\nInjected: 1"}}, "header 'h'"),
+        ({"content_type": "text/plain\x00"}, "content_type"),
+        ({"content_type": "text/plain\r\nX: 1"}, "content_type"),
+        ({"content_type": 5}, "content_type"),
+        ({"content_type": ""}, "content_type"),
+        ({"deliver_after": timedelta.max}, "deliver_after"),
+        ({"deliver_at": datetime(9999, 1, 1, tzinfo=UTC)}, "deliver_at"),
+        ({"deliver_at": NOW + timedelta(days=400)}, "deliver_at"),
+        ({"headers": {"big": "x" * 2000}}, "over the maximum of 1000"),
+        ({"key": "k" * 2000}, "over the maximum of 1000"),
+    ],
+    ids=["surrogate-payload", "surrogate-json", "surrogate-key", "surrogate-header-value",
+         "surrogate-header-name", "nul-header-name", "empty-header-name", "crlf-header-value",
+         "nul-content-type", "crlf-content-type", "int-content-type", "empty-content-type",
+         "timedelta-max", "year-9999", "beyond-max-delay", "big-header", "big-key"],
+)
+def test_bad_publish_input_is_one_invalid_message(engine: Engine, outbox: Outbox,
+                                                  connections: list[str],
+                                                  options: dict[str, object], error: str) -> None:
+    kwargs: dict[str, object] = {"topic": "orders", "payload": {"id": 1}, **options}
+    with pytest.raises(InvalidMessage) as raised:
+        publish_and_commit(engine, outbox, **kwargs)
+    assert error in str(raised.value)
+    assert "\n" not in str(raised.value)
+    assert connections == []
+
+
+@pytest.mark.parametrize("group", [None, "", 5, "a\x00b"])
+def test_a_bad_producer_group_is_refused_when_the_outbox_is_made(group: object) -> None:
+    with pytest.raises(ConfigurationError, match="producer_group"):
+        Outbox(settings=PublishSettings(), producer_group=group)  # type: ignore[arg-type]
+
+
+def test_send_in_transaction_refuses_a_non_callable_before_writing(
+    engine: Engine, outbox: Outbox, connections: list[str]
+) -> None:
+    with pytest.raises(InvalidMessage, match="local_transaction must be callable"):
+        outbox.send_in_transaction(engine, "orders", {"id": 1}, "not callable")  # type: ignore[call-overload]
+    assert connections == []
+
+
+def test_a_delay_within_the_maximum_is_accepted_up_to_the_database(
+    engine: Engine, outbox: Outbox, connections: list[str]
+) -> None:
+    with pytest.raises(Exception, match="no database"):
+        publish_and_commit(engine, outbox, topic="orders", payload={"id": 1},
+                           deliver_after=timedelta(days=1))
+    assert connections == ["asked"]
