@@ -1,5 +1,5 @@
 # The two commands of the README: `make demo` (the whole flow) and `make test`
-# (`make unit`: the fast tier alone).
+# (`make unit`: the fast tier alone; `make bench`: the benchmark table in BENCHMARKS.md).
 VENV := .venv
 
 .PHONY: demo test unit lint bench clean
@@ -16,6 +16,12 @@ test:
 unit:
 	@scripts/bootstrap.sh dev,spark
 	$(VENV)/bin/pytest -q tests/unit
+
+# Issue 10's figures on fresh embedded services, one table of ratios from one run, written into
+# BENCHMARKS.md (a few minutes; `make bench BENCH_ARGS=--quick` for smaller runs).
+bench:
+	@scripts/bootstrap.sh dev,spark
+	$(VENV)/bin/python bench/run_all.py $(BENCH_ARGS)
 
 lint:
 	@scripts/bootstrap.sh dev,spark

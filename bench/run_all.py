@@ -1,0 +1,179 @@
+"""`make bench`: the issue 10 figures in one run, one table of ratios, written to BENCHMARKS.md.
+
+    python bench/run_all.py [--quick] [--messages 50000] [--publish-seconds 5] [--no-write]
+
+On fresh embedded services (durable: fsync on), in this order:
+
+1. WAL written per delivered message: --wal-messages committed 1 KiB rows drained by one
+   relay, pg_current_wal_lsn() before and after the drain (first, so no other schema's
+   vacuum work is in the window); once within one checkpoint cycle (steady load), once
+   right after a CHECKPOINT (every page's first change logs a full-page image);
+2. business insert + publish vs business insert alone, at 4 and at 16 concurrent writers,
+   with NOTIFY on and off;
+3. raw kafka-python produce, then one relay with the kafka-python and with the confluent
+   transport draining --messages committed rows (relay_bench's functions).
+
+Prints one table (figure, value, baseline, ratio, target, met) and replaces the table between
+the markers in BENCHMARKS.md with it, with the date and the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import textwrap
+import time
+from pathlib import Path
+
+from relay_bench import (
+    delivered,
+    preload,
+    publish_cost,
+    raw_produce,
+    relay_throughput,
+    say,
+    settle_database,
+    start_relays,
+    stop,
+)
+from report import Figure, markdown_table, replace_block, text_table
+from sqlalchemy import Engine, create_engine, text
+
+from outbox import migrate
+from outbox.dev import services as devservices
+from outbox.dev.topics import create_topic
+from outbox.settings import sqlalchemy_url
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def wal_snapshot(engine: Engine) -> tuple[str, int]:
+    with engine.connect() as conn:
+        row = conn.execute(text("SELECT pg_current_wal_lsn()::text, wal_fpi FROM pg_stat_wal"))
+        lsn, fpi = row.one()
+    return str(lsn), int(fpi)
+
+
+def wal_per_delivery(services: devservices.Services, engine: Engine, env: dict[str, str],
+                     n: int, checkpoint: bool) -> tuple[float, float]:
+    """WAL bytes and full-page images per message over one relay's drain of ``n`` rows.
+
+    Without ``checkpoint`` the rows are written and delivered within one checkpoint cycle, as
+    under steady load (publish and delivery milliseconds apart); with it, the drain starts
+    right after a CHECKPOINT, so the first change to every page logs a full-page image.
+    """
+    schema, topic = f"bench_wal_{int(checkpoint)}", f"bench-wal-{int(checkpoint)}"
+    migrate.upgrade(services.database_url, schema)
+    create_topic(services.kafka_bootstrap, topic, partitions=6)
+    preload(engine, schema, topic, n)
+    if checkpoint:
+        settle_database(engine, schema)
+    else:
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.execute(text(f"VACUUM ANALYZE {schema}.message"))
+    before, fpi_before = wal_snapshot(engine)
+    processes = start_relays(env, schema, 1)
+    try:
+        while delivered(engine, schema) < n:
+            time.sleep(0.05)
+    finally:
+        stop(processes)
+    after, fpi_after = wal_snapshot(engine)
+    with engine.connect() as conn:
+        written = int(conn.execute(text("SELECT pg_wal_lsn_diff(:a, :b)"),
+                                   {"a": after, "b": before}).scalar_one())
+    return written / n, (fpi_after - fpi_before) / n
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help="small sizes (20,000 messages, 2 s per publish run)")
+    parser.add_argument("--messages", type=int, default=None,
+                        help="messages per throughput run (default 50,000)")
+    parser.add_argument("--wal-messages", type=int, default=None,
+                        help="messages in the WAL drain (default 20,000)")
+    parser.add_argument("--publish-seconds", type=float, default=None,
+                        help="seconds per publish-cost run (default 5)")
+    parser.add_argument("--file", type=Path, default=ROOT / "BENCHMARKS.md")
+    parser.add_argument("--no-write", action="store_true", help="print only")
+    args = parser.parse_args()
+    messages = args.messages or (20_000 if args.quick else 50_000)
+    wal_messages = args.wal_messages or (10_000 if args.quick else 20_000)
+    seconds = args.publish_seconds or (2.0 if args.quick else 5.0)
+
+    started = time.monotonic()
+    load = os.getloadavg()
+    say("starting fresh embedded PostgreSQL (durable: fsync on) and Kafka broker ...")
+    services = devservices.start(durable=True)
+    env = {**os.environ, **services.env()}
+    engine = create_engine(sqlalchemy_url(services.database_url), pool_size=20)
+    figures: list[Figure] = []
+    try:
+        say(f"1. WAL per delivered message, {wal_messages:,} messages drained by 1 relay")
+        wal, fpi = wal_per_delivery(services, engine, env, wal_messages, checkpoint=False)
+        say(f"   {wal:,.0f} B/message ({fpi:.2f} full-page images/message)")
+        worst, worst_fpi = wal_per_delivery(services, engine, env, wal_messages, checkpoint=True)
+        say(f"   right after a CHECKPOINT: {worst:,.0f} B/message ({worst_fpi:.2f} full-page "
+            "images/message)")
+        figures.append(Figure("WAL written per delivered message (1 relay drain)", wal, "B",
+                              target=("<=", 400)))
+        figures.append(Figure("... the drain right after a CHECKPOINT (full-page images)",
+                              worst, "B"))
+
+        for writers in (4, 16):
+            say(f"2. business insert + publish vs insert alone, {writers} writers, {seconds:g} s "
+                "each")
+            bare, notifying, quiet = publish_cost(services, engine, seconds, threads=writers)
+            say(f"   alone {bare:,.0f} TPS, + publish {notifying:,.0f}, NOTIFY off {quiet:,.0f}")
+            for label, tps in (("NOTIFY on", notifying), ("NOTIFY off", quiet)):
+                figures.append(Figure(f"business insert + publish, {writers} writers, {label}",
+                                      tps, "TPS", bare, "insert alone", (">=", 0.8)))
+
+        say(f"3. relay throughput, {messages:,} messages of 1 KiB, 1 relay")
+        create_topic(services.kafka_bootstrap, "bench-raw", partitions=6)
+        raw = raw_produce(services.kafka_bootstrap, "bench-raw", messages)
+        say(f"   raw kafka-python produce {raw:,.0f} msg/s")
+        relay_figures = [Figure("raw kafka-python produce, no database", raw, "msg/s")]
+        for client, target in (("kafka-python", 0.9), ("confluent", 1.5)):
+            rate = relay_throughput(services, engine, env, 1, messages, client=client)
+            say(f"   relay, {client} transport {rate:,.0f} msg/s")
+            relay_figures.append(Figure(f"1 relay, {client} transport", rate, "msg/s", raw,
+                                        "raw kafka-python", (">=", target)))
+        figures = relay_figures + figures
+    finally:
+        engine.dispose()
+        devservices.stop(services)
+
+    elapsed = time.monotonic() - started
+    say("\n" + text_table(figures))
+    met = sum(1 for f in figures if f.met)
+    judged = sum(1 for f in figures if f.met is not None)
+    say(f"\n{met} of {judged} targets met; {elapsed:.0f} s")
+    if args.no_write:
+        return
+    command = "make bench" + (" BENCH_ARGS=--quick" if args.quick else "")
+    block = "\n".join([
+        textwrap.fill(
+            f"`{command}` ({messages:,} messages per throughput run, {wal_messages:,} in the WAL "
+            f"drain, {seconds:g} s per publish run; {elapsed:.0f} s in all). Run of "
+            f"{datetime.date.today().isoformat()} on {platform.node() or 'this machine'}: "
+            f"nproc {os.cpu_count()}, load average {load[0]:.1f} at the start. Fresh durable "
+            "embedded PostgreSQL and Tansu; every ratio against a baseline measured in the same "
+            f"run. WAL drains: {fpi:.2f} full-page images per message when rows are published and "
+            f"delivered within one checkpoint cycle (the target row), {worst_fpi:.2f} when the "
+            "drain starts right after a CHECKPOINT.", width=95),
+        "",
+        markdown_table(figures),
+        "",
+        f"{met} of {judged} targets met.",
+    ])
+    args.file.write_text(replace_block(args.file.read_text(), block))
+    say(f"updated {args.file}")
+
+
+if __name__ == "__main__":
+    main()
