@@ -21,7 +21,10 @@ def test_a_second_relay_with_a_worker_id_in_use_is_refused(
         publish_orders(engine, outbox, topic, [("k", 1)])
         wait_delivered(engine, schema, 1)
         twin = start_outbox(settings, "relay", OUTBOX_WORKER_ID="relay-1")
-        output, _ = twin.communicate(timeout=30)
+        try:
+            output, _ = twin.communicate(timeout=30)
+        finally:
+            twin.kill()  # a twin that is not refused must not outlive the test
         assert twin.returncode == 2, output
         assert output.startswith("outbox: error: ") and output.count("\n") == 1, output
         assert "relay-1" in output and "OUTBOX_WORKER_ID" in output
