@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from typing import NoReturn
 
 import pytest
+from sqlalchemy import Engine, create_engine
 
 
 @pytest.fixture(scope="session")
@@ -24,3 +25,20 @@ def clean_environment() -> Iterator[None]:
     yield
     os.environ.clear()
     os.environ.update(saved)
+
+
+@pytest.fixture
+def connections() -> list[str]:
+    """Every connection the ``engine`` fixture was asked for (none, for rejected input)."""
+    return []
+
+
+@pytest.fixture
+def engine(connections: list[str]) -> Engine:
+    """An engine that counts the connections asked of it and refuses them all: input refused
+    before any statement never reaches it, so nothing can be half-written."""
+    def refuse() -> object:
+        connections.append("asked")
+        raise ConnectionRefusedError("the unit tier has no database")
+
+    return create_engine("postgresql+psycopg://", creator=refuse)

@@ -6,27 +6,13 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from sqlalchemy import Engine, create_engine
+from sqlalchemy import Engine
 
 from outbox import ConfigurationError, InvalidMessage, Outbox
 from outbox.settings import PublishSettings
 from tests.unit.test_publish_validation import publish_and_commit
 
 NOW = datetime.now(UTC)
-
-
-@pytest.fixture
-def connections() -> list[str]:
-    return []
-
-
-@pytest.fixture
-def engine(connections: list[str]) -> Engine:
-    def refuse() -> object:
-        connections.append("asked")
-        raise ConnectionRefusedError("the unit tier has no database")
-
-    return create_engine("postgresql+psycopg://", creator=refuse)
 
 
 @pytest.fixture

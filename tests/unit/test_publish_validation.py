@@ -1,33 +1,19 @@
 """Bad input to publish gets a one-line error before any statement is sent (docs/guarantees.md).
 
-The engine here counts the connections publish asks for and refuses them all: a rejected
-message never reaches the database, so nothing can be half-written. Accepted messages and
-the size limits are proven against the real database in tests/integration/test_validation.py.
+The ``engine`` (tests/unit/conftest.py) counts the connections publish asks for and refuses
+them all: a rejected message never reaches the database, so nothing can be half-written.
+Accepted messages and the size limits are proven against the real database in
+tests/integration/test_validation.py.
 """
 
 from __future__ import annotations
 
 import pytest
-from sqlalchemy import Engine, create_engine
+from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 from outbox import InvalidMessage, Outbox
 from outbox.settings import PublishSettings
-
-
-@pytest.fixture
-def connections() -> list[str]:
-    """Every connection the engine was asked for (none, for rejected input)."""
-    return []
-
-
-@pytest.fixture
-def engine(connections: list[str]) -> Engine:
-    def refuse() -> object:
-        connections.append("asked")
-        raise ConnectionRefusedError("the unit tier has no database")
-
-    return create_engine("postgresql+psycopg://", creator=refuse)
 
 
 @pytest.fixture
