@@ -69,13 +69,20 @@ def drop_schema(engine: Engine, name: str) -> None:
         conn.execute(text(f"DROP SCHEMA IF EXISTS {name} CASCADE"))
 
 
-@pytest.fixture
-def schema(engine: Engine, migration_script: str) -> Iterator[str]:
-    """A fresh, migrated outbox schema for this test alone."""
-    name = f"t_{uuid.uuid4().hex[:12]}"
+@contextlib.contextmanager
+def fresh_schema(engine: Engine, migration_script: str, prefix: str = "t") -> Iterator[str]:
+    """A migrated outbox schema copied from the session's script, dropped afterwards."""
+    name = f"{prefix}_{uuid.uuid4().hex[:12]}"
     copy_schema(engine, migration_script, name)
     yield name
     drop_schema(engine, name)
+
+
+@pytest.fixture
+def schema(engine: Engine, migration_script: str) -> Iterator[str]:
+    """A fresh, migrated outbox schema for this test alone."""
+    with fresh_schema(engine, migration_script) as name:
+        yield name
 
 
 @pytest.fixture

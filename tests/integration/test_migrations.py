@@ -18,7 +18,7 @@ from outbox import migrate
 from outbox.dev import services as devservices
 from outbox.migrations import target_metadata
 from outbox.schema import SHARDS, VERSION_TABLE
-from tests.conftest import copy_schema, drop_schema
+from tests.conftest import fresh_schema
 from tests.processes import run_outbox
 
 
@@ -52,10 +52,8 @@ def catalog(engine: Engine, schema: str) -> dict[str, set[tuple[object, ...]]]:
 
 @pytest.fixture
 def copied_schema(engine: Engine, migration_script: str) -> Iterator[str]:
-    name = f"c_{uuid.uuid4().hex[:12]}"
-    copy_schema(engine, migration_script, name)
-    yield name
-    drop_schema(engine, name)
+    with fresh_schema(engine, migration_script, prefix="c") as name:
+        yield name
 
 
 def test_the_tests_schema_copy_is_what_alembic_builds(engine: Engine, schema: str,
