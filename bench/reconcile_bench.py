@@ -49,19 +49,19 @@ def generate_tables(engine: Engine, n: int, partitions: int, keys: int) -> None:
     """
     with engine.begin() as conn:
         conn.execute(text(
-            f"INSERT INTO {SCHEMA}.message (id, topic, key, payload, content_type, resolution, "
-            f"status, shard, attempts, created_at, delivered_at) "
+            f"INSERT INTO {SCHEMA}.message (id, topic, key, payload, content_type, shard, "
+            f"created_at) "
             f"SELECT g, :topic, convert_to('k' || (g % :keys), 'UTF8'), "
-            f"'\\x7b7d'::bytea, 'application/json', 'COMMIT', 'DELIVERED', g % 64, 1, "
-            f"now() - interval '3 hours' + g * interval '1 millisecond', "
+            f"'\\x7b7d'::bytea, 'application/json', g % 64, "
             f"now() - interval '3 hours' + g * interval '1 millisecond' "
-            f"+ (g % 50) * interval '1 millisecond' FROM generate_series(1, :n) AS g"),
+            f"FROM generate_series(1, :n) AS g"),
             {"topic": TOPIC, "keys": keys, "n": n})
         conn.execute(text(
             f"INSERT INTO {SCHEMA}.op_record (id, message_id, action, actor, kafka_partition, "
             f"kafka_offset, created_at) "
             f"SELECT g, g, 'DELIVERED', 'bench', g % :partitions, (g - 1) / :partitions, "
             f"now() - interval '3 hours' + g * interval '1 millisecond' "
+            f"+ (g % 50) * interval '1 millisecond' "
             f"FROM generate_series(1, :n) AS g"), {"partitions": partitions, "n": n})
         for table in ("message", "op_record"):
             conn.execute(text(

@@ -81,24 +81,36 @@ def raw_produce(bootstrap: str, topic: str, n: int, client: str = "kafka-python"
 
 
 def preload(engine: Engine, schema: str, topic: str, n: int, status: str = "PENDING") -> None:
-    """Committed prepare rows, keyed like publish does (one key, one shard)."""
+    """Committed prepare rows, keyed like publish does (one key, one shard); a PENDING row
+    gets its pending row, a DELIVERED one its op record."""
     with engine.begin() as conn:
         conn.execute(text(f"""
-            INSERT INTO {schema}.message
-                (topic, key, payload, content_type, resolution, status, shard, delivered_at)
-            SELECT :topic, convert_to('key-' || (i % {KEYS}), 'UTF8'), :payload,
-                   'application/octet-stream', 'COMMIT', :status, (i % {KEYS}) % {SHARDS},
-                   CASE WHEN :status = 'DELIVERED' THEN now() END
-            FROM generate_series(1, :n) AS i"""),
+            WITH written AS (
+                INSERT INTO {schema}.message (topic, key, payload, content_type, shard)
+                SELECT :topic, convert_to('key-' || (i % {KEYS}), 'UTF8'), :payload,
+                       'application/octet-stream', (i % {KEYS}) % {SHARDS}
+                FROM generate_series(1, :n) AS i
+                RETURNING id, topic, key, shard, created_at
+            ), queued AS (
+                INSERT INTO {schema}.pending
+                    (message_id, shard, topic, key, producer_group, status, resolution,
+                     created_at)
+                SELECT id, shard, topic, key, 'default', 'PENDING', 'COMMIT', created_at
+                FROM written WHERE :status = 'PENDING'
+            )
+            INSERT INTO {schema}.op_record (message_id, action, actor, kafka_partition,
+                                            kafka_offset)
+            SELECT id, 'DELIVERED', 'history', 0, id FROM written WHERE :status = 'DELIVERED'"""),
             {"topic": topic, "payload": PAYLOAD, "n": n, "status": status})
-        conn.execute(text(f"ANALYZE {schema}.message"))
+        for table in ("message", "pending", "op_record"):
+            conn.execute(text(f"ANALYZE {schema}.{table}"))
 
 
 def settle_database(engine: Engine, schema: str) -> None:
     """VACUUM and CHECKPOINT after a bulk load, so its background I/O is not measured."""
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        conn.execute(text(f"VACUUM ANALYZE {schema}.message"))
-        conn.execute(text(f"VACUUM ANALYZE {schema}.op_record"))
+        for table in ("message", "pending", "op_record"):
+            conn.execute(text(f"VACUUM ANALYZE {schema}.{table}"))
         conn.execute(text("CHECKPOINT"))
 
 
@@ -141,11 +153,6 @@ def relay_throughput(services: devservices.Services, engine: Engine, env: dict[s
     create_topic(services.kafka_bootstrap, topic, partitions=6)
     if history:
         preload(engine, schema, topic, history, status="DELIVERED")
-        with engine.begin() as conn:
-            conn.execute(text(f"""
-                INSERT INTO {schema}.op_record (message_id, action, actor, kafka_partition,
-                                                kafka_offset)
-                SELECT id, 'DELIVERED', 'history', 0, id FROM {schema}.message"""))
     preload(engine, schema, topic, n)
     settle_database(engine, schema)
     baseline = delivered(engine, schema)
@@ -170,11 +177,6 @@ def batch_cost(services: devservices.Services, engine: Engine, history: int,
     migrate.upgrade(services.database_url, schema)
     if history:
         preload(engine, schema, "t", history, status="DELIVERED")
-        with engine.begin() as conn:
-            conn.execute(text(f"""
-                INSERT INTO {schema}.op_record (message_id, action, actor, kafka_partition,
-                                                kafka_offset)
-                SELECT id, 'DELIVERED', 'history', 0, id FROM {schema}.message"""))
     preload(engine, schema, "t", batches * 500)
     settle_database(engine, schema)
     fetching = recording = 0.0

@@ -39,34 +39,42 @@ def load_history(engine: Engine, schema: str, n: int) -> None:
     """Delivered rows with their op records, as a long-running outbox keeps them."""
     with engine.begin() as conn:
         conn.execute(text(f"""
-            INSERT INTO {schema}.message (topic, key, payload, content_type, resolution,
-                                          status, shard, delivered_at, created_at)
-            SELECT 'orders', convert_to('key-' || (i % 1000), 'UTF8'), convert_to(repeat('x', 200),
-                   'UTF8'), 'application/octet-stream', 'COMMIT', 'DELIVERED', i % {SHARDS},
-                   now(), now() - interval '1 hour'
-            FROM generate_series(1, :n) AS i"""), {"n": n})
-        conn.execute(text(f"""
+            WITH written AS (
+                INSERT INTO {schema}.message (topic, key, payload, content_type, shard, created_at)
+                SELECT 'orders', convert_to('key-' || (i % 1000), 'UTF8'),
+                       convert_to(repeat('x', 200), 'UTF8'), 'application/octet-stream',
+                       i % {SHARDS}, now() - interval '1 hour'
+                FROM generate_series(1, :n) AS i
+                RETURNING id
+            )
             INSERT INTO {schema}.op_record (message_id, action, actor, kafka_partition,
                                             kafka_offset)
-            SELECT id, 'DELIVERED', 'bench', id % 3, id FROM {schema}.message"""))
+            SELECT id, 'DELIVERED', 'bench', id % 3, id FROM written"""), {"n": n})
 
 
 def load_due(engine: Engine, schema: str, n: int) -> None:
     """UNKNOWN prepare rows whose first check-back is due now."""
     with engine.begin() as conn:
         conn.execute(text(f"""
-            INSERT INTO {schema}.message (producer_group, topic, payload, content_type,
-                                          resolution, status, shard, next_check_at)
-            SELECT :group, 'orders', convert_to('{{"order": ' || i || '}}', 'UTF8'),
-                   'application/json', 'UNKNOWN', 'PENDING', i % {SHARDS},
-                   now() - interval '1 second'
-            FROM generate_series(1, :n) AS i"""), {"group": GROUP, "n": n})
+            WITH written AS (
+                INSERT INTO {schema}.message (producer_group, topic, payload, content_type,
+                                              shard)
+                SELECT :group, 'orders', convert_to('{{"order": ' || i || '}}', 'UTF8'),
+                       'application/json', i % {SHARDS}
+                FROM generate_series(1, :n) AS i
+                RETURNING id, producer_group, topic, shard, created_at
+            )
+            INSERT INTO {schema}.pending (message_id, shard, topic, producer_group, status,
+                                          resolution, next_check_at, created_at)
+            SELECT id, shard, topic, producer_group, 'PENDING', 'UNKNOWN',
+                   now() - interval '1 second', created_at
+            FROM written"""), {"group": GROUP, "n": n})
 
 
 def vacuum_analyze(engine: Engine, schema: str) -> None:
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        conn.execute(text(f"VACUUM ANALYZE {schema}.message"))
-        conn.execute(text(f"VACUUM ANALYZE {schema}.op_record"))
+        for table in ("message", "pending", "op_record"):
+            conn.execute(text(f"VACUUM ANALYZE {schema}.{table}"))
 
 
 def claim_buffers(engine: Engine, schema: str) -> tuple[int, int]:
@@ -91,7 +99,7 @@ def _buffers(node: dict[str, Any]) -> int:
 def unresolved(engine: Engine, schema: str) -> int:
     with engine.connect() as conn:
         return int(conn.execute(text(
-            f"SELECT count(*) FROM {schema}.message "
+            f"SELECT count(*) FROM {schema}.pending "
             f"WHERE resolution = 'UNKNOWN' AND status IN ('PENDING', 'DELAYED')")).scalar_one())
 
 

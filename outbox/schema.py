@@ -41,7 +41,7 @@ class Resolution(StrEnum):
 
 
 class Status(StrEnum):
-    """Where a prepare row is in its life."""
+    """Where a prepare row is in its life (DELIVERED and ROLLED_BACK: its last op record)."""
 
     PENDING = "PENDING"
     DELAYED = "DELAYED"
@@ -61,8 +61,8 @@ class Action(StrEnum):
     RESUMED = "RESUMED"
 
 
-def one_of(column: str, enum: type[StrEnum]) -> CheckConstraint:
-    values = ", ".join(f"'{member.value}'" for member in enum)
+def one_of(column: str, enum: type[StrEnum], exclude: tuple[StrEnum, ...] = ()) -> CheckConstraint:
+    values = ", ".join(f"'{member.value}'" for member in enum if member not in exclude)
     return CheckConstraint(f"{column} IN ({values})", name=f"{column}_valid")
 
 
@@ -75,7 +75,9 @@ metadata = MetaData(
     },
 )
 
-#: Prepare rows (RocketMQ's half messages), written in the application's transaction.
+#: Prepare rows (RocketMQ's half messages), written once in the application's transaction and
+#: never updated: what a row is waiting for lives in ``pending``, what was done to it in
+#: ``op_record``.
 message = Table(
     "message",
     metadata,
@@ -87,42 +89,55 @@ message = Table(
     Column("header_values", ARRAY(LargeBinary)),
     Column("payload", LargeBinary, nullable=False),
     Column("content_type", Text, nullable=False),
-    Column("resolution", Text, nullable=False, server_default=Resolution.COMMIT.value),
-    Column("status", Text, nullable=False, server_default=Status.PENDING.value),
     Column("shard", SmallInteger, nullable=False),
-    Column("check_count", Integer, nullable=False, server_default="0"),
-    Column("next_check_at", DateTime(timezone=True)),
     Column("deliver_after", DateTime(timezone=True)),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Index("message_created_at_idx", "created_at", postgresql_using="brin"),
+)
+
+#: The narrow, churning state of every message not yet finished: inserted by the publish
+#: statement, deleted (with its DELIVERED or ROLLED_BACK op record) when the row is done, so
+#: a delivery never rewrites the message row. PARKED and DISCARDED rows stay until resumed.
+pending = Table(
+    "pending",
+    metadata,
+    Column("message_id", BigInteger, primary_key=True, autoincrement=False),
+    Column("shard", SmallInteger, nullable=False),
+    Column("topic", Text, nullable=False),
+    Column("key", LargeBinary),
+    Column("producer_group", Text, nullable=False),
+    Column("status", Text, nullable=False),
+    Column("resolution", Text, nullable=False),
+    Column("deliver_after", DateTime(timezone=True)),
+    Column("next_check_at", DateTime(timezone=True)),
+    Column("check_count", Integer, nullable=False, server_default="0"),
     Column("attempts", Integer, nullable=False, server_default="0"),
     Column("last_error", Text),
-    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
-    Column("delivered_at", DateTime(timezone=True)),
-    one_of("resolution", Resolution),
-    one_of("status", Status),
+    Column("created_at", DateTime(timezone=True), nullable=False),
+    one_of("resolution", Resolution, exclude=(Resolution.ROLLBACK,)),
+    one_of("status", Status, exclude=(Status.DELIVERED, Status.ROLLED_BACK)),
     Index(
-        "message_relay_idx",
-        "id",
+        "pending_relay_idx",
+        "message_id",
         postgresql_where=text("status = 'PENDING' AND resolution = 'COMMIT'"),
     ),
     Index(
-        "message_check_idx",
+        "pending_check_idx",
         "next_check_at",
         postgresql_where=text("resolution = 'UNKNOWN' AND status IN ('PENDING', 'DELAYED')"),
     ),
     # Rows that hold back later rows of their key: delayed, or awaiting their resolution.
     Index(
-        "message_hold_idx",
+        "pending_hold_idx",
         "topic",
         "key",
-        "id",
+        "message_id",
         postgresql_where=text(
             "key IS NOT NULL AND (status = 'DELAYED' "
             "OR (status = 'PENDING' AND resolution = 'UNKNOWN'))"
         ),
     ),
-    Index("message_stuck_idx", "topic", postgresql_where=text("status IN ('PARKED', 'DISCARDED')")),
-    Index("message_delayed_idx", "deliver_after", postgresql_where=text("status = 'DELAYED'")),
-    Index("message_created_at_idx", "created_at", postgresql_using="brin"),
+    Index("pending_delayed_idx", "deliver_after", postgresql_where=text("status = 'DELAYED'")),
 )
 
 #: Op records (RocketMQ's op messages): one per thing done to a prepare row.

@@ -266,11 +266,11 @@ def relays(conn: Connection, schema: str, lease_seconds: float) -> list[dict[str
 
 
 def prune(conn: Connection, schema: str, retention_seconds: float, limit: int) -> tuple[int, int]:
-    """Delete one bounded batch of expired rows; returns (messages, op records) deleted."""
+    """Delete one bounded batch of expired messages with their op records; returns how many
+    (messages, op records) went."""
     params = {"retention_seconds": retention_seconds, "limit": limit}
-    messages = conn.execute(query("prune_messages", schema), params).rowcount
-    op_records = conn.execute(query("prune_op_records", schema), params).rowcount
-    return messages, op_records
+    row = conn.execute(query("prune_messages", schema), params).one()
+    return int(row.messages), int(row.op_records)
 
 
 def schema_version(conn: Connection, schema: str) -> str | None:

@@ -32,7 +32,7 @@ def prune(settings: RelaySettings, stop: threading.Event | None = None) -> tuple
                                         settings.prune_batch_size)
                 totals[0] += batch[0]
                 totals[1] += batch[1]
-                if max(batch) < settings.prune_batch_size:
+                if batch[0] < settings.prune_batch_size:
                     break
     finally:
         engine.dispose()

@@ -18,10 +18,13 @@ from sqlalchemy import Connection, Dialect, Table
 from sqlalchemy.dialects import postgresql
 
 from outbox import schema as outbox_schema
-from outbox.schema import Action
+from outbox.schema import Action, Resolution, Status
 from outbox.settings import validate_identifier
 from outbox.spark import runs
 
+#: The status of a message that has neither a pending row nor a DELIVERED or ROLLED_BACK op
+#: record: its state was deleted by something other than the outbox.
+UNACCOUNTED = "UNACCOUNTED"
 #: Message ids sent per ``= ANY(...)`` lookup.
 LOOKUP_CHUNK = 10_000
 _POSTGRESQL: Dialect = postgresql.dialect()  # type: ignore[no-untyped-call]
@@ -41,6 +44,7 @@ class Tables:
     """The outbox tables as they live in one schema."""
 
     message: Table
+    pending: Table
     op_record: Table
     reconcile_run: Table
 
@@ -51,6 +55,7 @@ def tables(schema: str) -> Tables:
     name = validate_identifier(schema)
     return Tables(
         message=outbox_schema.message.to_metadata(copy, schema=name),
+        pending=outbox_schema.pending.to_metadata(copy, schema=name),
         op_record=outbox_schema.op_record.to_metadata(copy, schema=name),
         reconcile_run=runs.reconcile_run.to_metadata(copy, schema=name),
     )
@@ -146,37 +151,54 @@ def _position(partition: sa.ColumnElement[Any], offset: sa.ColumnElement[Any]
 
 
 def message_facts(schema: str, window: Window, ids: tuple[int, int]) -> str:
-    """The window's prepare rows with ids in ``ids`` (no payloads), each with its op records
-    summed up: how many, how many DELIVERED, and the first DELIVERED position.
+    """The window's prepare rows with ids in ``ids`` (no payloads), each with its state and
+    its op records summed up: how many, how many DELIVERED, the first DELIVERED position.
 
-    PostgreSQL merges two index range scans (message by id, op_record by message_id), so
-    Spark reads one row per message and never joins the op records itself.
+    A row's state is its pending row while it has one, else its op records say how it
+    ended (DELIVERED, or ROLLED_BACK); a row with neither is UNACCOUNTED, which no path of
+    the outbox leaves behind. PostgreSQL merges the index range scans (message and pending by
+    id, op_record by message_id), so Spark reads one row per message and joins nothing.
     """
     t = tables(schema)
-    m, o = t.message, t.op_record
+    m, p, o = t.message, t.pending, t.op_record
     delivered = o.c.action == Action.DELIVERED.value
+    rolled_back = o.c.action == Action.ROLLED_BACK.value
     ops = (
         sa.select(
             o.c.message_id,
             sa.func.count().label("op_records"),
             sa.func.count().filter(delivered).label("delivered_ops"),
+            sa.func.count().filter(rolled_back).label("rolled_back_ops"),
             sa.func.min(_position(o.c.kafka_partition, o.c.kafka_offset)).filter(delivered)
             .label("op_at"),
+            sa.func.min(o.c.created_at).filter(delivered).label("delivered_at"),
         )
         .where(o.c.message_id.between(*ids))
         .group_by(o.c.message_id)
         .subquery("ops")
     )
+    ended_delivered = sa.func.coalesce(ops.c.delivered_ops, 0) > 0
+    ended_rolled_back = sa.func.coalesce(ops.c.rolled_back_ops, 0) > 0
+    status = sa.func.coalesce(p.c.status, sa.case(
+        (ended_rolled_back, Status.ROLLED_BACK.value),
+        (ended_delivered, Status.DELIVERED.value),
+        else_=UNACCOUNTED))
+    resolution = sa.func.coalesce(p.c.resolution, sa.case(
+        (ended_rolled_back, Resolution.ROLLBACK.value), else_=Resolution.COMMIT.value))
     return as_subquery(
         sa.select(
-            m.c.id, m.c.topic, m.c.key, m.c.resolution, m.c.status, m.c.check_count,
-            m.c.next_check_at, m.c.deliver_after, m.c.attempts, m.c.last_error,
-            m.c.created_at, m.c.delivered_at,
+            m.c.id, m.c.topic, m.c.key, resolution.label("resolution"),
+            status.label("status"),
+            sa.func.coalesce(p.c.check_count, 0).label("check_count"),
+            p.c.next_check_at, m.c.deliver_after,
+            sa.func.coalesce(p.c.attempts, 0).label("attempts"), p.c.last_error,
+            m.c.created_at, ops.c.delivered_at,
             sa.func.coalesce(ops.c.op_records, 0).label("op_records"),
             sa.func.coalesce(ops.c.delivered_ops, 0).label("delivered_ops"),
             ops.c.op_at,
         )
-        .select_from(m.outerjoin(ops, ops.c.message_id == m.c.id))
+        .select_from(m.outerjoin(p, p.c.message_id == m.c.id)
+                     .outerjoin(ops, ops.c.message_id == m.c.id))
         .where(_in_window(m.c.created_at, window), m.c.id.between(*ids)),
         "m",
     )

@@ -186,7 +186,7 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 30, what: str = "
 def count_status(engine: Engine, schema: str, status: str) -> int:
     with engine.connect() as conn:
         return int(conn.execute(
-            text(f"SELECT count(*) FROM {schema}.message WHERE status = :s"), {"s": status}
+            text(f"SELECT count(*) FROM {schema}.message_state WHERE status = :s"), {"s": status}
         ).scalar_one())
 
 

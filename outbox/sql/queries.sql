@@ -2,73 +2,83 @@
 -- {schema} is replaced by the validated schema name; :name marks a bound parameter.
 
 -- name: publish
--- Write a prepare row in the caller's transaction. A keyed row first takes a
--- transaction-scoped advisory lock on its (topic, key) hash, so rows of one key get their
--- ids in commit order and the relay's id order is the key's order. pg_notify (unless turned
--- off) is queued and sent by PostgreSQL only if the transaction commits. A row due later starts DELAYED;
--- times are the database's clock, not the application's.
-INSERT INTO {schema}.message
-    (producer_group, topic, key, header_keys, header_values, payload, content_type,
-     resolution, status, shard, next_check_at, deliver_after)
-SELECT :producer_group, :topic, :key, :header_keys, :header_values, :payload, :content_type,
-       :resolution,
-       CASE WHEN due.at > now() THEN 'DELAYED' ELSE 'PENDING' END,
-       :shard,
+-- Write a prepare row in the caller's transaction: the message row, written once and never
+-- updated, and its narrow pending row, which the relay deletes on delivery. A keyed row first
+-- takes a transaction-scoped advisory lock on its (topic, key) hash, so rows of one key get
+-- their ids in commit order and the relay's id order is the key's order. pg_notify (unless
+-- turned off) is queued and sent by PostgreSQL only if the transaction commits. A row due
+-- later starts DELAYED; times are the database's clock, not the application's.
+WITH written AS (
+    INSERT INTO {schema}.message
+        (producer_group, topic, key, header_keys, header_values, payload, content_type, shard,
+         deliver_after)
+    SELECT :producer_group, :topic, :key, :header_keys, :header_values, :payload,
+           :content_type, :shard, due.at
+    FROM (SELECT count(pg_advisory_xact_lock(:lock_class, :lock_key))
+          FROM (SELECT WHERE CAST(:lock_key AS integer) IS NOT NULL) AS keyed) AS lock,
+         (SELECT coalesce(CAST(:deliver_at AS timestamptz),
+                          now() + make_interval(secs => CAST(:delay_seconds AS double precision)))
+                 AS at) AS due
+    RETURNING id, producer_group, topic, key, shard, deliver_after, created_at
+)
+INSERT INTO {schema}.pending
+    (message_id, shard, topic, key, producer_group, status, resolution, deliver_after,
+     next_check_at, created_at)
+SELECT id, shard, topic, key, producer_group,
+       CASE WHEN deliver_after > now() THEN 'DELAYED' ELSE 'PENDING' END,
+       :resolution, deliver_after,
        now() + make_interval(secs => CAST(:check_after_seconds AS double precision)),
-       due.at
-FROM (SELECT count(pg_advisory_xact_lock(:lock_class, :lock_key))
-      FROM (SELECT WHERE CAST(:lock_key AS integer) IS NOT NULL) AS keyed) AS lock,
-     (SELECT coalesce(CAST(:deliver_at AS timestamptz),
-                      now() + make_interval(secs => CAST(:delay_seconds AS double precision)))
-             AS at) AS due
-RETURNING id, CASE WHEN CAST(:notify AS boolean) THEN pg_notify(:channel, '') END;
+       created_at
+FROM written
+RETURNING message_id AS id, CASE WHEN CAST(:notify AS boolean) THEN pg_notify(:channel, '') END;
 
 -- name: fetch_deliverable
 -- The relay's next batch: committed, undelivered rows of the shards it owns, in id order,
 -- skipping rows held back by an earlier row of their key that is still DELAYED or UNKNOWN,
--- and the rows of the batch it has in flight.
--- Walks the partial index of pending rows, so its cost follows the backlog, not the history.
+-- and the rows of the batch it has in flight. Walks the pending table's partial index, so
+-- its cost follows the backlog, not the history; the message rows are read by primary key.
 SELECT m.id, m.topic, m.key, m.header_keys, m.header_values, m.payload, m.content_type
-FROM {schema}.message AS m
-WHERE m.status = 'PENDING' AND m.resolution = 'COMMIT'
-  AND m.shard = ANY(CAST(:shards AS smallint[]))
+FROM {schema}.pending AS p
+JOIN {schema}.message AS m ON m.id = p.message_id
+WHERE p.status = 'PENDING' AND p.resolution = 'COMMIT'
+  AND p.shard = ANY(CAST(:shards AS smallint[]))
   AND NOT EXISTS (
-      SELECT FROM {schema}.message AS h
-      WHERE h.topic = m.topic AND h.key = m.key AND h.id < m.id
+      SELECT FROM {schema}.pending AS h
+      WHERE h.topic = p.topic AND h.key = p.key AND h.message_id < p.message_id
         AND h.key IS NOT NULL
         AND (h.status = 'DELAYED' OR (h.status = 'PENDING' AND h.resolution = 'UNKNOWN')))
-  AND m.id <> ALL(CAST(:in_flight AS bigint[]))
-ORDER BY m.id
+  AND p.message_id <> ALL(CAST(:in_flight AS bigint[]))
+ORDER BY p.message_id
 LIMIT :limit;
 
 -- name: promote_due
 -- Delayed rows whose time has come become PENDING; returns how many, and the seconds until
 -- the next one is due (NULL when none is waiting).
 WITH promoted AS (
-    UPDATE {schema}.message SET status = 'PENDING'
+    UPDATE {schema}.pending SET status = 'PENDING'
     WHERE status = 'DELAYED' AND deliver_after <= now()
       AND shard = ANY(CAST(:shards AS smallint[]))
-    RETURNING id
+    RETURNING message_id
 )
 SELECT (SELECT count(*) FROM promoted) AS promoted,
-       (SELECT extract(epoch FROM min(deliver_after) - now()) FROM {schema}.message
+       (SELECT extract(epoch FROM min(deliver_after) - now()) FROM {schema}.pending
         WHERE status = 'DELAYED' AND deliver_after > now()
           AND shard = ANY(CAST(:shards AS smallint[]))) AS next_due_in;
 
 -- name: mark_delivered
--- Close a delivered batch: the rows leave the pending index and each gets an op record
--- with the partition and offset Kafka acknowledged, in one statement. A row another relay
--- already closed is left alone. Returns each row's commit-to-ack latency (database clock).
+-- Close a delivered batch in one statement: the pending rows are deleted (the message rows
+-- are not touched) and each gets a DELIVERED op record with the partition and offset Kafka
+-- acknowledged. A row another relay already closed is left alone. Returns each row's
+-- commit-to-ack latency (database clock).
 WITH delivered AS (
-    UPDATE {schema}.message AS m
-    SET status = 'DELIVERED', delivered_at = now(), attempts = m.attempts + 1, last_error = NULL
-    FROM unnest(CAST(:ids AS bigint[]), CAST(:partitions AS integer[]),
-                CAST(:offsets AS bigint[])) AS d(id, kafka_partition, kafka_offset)
-    WHERE m.id = d.id AND m.status = 'PENDING'
-    RETURNING m.id, m.topic, m.created_at, d.kafka_partition, d.kafka_offset
+    DELETE FROM {schema}.pending AS p
+    USING unnest(CAST(:ids AS bigint[]), CAST(:partitions AS integer[]),
+                 CAST(:offsets AS bigint[])) AS d(id, kafka_partition, kafka_offset)
+    WHERE p.message_id = d.id AND p.status = 'PENDING'
+    RETURNING p.message_id, p.topic, p.created_at, d.kafka_partition, d.kafka_offset
 ), recorded AS (
     INSERT INTO {schema}.op_record (message_id, action, actor, kafka_partition, kafka_offset)
-    SELECT id, 'DELIVERED', :actor, kafka_partition, kafka_offset FROM delivered
+    SELECT message_id, 'DELIVERED', :actor, kafka_partition, kafka_offset FROM delivered
 )
 SELECT topic, extract(epoch FROM clock_timestamp() - created_at) AS latency FROM delivered;
 
@@ -76,14 +86,14 @@ SELECT topic, extract(epoch FROM clock_timestamp() - created_at) AS latency FROM
 -- Count failed attempts and keep the broker's reason; a row rejected permanently
 -- :max_attempts times is PARKED with an op record, so it never blocks the relay again.
 WITH failed AS (
-    UPDATE {schema}.message AS m
+    UPDATE {schema}.pending AS m
     SET attempts = m.attempts + 1, last_error = f.error,
         status = CASE WHEN f.permanent AND m.attempts + 1 >= :max_attempts
                       THEN 'PARKED' ELSE m.status END
     FROM unnest(CAST(:ids AS bigint[]), CAST(:errors AS text[]),
                 CAST(:permanent AS boolean[])) AS f(id, error, permanent)
-    WHERE m.id = f.id AND m.status = 'PENDING'
-    RETURNING m.id, m.topic, m.status, f.error
+    WHERE m.message_id = f.id AND m.status = 'PENDING'
+    RETURNING m.message_id AS id, m.topic, m.status, f.error
 ), parked AS (
     INSERT INTO {schema}.op_record (message_id, action, actor, detail)
     SELECT id, 'PARKED', :actor, error FROM failed WHERE status = 'PARKED'
@@ -161,49 +171,34 @@ SELECT pg_notify(:channel, 'rebalance');
 -- Re-queue PARKED rows for delivery and re-arm the check-backs of DISCARDED rows
 -- (RocketMQ's RESUME_CHECK_HALF_MESSAGE); each gets a RESUMED op record.
 WITH resumed AS (
-    UPDATE {schema}.message AS m
+    UPDATE {schema}.pending AS m
     SET status = CASE WHEN m.deliver_after > now() THEN 'DELAYED' ELSE 'PENDING' END,
         attempts = 0, last_error = NULL,
         check_count = CASE WHEN old.status = 'DISCARDED' THEN 0 ELSE m.check_count END,
         next_check_at = CASE WHEN old.status = 'DISCARDED' THEN now() ELSE m.next_check_at END
-    FROM {schema}.message AS old
-    WHERE old.id = m.id AND m.status IN ('PARKED', 'DISCARDED')
-      AND (m.id = ANY(CAST(:ids AS bigint[])) OR CAST(:all AS boolean))
-    RETURNING m.id, old.status AS was
+    FROM {schema}.pending AS old
+    WHERE old.message_id = m.message_id AND m.status IN ('PARKED', 'DISCARDED')
+      AND (m.message_id = ANY(CAST(:ids AS bigint[])) OR CAST(:all AS boolean))
+    RETURNING m.message_id, old.status AS was
 )
 INSERT INTO {schema}.op_record (message_id, action, actor, detail)
-SELECT id, 'RESUMED', :actor, 'was ' || was FROM resumed
+SELECT message_id, 'RESUMED', :actor, 'was ' || was FROM resumed
 RETURNING message_id, detail, pg_notify(:channel, '');
 
 -- name: backlog
--- Undelivered messages by state for the metrics, each counted through its partial index.
-SELECT
-    (SELECT count(*) FROM {schema}.message
-     WHERE status = 'PENDING' AND resolution = 'COMMIT') AS pending,
-    (SELECT count(*) FROM {schema}.message
-     WHERE resolution = 'UNKNOWN' AND status IN ('PENDING', 'DELAYED')) AS unresolved,
-    (SELECT count(*) FROM {schema}.message WHERE status = 'DELAYED') AS delayed,
-    (SELECT count(*) FROM {schema}.message
-     WHERE status IN ('PARKED', 'DISCARDED') AND status = 'PARKED') AS parked,
-    (SELECT count(*) FROM {schema}.message
-     WHERE status IN ('PARKED', 'DISCARDED') AND status = 'DISCARDED') AS discarded;
+-- Undelivered messages by state for the metrics: the pending table holds exactly those.
+SELECT count(*) FILTER (WHERE status = 'PENDING' AND resolution = 'COMMIT') AS pending,
+       count(*) FILTER (WHERE resolution = 'UNKNOWN'
+                        AND status IN ('PENDING', 'DELAYED')) AS unresolved,
+       count(*) FILTER (WHERE status = 'DELAYED') AS delayed,
+       count(*) FILTER (WHERE status = 'PARKED') AS parked,
+       count(*) FILTER (WHERE status = 'DISCARDED') AS discarded
+FROM {schema}.pending;
 
 -- name: status_by_topic
--- What `outbox status` shows per topic. Only undelivered rows (found through the partial
--- indexes) and the last minute of op records are read, so it stays cheap on a long history.
-WITH undelivered AS (
-    SELECT topic, status, resolution, created_at FROM {schema}.message
-    WHERE status = 'PENDING' AND resolution = 'COMMIT'
-    UNION ALL
-    SELECT topic, status, resolution, created_at FROM {schema}.message
-    WHERE resolution = 'UNKNOWN' AND status IN ('PENDING', 'DELAYED')
-    UNION ALL
-    SELECT topic, status, resolution, created_at FROM {schema}.message
-    WHERE status = 'DELAYED' AND resolution <> 'UNKNOWN'
-    UNION ALL
-    SELECT topic, status, resolution, created_at FROM {schema}.message
-    WHERE status IN ('PARKED', 'DISCARDED')
-), counts AS (
+-- What `outbox status` shows per topic. Only the pending table (what is not finished) and
+-- the last minute of op records are read, so it stays cheap on a long history.
+WITH counts AS (
     SELECT topic,
            count(*) FILTER (WHERE status = 'PENDING' AND resolution = 'COMMIT') AS pending,
            count(*) FILTER (WHERE resolution = 'UNKNOWN'
@@ -213,7 +208,7 @@ WITH undelivered AS (
            count(*) FILTER (WHERE status = 'DISCARDED') AS discarded,
            extract(epoch FROM now() - min(created_at) FILTER (
                WHERE status IN ('PENDING', 'DELAYED'))) AS oldest_undelivered_seconds
-    FROM undelivered GROUP BY topic
+    FROM {schema}.pending GROUP BY topic
 ), recent AS (
     SELECT m.topic, count(*) AS delivered_last_minute
     FROM {schema}.op_record AS o JOIN {schema}.message AS m ON m.id = o.message_id
@@ -239,31 +234,25 @@ WHERE r.seen_at > now() - make_interval(secs => :lease_seconds)
 ORDER BY r.worker_id;
 
 -- name: prune_messages
--- Retention: delete up to :limit delivered or rolled-back rows older than the window
--- (found through the BRIN index on created_at). PARKED and DISCARDED rows are kept for
--- an operator. Short, bounded statements, so the relay is never blocked for long.
-DELETE FROM {schema}.message
-WHERE id IN (
-    SELECT id FROM {schema}.message
-    WHERE created_at < now() - make_interval(secs => :retention_seconds)
-      AND status IN ('DELIVERED', 'ROLLED_BACK')
-    LIMIT :limit
-    FOR UPDATE SKIP LOCKED
-);
-
--- name: prune_op_records
--- Op records past the window, except those of rows still kept (PARKED, DISCARDED, or not
--- yet delivered), whose history an operator needs.
-DELETE FROM {schema}.op_record
-WHERE id IN (
-    SELECT o.id FROM {schema}.op_record AS o
-    WHERE o.created_at < now() - make_interval(secs => :retention_seconds)
-      AND NOT EXISTS (
-          SELECT FROM {schema}.message AS m
-          WHERE m.id = o.message_id AND m.status NOT IN ('DELIVERED', 'ROLLED_BACK'))
-    LIMIT :limit
-    FOR UPDATE OF o SKIP LOCKED
-);
+-- Retention: delete up to :limit finished messages (no pending row: delivered or rolled
+-- back) older than the window, oldest first through the BRIN index on created_at, with their
+-- op records, so a message and its history go together. PARKED and DISCARDED rows are kept
+-- for an operator. Short, bounded statements, so the relay is never blocked for long.
+WITH expired AS (
+    DELETE FROM {schema}.message
+    WHERE id IN (
+        SELECT m.id FROM {schema}.message AS m
+        WHERE m.created_at < now() - make_interval(secs => :retention_seconds)
+          AND NOT EXISTS (SELECT FROM {schema}.pending AS p WHERE p.message_id = m.id)
+        LIMIT :limit
+        FOR UPDATE SKIP LOCKED
+    )
+    RETURNING id
+), history AS (
+    DELETE FROM {schema}.op_record WHERE message_id IN (SELECT id FROM expired)
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM expired) AS messages, (SELECT count(*) FROM history) AS op_records;
 
 -- name: table_exists
 SELECT to_regclass(:table) IS NOT NULL;
@@ -272,43 +261,61 @@ SELECT to_regclass(:table) IS NOT NULL;
 SELECT version_num FROM {schema}.outbox_alembic_version;
 
 -- name: decide
--- An application's decision on an UNKNOWN message (RocketMQ's endTransaction). The row is
--- locked first so the answer reflects a decision that committed meanwhile; only an UNKNOWN
--- row changes, so no decision or check-back ever overrides an earlier one. A DISCARDED row
--- can still be decided (a late COMMIT is delivered, with a RESUMED op record). Returns
+-- An application's decision on an UNKNOWN message (RocketMQ's endTransaction). The pending
+-- row is locked first so the answer reflects a decision that committed meanwhile; only an
+-- UNKNOWN row changes, so no decision or check-back ever overrides an earlier one. COMMIT
+-- leaves the row to the relay; ROLLBACK deletes it with a ROLLED_BACK op record. A DISCARDED
+-- row can still be decided (a late COMMIT is delivered, with a RESUMED op record). Returns
 -- nothing for an unknown id, else the resolution found and whether this call changed it.
 WITH target AS (
-    SELECT id, resolution, status FROM {schema}.message WHERE id = :id FOR UPDATE
-), decided AS (
-    UPDATE {schema}.message AS m
-    SET resolution = CAST(:resolution AS text),
-        status = CASE WHEN CAST(:resolution AS text) = 'ROLLBACK' THEN 'ROLLED_BACK'
-                      WHEN m.status = 'DISCARDED' AND m.deliver_after > now() THEN 'DELAYED'
-                      WHEN m.status = 'DISCARDED' THEN 'PENDING' ELSE m.status END,
+    SELECT message_id, resolution, status FROM {schema}.pending
+    WHERE message_id = :id FOR UPDATE
+), committed AS (
+    UPDATE {schema}.pending AS p
+    SET resolution = 'COMMIT',
+        status = CASE WHEN p.status = 'DISCARDED' AND p.deliver_after > now() THEN 'DELAYED'
+                      WHEN p.status = 'DISCARDED' THEN 'PENDING' ELSE p.status END,
         next_check_at = NULL
     FROM target
-    WHERE m.id = target.id AND m.resolution = 'UNKNOWN'
-      AND m.status IN ('PENDING', 'DELAYED', 'DISCARDED')
-    RETURNING m.id, m.status, target.status AS was
+    WHERE CAST(:resolution AS text) = 'COMMIT' AND p.message_id = target.message_id
+      AND p.resolution = 'UNKNOWN' AND p.status IN ('PENDING', 'DELAYED', 'DISCARDED')
+    RETURNING p.message_id, p.status, target.status AS was
+), rolled_back AS (
+    DELETE FROM {schema}.pending AS p
+    USING target
+    WHERE CAST(:resolution AS text) = 'ROLLBACK' AND p.message_id = target.message_id
+      AND p.resolution = 'UNKNOWN' AND p.status IN ('PENDING', 'DELAYED', 'DISCARDED')
+    RETURNING p.message_id, 'ROLLED_BACK' AS status, target.status AS was
+), decided AS (
+    SELECT * FROM committed UNION ALL SELECT * FROM rolled_back
 ), recorded AS (
     INSERT INTO {schema}.op_record (message_id, action, actor, detail)
-    SELECT id, CASE WHEN status = 'ROLLED_BACK' THEN 'ROLLED_BACK' ELSE 'RESUMED' END, :actor,
+    SELECT message_id, CASE WHEN status = 'ROLLED_BACK' THEN 'ROLLED_BACK' ELSE 'RESUMED' END,
+           :actor,
            CASE WHEN was = 'DISCARDED' THEN 'was DISCARDED; ' ELSE '' END
            || 'decided ' || CAST(:resolution AS text) || ' by the application'
     FROM decided WHERE status = 'ROLLED_BACK' OR was = 'DISCARDED'
+), finished AS (
+    SELECT CASE WHEN EXISTS (SELECT FROM {schema}.op_record AS o
+                             WHERE o.message_id = m.id AND o.action = 'ROLLED_BACK')
+                THEN 'ROLLBACK' ELSE 'COMMIT' END AS resolution
+    FROM {schema}.message AS m
+    WHERE m.id = :id AND NOT EXISTS (SELECT FROM target)
 )
 SELECT target.resolution AS was_resolution, EXISTS (SELECT FROM decided) AS decided,
        (SELECT count(pg_notify(:channel, '')) FROM decided WHERE status = 'PENDING') AS notified
-FROM target;
+FROM target
+UNION ALL
+SELECT resolution, false, 0 FROM finished;
 
 -- name: claim_checks
 -- A sweeper claims due UNKNOWN rows of the producer groups it has checkers for, through the
--- partial index message_check_idx (its cost follows the due rows, not the history). The
+-- partial index pending_check_idx (its cost follows the due rows, not the history). The
 -- claim pushes next_check_at past the checker timeout: other sweepers skip the row until
 -- then, and a crashed sweeper's claim simply expires. The new next_check_at is the claim's
 -- token: only its holder may record the check's outcome (record_checks).
 WITH due AS (
-    SELECT id FROM {schema}.message
+    SELECT message_id FROM {schema}.pending
     WHERE resolution = 'UNKNOWN' AND status IN ('PENDING', 'DELAYED')
       AND next_check_at <= now()
       AND producer_group = ANY(CAST(:groups AS text[]))
@@ -316,17 +323,17 @@ WITH due AS (
     LIMIT :limit
     FOR UPDATE SKIP LOCKED
 )
-UPDATE {schema}.message AS m
+UPDATE {schema}.pending AS p
 SET next_check_at = now() + make_interval(secs => :claim_seconds)
-FROM due
-WHERE m.id = due.id
+FROM due, {schema}.message AS m
+WHERE p.message_id = due.message_id AND m.id = p.message_id
 RETURNING m.id, m.producer_group, m.topic, m.key, m.header_keys, m.header_values, m.payload,
-          m.content_type, m.created_at, m.check_count, m.next_check_at AS token;
+          m.content_type, m.created_at, p.check_count, p.next_check_at AS token;
 
 -- name: record_checks
 -- Check-back outcomes, each recorded only while its claim holds (next_check_at = token)
 -- and the row is still UNKNOWN: a decision, or a record that came first, always wins.
--- COMMIT leaves the row to the relay (and wakes it); ROLLBACK closes it with an op record;
+-- COMMIT leaves the row to the relay (and wakes it); ROLLBACK deletes it with an op record;
 -- an inconclusive answer schedules the next check, or at the :check_max-th discards the row
 -- with an op record (RocketMQ's TRANS_CHECK_MAX_TIME_TOPIC). Returns the rows it changed.
 WITH outcome AS (
@@ -334,41 +341,49 @@ WITH outcome AS (
                          CAST(:resolutions AS text[]), CAST(:details AS text[]))
              AS o(id, token, resolution, detail)
 ), checked AS (
-    UPDATE {schema}.message AS m
-    SET check_count = m.check_count + 1,
+    UPDATE {schema}.pending AS p
+    SET check_count = p.check_count + 1,
         resolution = o.resolution,
-        status = CASE WHEN o.resolution = 'ROLLBACK' THEN 'ROLLED_BACK'
-                      WHEN o.resolution = 'UNKNOWN' AND m.check_count + 1 >= :check_max
-                      THEN 'DISCARDED'
-                      ELSE m.status END,
-        next_check_at = CASE WHEN o.resolution = 'UNKNOWN' AND m.check_count + 1 < :check_max
+        status = CASE WHEN o.resolution = 'UNKNOWN' AND p.check_count + 1 >= :check_max
+                      THEN 'DISCARDED' ELSE p.status END,
+        next_check_at = CASE WHEN o.resolution = 'UNKNOWN' AND p.check_count + 1 < :check_max
                              THEN now() + make_interval(secs => :check_interval) END
     FROM outcome AS o
-    WHERE m.id = o.id AND m.next_check_at = o.token
-      AND m.resolution = 'UNKNOWN' AND m.status IN ('PENDING', 'DELAYED')
-    RETURNING m.id, m.producer_group, m.resolution, m.status, m.check_count, o.detail
+    WHERE o.resolution <> 'ROLLBACK' AND p.message_id = o.id AND p.next_check_at = o.token
+      AND p.resolution = 'UNKNOWN' AND p.status IN ('PENDING', 'DELAYED')
+    RETURNING p.message_id AS id, p.producer_group, p.resolution, p.status, p.check_count,
+              o.detail
+), rolled_back AS (
+    DELETE FROM {schema}.pending AS p
+    USING outcome AS o
+    WHERE o.resolution = 'ROLLBACK' AND p.message_id = o.id AND p.next_check_at = o.token
+      AND p.resolution = 'UNKNOWN' AND p.status IN ('PENDING', 'DELAYED')
+    RETURNING p.message_id AS id, p.producer_group, 'ROLLBACK' AS resolution,
+              'ROLLED_BACK' AS status, p.check_count + 1 AS check_count, o.detail
+), changed AS (
+    SELECT * FROM checked UNION ALL SELECT * FROM rolled_back
 ), recorded AS (
     INSERT INTO {schema}.op_record (message_id, action, actor, detail)
     SELECT id, status, :actor,
            CASE WHEN status = 'DISCARDED'
                 THEN check_count || ' inconclusive check-backs, the last: ' || detail
                 ELSE 'check-back ' || check_count || ': ' || detail END
-    FROM checked WHERE status IN ('ROLLED_BACK', 'DISCARDED')
+    FROM changed WHERE status IN ('ROLLED_BACK', 'DISCARDED')
 )
 SELECT id, producer_group, resolution, status, check_count,
-       (SELECT count(pg_notify(:channel, '')) FROM checked
+       (SELECT count(pg_notify(:channel, '')) FROM changed
         WHERE resolution = 'COMMIT' AND status = 'PENDING') AS notified
-FROM checked;
+FROM changed;
 
 -- name: next_check_in
 -- Seconds until the sweeper's next due row (NULL when none waits), from the index's first entry.
-SELECT extract(epoch FROM min(next_check_at) - now()) FROM {schema}.message
+SELECT extract(epoch FROM min(next_check_at) - now()) FROM {schema}.pending
 WHERE resolution = 'UNKNOWN' AND status IN ('PENDING', 'DELAYED')
   AND producer_group = ANY(CAST(:groups AS text[]));
 
 -- name: unchecked_groups
 -- Due UNKNOWN rows of producer groups the sweeper has no checker for: reported, not counted.
-SELECT producer_group, count(*) AS due FROM {schema}.message
+SELECT producer_group, count(*) AS due FROM {schema}.pending
 WHERE resolution = 'UNKNOWN' AND status IN ('PENDING', 'DELAYED') AND next_check_at <= now()
   AND producer_group <> ALL(CAST(:groups AS text[]))
 GROUP BY producer_group
@@ -381,27 +396,27 @@ SELECT set_config('transaction_read_only', 'on', true),
 
 -- name: discarded
 -- What `outbox discarded` lists: rows whose check-backs all stayed inconclusive.
-SELECT m.id, m.producer_group, m.topic, m.key, m.check_count, m.created_at,
+SELECT p.message_id AS id, p.producer_group, p.topic, p.key, p.check_count, p.created_at,
        d.created_at AS discarded_at, d.detail
-FROM {schema}.message AS m
+FROM {schema}.pending AS p
 LEFT JOIN LATERAL (
     SELECT o.created_at, o.detail FROM {schema}.op_record AS o
-    WHERE o.message_id = m.id AND o.action = 'DISCARDED'
+    WHERE o.message_id = p.message_id AND o.action = 'DISCARDED'
     ORDER BY o.id DESC
     LIMIT 1
 ) AS d ON true
-WHERE m.status = 'DISCARDED'
-ORDER BY m.id
+WHERE p.status = 'DISCARDED'
+ORDER BY p.message_id
 LIMIT :limit;
 
 -- name: check_backlog
--- UNKNOWN messages per producer group for `outbox status`, through message_check_idx. An
+-- UNKNOWN messages per producer group for `outbox status`, through pending_check_idx. An
 -- overdue one has waited for its check-back longer than a sweeper takes to claim it: no
 -- running sweeper has a checker for its group, or the sweepers cannot keep up.
 SELECT producer_group, count(*) AS unresolved,
        count(*) FILTER (WHERE next_check_at < now() - make_interval(secs => :overdue_seconds))
        AS overdue
-FROM {schema}.message
+FROM {schema}.pending
 WHERE resolution = 'UNKNOWN' AND status IN ('PENDING', 'DELAYED')
 GROUP BY producer_group
 ORDER BY producer_group;
@@ -424,14 +439,18 @@ END
 $roles$;
 GRANT USAGE ON SCHEMA {schema} TO {schema}_app, {schema}_relay, {schema}_sweeper;
 GRANT SELECT ON {schema}.outbox_alembic_version TO {schema}_app, {schema}_relay, {schema}_sweeper;
-GRANT INSERT ON {schema}.message TO {schema}_app;
-GRANT SELECT (id, resolution, status, deliver_after),
-      UPDATE (resolution, status, next_check_at)
+GRANT INSERT ON {schema}.message, {schema}.pending TO {schema}_app;
+GRANT SELECT (id, producer_group, topic, key, shard, deliver_after, created_at)
     ON {schema}.message TO {schema}_app;
-GRANT INSERT ON {schema}.op_record TO {schema}_app;
-GRANT SELECT, UPDATE, DELETE ON {schema}.message TO {schema}_relay;
+GRANT SELECT (message_id, resolution, status, deliver_after),
+      UPDATE (resolution, status, next_check_at), DELETE
+    ON {schema}.pending TO {schema}_app;
+GRANT SELECT (message_id, action), INSERT ON {schema}.op_record TO {schema}_app;
+GRANT SELECT, DELETE ON {schema}.message TO {schema}_relay;
+GRANT SELECT, UPDATE, DELETE ON {schema}.pending TO {schema}_relay;
 GRANT SELECT, INSERT, DELETE ON {schema}.op_record TO {schema}_relay;
 GRANT SELECT, UPDATE ON {schema}.relay_lease TO {schema}_relay;
 GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.relay_member TO {schema}_relay;
-GRANT SELECT, UPDATE ON {schema}.message TO {schema}_sweeper;
+GRANT SELECT ON {schema}.message TO {schema}_sweeper;
+GRANT SELECT, UPDATE, DELETE ON {schema}.pending TO {schema}_sweeper;
 GRANT SELECT, INSERT ON {schema}.op_record TO {schema}_sweeper;

@@ -122,4 +122,4 @@ def start_relay(iso: Isolated, n: int) -> subprocess.Popen[str]:
 def undelivered(iso: Isolated) -> int:
     with iso.engine.connect() as conn:
         return int(conn.execute(text(
-            "SELECT count(*) FROM outbox.message WHERE status <> 'DELIVERED'")).scalar_one())
+            "SELECT count(*) FROM outbox.message_state WHERE status <> 'DELIVERED'")).scalar_one())

@@ -91,7 +91,7 @@ def test_django_connection_two_phase_and_autocommit(service: Any, settings: Sett
         outbox.commit(connection, first)
         outbox.rollback(connection, second)
     with engine.connect() as conn:
-        rows = dict(conn.execute(text(f"SELECT id, resolution FROM {schema}.message")).all())
+        rows = dict(conn.execute(text(f"SELECT id, resolution FROM {schema}.message_state")).all())
     assert rows == {first: "COMMIT", second: "ROLLBACK"}
 
 

@@ -130,7 +130,7 @@ def test_scoped_sessions_are_accepted(stack: Stack, outbox: Outbox, engine: Engi
 
     message_id = stack.run(async_ if stack.is_async else sync)
     with engine.connect() as conn:
-        assert conn.execute(text(f"SELECT status FROM {schema}.message WHERE id = :id"),
+        assert conn.execute(text(f"SELECT status FROM {schema}.message_state WHERE id = :id"),
                             {"id": message_id}).scalar_one() == "PENDING"
 
 
@@ -162,7 +162,7 @@ def test_two_phase_prepare_commit_rollback_and_send_in_transaction(
     first, second, sent = stack.run(async_ if stack.is_async else sync)
     assert sent.resolution is Resolution.COMMIT
     with engine.connect() as conn:
-        rows = dict(conn.execute(text(f"SELECT id, resolution FROM {schema}.message")).all())
+        rows = dict(conn.execute(text(f"SELECT id, resolution FROM {schema}.message_state")).all())
     assert rows == {first: "COMMIT", second: "ROLLBACK", sent.message_id: "COMMIT"}
 
 

@@ -85,5 +85,5 @@ def test_the_example_checker_resolves_a_lost_decision(
 def _resolution(engine: Engine, schema: str, message_id: int) -> str:
     with engine.connect() as conn:
         return str(conn.execute(text(
-            f"SELECT resolution FROM {schema}.message WHERE id = :id"), {"id": message_id}
+            f"SELECT resolution FROM {schema}.message_state WHERE id = :id"), {"id": message_id}
         ).scalar_one())

@@ -131,7 +131,7 @@ def test_permanently_rejected_message_is_parked_and_other_keys_flow(
         wait_until(lambda: count_status(engine, schema, "PARKED") == 1, 20, "parking")
         with engine.connect() as conn:
             row = conn.execute(text(
-                f"SELECT attempts, last_error FROM {schema}.message WHERE id = :id"),
+                f"SELECT attempts, last_error FROM {schema}.message_state WHERE id = :id"),
                 {"id": too_big}).one()
             parked_op = conn.execute(text(
                 f"SELECT detail FROM {schema}.op_record WHERE message_id = :id "

@@ -16,9 +16,11 @@ from sqlalchemy import Engine, MetaData, inspect, text
 
 from outbox import migrate
 from outbox.dev import services as devservices
+from outbox.dev.topics import read_topic
 from outbox.migrations import target_metadata
 from outbox.schema import SHARDS, VERSION_TABLE
-from tests.conftest import fresh_schema
+from outbox.settings import Settings
+from tests.conftest import drop_schema, fresh_schema, running_relay, wait_delivered
 from tests.processes import run_outbox
 
 
@@ -122,3 +124,73 @@ def test_upgrade_downgrade_upgrade_through_the_cli(
     finally:
         with engine.begin() as conn:
             conn.execute(text(f"DROP SCHEMA IF EXISTS {schema} CASCADE"))
+
+
+def test_upgrade_from_0003_moves_unfinished_rows_in_place_and_they_keep_flowing(
+    services: devservices.Services, engine: Engine, settings: Settings, topic: str
+) -> None:
+    """Rows written by the 0003 shape keep their state through 0004, and pending ones go out."""
+    name = f"m_{uuid.uuid4().hex[:12]}"
+    migrate.upgrade(services.database_url, name, "0003")
+    try:
+        old = {}
+        with engine.begin() as conn:
+            def row(status: str, resolution: str = "COMMIT", key: str | None = "k",
+                    **extra: object) -> int:
+                return int(conn.execute(text(
+                    f"INSERT INTO {name}.message (topic, key, payload, content_type, shard, "
+                    f"status, resolution, check_count, attempts, last_error, deliver_after) "
+                    f"VALUES (:topic, :key, CAST(:payload AS bytea), 'text/plain', 5, :status, "
+                    f":resolution, :checks, :attempts, :error, now() + CAST(:delay AS interval)) "
+                    f"RETURNING id"),
+                    {"topic": topic, "key": None if key is None else key.encode(),
+                     "payload": f"{status}-{resolution}".encode(), "status": status,
+                     "resolution": resolution, "checks": extra.get("checks", 0),
+                     "attempts": extra.get("attempts", 0), "error": extra.get("error"),
+                     "delay": extra.get("delay", "0 seconds")}).scalar_one())
+
+            def op_record(message_id: int, action: str) -> None:
+                conn.execute(text(f"INSERT INTO {name}.op_record (message_id, action, actor) "
+                                  f"VALUES (:id, :action, 'relay')"),
+                             {"id": message_id, "action": action})
+
+            old["delivered"] = row("DELIVERED")
+            op_record(old["delivered"], "DELIVERED")
+            old["delivered_pruned_op"] = row("DELIVERED")
+            old["rolled_back"] = row("ROLLED_BACK", "ROLLBACK")
+            op_record(old["rolled_back"], "ROLLED_BACK")
+            old["unknown"] = row("PENDING", "UNKNOWN", key="u", checks=3)
+            old["parked"] = row("PARKED", key=None, attempts=5, error="too large")
+            old["delayed"] = row("DELAYED", key="d", delay="1 hour")
+            flowing = [row("PENDING", key=f"k{i % 3}") for i in range(6)]
+
+        migrate.upgrade(services.database_url, name)
+
+        with engine.connect() as conn:
+            state = {r.id: r for r in conn.execute(text(
+                f"SELECT id, status, resolution, check_count, attempts, last_error "
+                f"FROM {name}.message_state"))}
+            migrated_ops = conn.execute(text(
+                f"SELECT message_id, action FROM {name}.op_record "
+                f"WHERE actor = 'migration 0004'")).all()
+        assert {k: (state[i].status, state[i].resolution) for k, i in old.items()} == {
+            "delivered": ("DELIVERED", "COMMIT"),
+            "delivered_pruned_op": ("DELIVERED", "COMMIT"),
+            "rolled_back": ("ROLLED_BACK", "ROLLBACK"),
+            "unknown": ("PENDING", "UNKNOWN"),
+            "parked": ("PARKED", "COMMIT"),
+            "delayed": ("DELAYED", "COMMIT"),
+        }
+        assert state[old["unknown"]].check_count == 3
+        assert (state[old["parked"]].attempts, state[old["parked"]].last_error) == (5, "too large")
+        assert migrated_ops == [(old["delivered_pruned_op"], "DELIVERED")]
+
+        with running_relay(settings.model_copy(update={"schema_name": name})):
+            wait_delivered(engine, name, 2 + len(flowing))
+        records = read_topic(services.kafka_bootstrap, topic)
+        assert sorted(r.message_id for r in records) == flowing
+        for key in ("k0", "k1", "k2"):
+            ids = [r.message_id for r in records if r.key == key.encode()]
+            assert ids == sorted(ids), f"key {key} delivered in order"
+    finally:
+        drop_schema(engine, name)

@@ -30,10 +30,10 @@ def test_status_reports_each_state_per_topic(
         parked = outbox.publish(session, "other-topic", "x")
         discarded = outbox.prepare(session, "other-topic", "y")
     with engine.begin() as conn:
-        conn.execute(text(f"UPDATE {schema}.message SET status = 'PARKED' WHERE id = :id"),
-                     {"id": parked})
-        conn.execute(text(f"UPDATE {schema}.message SET status = 'DISCARDED' WHERE id = :id"),
-                     {"id": discarded})
+        conn.execute(text(f"UPDATE {schema}.pending SET status = 'PARKED' "
+                          f"WHERE message_id = :id"), {"id": parked})
+        conn.execute(text(f"UPDATE {schema}.pending SET status = 'DISCARDED' "
+                          f"WHERE message_id = :id"), {"id": discarded})
 
     result = run_outbox(settings, "status", "--json")
     assert result.returncode == 0, result.stderr
@@ -99,8 +99,11 @@ def test_prune_deletes_only_expired_finished_rows(
     pending = publish_orders(engine, outbox, topic, [("p", 1)])
     with engine.begin() as conn:
         conn.execute(text(f"UPDATE {schema}.message SET created_at = now() - interval '100 hours'"))
-        conn.execute(text(f"UPDATE {schema}.message SET status = 'PARKED' WHERE id = :id"),
-                     {"id": ids[0]})
+        conn.execute(text(  # delivered once, then parked again: kept with its history
+            f"INSERT INTO {schema}.pending (message_id, shard, topic, key, producer_group, "
+            f"status, resolution, created_at) SELECT id, shard, topic, key, producer_group, "
+            f"'PARKED', 'COMMIT', created_at FROM {schema}.message WHERE id = :id"),
+            {"id": ids[0]})
         conn.execute(text(
             f"UPDATE {schema}.op_record SET created_at = now() - interval '100 hours'"))
 

@@ -18,7 +18,7 @@ from tests.conftest import count_status, wait_delivered
 
 def resolutions(engine: Engine, schema: str) -> dict[int, str]:
     with engine.connect() as conn:
-        return dict(conn.execute(text(f"SELECT id, resolution FROM {schema}.message")).all())
+        return dict(conn.execute(text(f"SELECT id, resolution FROM {schema}.message_state")).all())
 
 
 def commit(message: Message) -> str:

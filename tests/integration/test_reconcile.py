@@ -66,13 +66,19 @@ def publish_clean_flow(engine: Engine, outbox: Outbox, topic: str, n: int) -> li
 
 
 def insert_message(conn: object, schema: str, topic: str, **columns: object) -> int:
+    """A message row, and its pending row unless ``status`` says it is finished."""
     values = {"key": None, "resolution": "COMMIT", "status": "PENDING", "check_count": 0,
               "age": "0 seconds", **columns}
     return int(conn.execute(text(  # type: ignore[attr-defined]
-        f"INSERT INTO {schema}.message (topic, key, payload, content_type, shard, resolution, "
-        f"status, check_count, created_at, next_check_at) VALUES (:topic, :key, "
-        f"CAST('{{}}' AS bytea), 'application/json', 0, :resolution, :status, :check_count, "
-        f"now() - CAST(:age AS interval), now() + interval '30 seconds') RETURNING id"),
+        f"WITH m AS (INSERT INTO {schema}.message (topic, key, payload, content_type, shard, "
+        f"created_at) VALUES (:topic, :key, CAST('{{}}' AS bytea), 'application/json', 0, "
+        f"now() - CAST(:age AS interval)) RETURNING id, topic, key, created_at), "
+        f"p AS (INSERT INTO {schema}.pending (message_id, shard, topic, key, producer_group, "
+        f"status, resolution, check_count, created_at, next_check_at) "
+        f"SELECT id, 0, topic, key, 'default', :status, :resolution, :check_count, created_at, "
+        f"now() + interval '30 seconds' FROM m "
+        f"WHERE :status NOT IN ('DELIVERED', 'ROLLED_BACK')) "
+        f"SELECT id FROM m"),
         {"topic": topic, **values}).scalar_one())
 
 
@@ -179,9 +185,9 @@ def defects(services: devservices.Services, engine: Engine,
             f"INSERT INTO {schema}.op_record (message_id, action, actor, detail) "
             f"VALUES (:id, 'DISCARDED', 'sweeper', 'no answer after 15 checks')"),
             {"id": d.discarded})
-        conn.execute(text(
-            f"UPDATE {schema}.message SET resolution = 'ROLLBACK', status = 'ROLLED_BACK' "
-            f"WHERE id = :id"), {"id": d.rolled_back_but_delivered})
+        conn.execute(text(  # an impossible history: delivered, and rolled back as well
+            f"INSERT INTO {schema}.op_record (message_id, action, actor) "
+            f"VALUES (:id, 'ROLLED_BACK', 'forger')"), {"id": d.rolled_back_but_delivered})
         conn.execute(text(
             f"UPDATE {schema}.op_record SET kafka_offset = :offset WHERE message_id = :id"),
             {"offset": last.offset, "id": x})

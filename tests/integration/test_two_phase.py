@@ -37,7 +37,7 @@ def message_row(engine: Engine, schema: str, message_id: int) -> Row[tuple[str, 
         return conn.execute(text(
             f"SELECT resolution, status, check_count, "
             f"extract(epoch FROM next_check_at - created_at) AS check_after "
-            f"FROM {schema}.message WHERE id = :id"), {"id": message_id}).one()
+            f"FROM {schema}.message_state WHERE id = :id"), {"id": message_id}).one()
 
 
 def op_actions(engine: Engine, schema: str, message_id: int) -> list[tuple[str, str]]:
@@ -122,7 +122,7 @@ def test_local_transaction_with_a_meaningless_answer_is_a_bug_and_stays_unknown(
     with pytest.raises(TypeError, match="answered 42; answer COMMIT, ROLLBACK or UNKNOWN"):
         outbox.send_in_transaction(engine, "orders", {"n": 1}, lambda m: 42)  # type: ignore[arg-type,return-value]
     with engine.connect() as conn:
-        resolutions = conn.execute(text(f"SELECT resolution FROM {schema}.message")).scalars()
+        resolutions = conn.execute(text(f"SELECT resolution FROM {schema}.message_state")).scalars()
         assert list(resolutions) == ["UNKNOWN"]
 
 
