@@ -2,7 +2,7 @@
 # (`make unit`: the fast tier alone; `make bench`: the benchmark table in BENCHMARKS.md).
 VENV := .venv
 
-.PHONY: demo test unit lint bench clean
+.PHONY: demo test unit lint bench soak clean
 
 demo:
 	@scripts/bootstrap.sh dev,spark

@@ -67,14 +67,16 @@ def text_table(figures: list[Figure]) -> str:
     return "\n".join(out)
 
 
-def replace_block(document: str, block: str) -> str:
-    """``document`` with the text between the markers replaced by ``block``; everything else
-    is kept byte for byte. Without markers, a new section goes before the first ``## ``."""
-    inner = f"{BEGIN}\n{block.strip()}\n{END}"
-    pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.DOTALL)
+def replace_block(document: str, block: str, name: str = "make bench",
+                  title: str = "`make bench`: the issue 10 targets in one run") -> str:
+    """``document`` with the text between ``name``'s markers replaced by ``block``; everything
+    else is kept byte for byte. Without markers, a new section goes before the first ``## ``."""
+    begin, end = f"<!-- {name}: begin -->", f"<!-- {name}: end -->"
+    inner = f"{begin}\n{block.strip()}\n{end}"
+    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.DOTALL)
     if pattern.search(document):
         return pattern.sub(lambda _match: inner, document, count=1)
-    section = f"## `make bench`: the issue 10 targets in one run\n\n{inner}\n\n"
+    section = f"## {title}\n\n{inner}\n\n"
     at = document.find("\n## ")
     if at < 0:
         return document.rstrip("\n") + "\n\n" + section

@@ -1,0 +1,270 @@
+"""Issue 10's two long figures, one minute at a time, on fresh embedded services.
+
+    python bench/soak.py [--minutes 10] [--rate 1000] [--no-write]      (or `make soak`)
+
+1. Latency: applications publish ``--rate`` messages a second (one per transaction, 4
+   threads, durable commits) for ``--minutes``; one `outbox relay` delivers them. Printed per
+   minute: p50, p99 and max of commit → recorded ack (the op record's time minus the prepare
+   row's created_at, both the database's clock).
+2. Retention: the maximum drain rate of one relay is measured first (a backlog drained); then
+   publishing at 70% of it runs for ``--minutes`` with retention set to 2 minutes (pruning every
+   10 s). The load is written by SQL in the database (the publish statement's shape, 100
+   statements a second), as many application processes would: a Python publisher could not
+   reach these rates next to the relay on 2 cores. Printed per minute: delivered/s, backlog,
+   and the size of message + pending + op_record with their indexes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from relay_bench import (
+    KEYS,
+    PAYLOAD,
+    delivered,
+    relay_throughput,
+    say,
+    start_relays,
+    stop,
+)
+from report import replace_block
+from sqlalchemy import Engine, create_engine, text
+from sqlalchemy.orm import Session
+
+from outbox import Outbox, migrate
+from outbox.dev import services as devservices
+from outbox.dev.topics import create_topic
+from outbox.schema import SHARDS
+from outbox.settings import sqlalchemy_url
+
+ROOT = Path(__file__).resolve().parent.parent
+RETENTION_SECONDS = 120
+TABLES = ("message", "pending", "op_record")
+
+
+@dataclass(frozen=True)
+class LatencyMinute:
+    minute: int
+    messages: int
+    p50: float
+    p99: float
+    worst: float
+
+
+def latency_soak(services: devservices.Services, engine: Engine, env: dict[str, str],
+                 rate: int, minutes: float, threads: int = 4) -> list[LatencyMinute]:
+    schema, topic = "soak_latency", "soak-latency"
+    migrate.upgrade(services.database_url, schema)
+    create_topic(services.kafka_bootstrap, topic, partitions=6)
+    relays = start_relays(env, schema, 1)
+    outbox = Outbox(schema=schema)
+    time.sleep(3)  # the relay is up and owns its shards
+    with engine.connect() as conn:
+        started_at = conn.execute(text("SELECT now()")).scalar_one()
+    end = time.perf_counter() + minutes * 60
+    sent = [0] * threads
+
+    def publisher(slot: int) -> None:
+        interval, next_at = threads / rate, time.perf_counter() + slot / rate
+        with Session(engine) as session:
+            while next_at < end:
+                with session.begin():
+                    key = f"key-{(sent[slot] * threads + slot) % KEYS}"
+                    outbox.publish(session, topic, PAYLOAD, key=key)
+                sent[slot] += 1
+                next_at += interval
+                pause = next_at - time.perf_counter()
+                if pause > 0:
+                    time.sleep(pause)
+
+    workers = [threading.Thread(target=publisher, args=(s,)) for s in range(threads)]
+    try:
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        deadline = time.monotonic() + 60
+        while delivered(engine, schema) < sum(sent) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        stop(relays)
+    with engine.connect() as conn:
+        rows = conn.execute(text(f"""
+            SELECT floor(extract(epoch FROM m.created_at - :t0) / 60)::int AS minute,
+                   count(*) AS n,
+                   percentile_cont(0.5) WITHIN GROUP (ORDER BY o.created_at - m.created_at)
+                       AS p50,
+                   percentile_cont(0.99) WITHIN GROUP (ORDER BY o.created_at - m.created_at)
+                       AS p99,
+                   max(o.created_at - m.created_at) AS worst
+            FROM {schema}.op_record AS o JOIN {schema}.message AS m ON m.id = o.message_id
+            WHERE o.action = 'DELIVERED'
+            GROUP BY 1 ORDER BY 1"""), {"t0": started_at}).all()
+    return [LatencyMinute(r.minute + 1, r.n, *(x.total_seconds() * 1000
+                                                for x in (r.p50, r.p99, r.worst)))
+            for r in rows if r.minute < minutes]
+
+
+@dataclass(frozen=True)
+class RetentionSample:
+    minute: float
+    delivered_per_second: float
+    backlog: int
+    megabytes: float
+
+
+def write_load(engine: Engine, schema: str, topic: str, rate: float, stop_at: float) -> None:
+    """``rate`` committed messages a second, in 10 statements a second, until ``stop_at``."""
+    per_statement, interval = max(1, round(rate / 10)), 0.1
+    statement = text(f"""
+        WITH written AS (
+            INSERT INTO {schema}.message (topic, key, payload, content_type, shard)
+            SELECT :topic, convert_to('key-' || (i % {KEYS}), 'UTF8'), :payload,
+                   'application/octet-stream', (i % {KEYS}) % {SHARDS}
+            FROM generate_series(1, :n) AS i
+            RETURNING id, topic, key, shard, created_at
+        )
+        INSERT INTO {schema}.pending
+            (message_id, shard, topic, key, producer_group, status, resolution, created_at)
+        SELECT id, shard, topic, key, 'default', 'PENDING', 'COMMIT', created_at FROM written""")
+    next_at = time.perf_counter()
+    with engine.connect() as conn:
+        while next_at < stop_at:
+            with conn.begin():
+                conn.execute(statement, {"topic": topic, "payload": PAYLOAD, "n": per_statement})
+            next_at += interval
+            pause = next_at - time.perf_counter()
+            if pause > 0:
+                time.sleep(pause)
+
+
+def megabytes(engine: Engine, schema: str) -> float:
+    with engine.connect() as conn:
+        return sum(conn.execute(text("SELECT pg_total_relation_size(:t)"),
+                                {"t": f"{schema}.{table}"}).scalar_one()
+                   for table in TABLES) / 1e6
+
+
+def backlog(engine: Engine, schema: str) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(text(f"SELECT count(*) FROM {schema}.pending")).scalar_one())
+
+
+def retention_soak(services: devservices.Services, engine: Engine, env: dict[str, str],
+                   rate: float, minutes: float, every: float = 30.0) -> list[RetentionSample]:
+    schema, topic = "soak_retention", "soak-retention"
+    migrate.upgrade(services.database_url, schema)
+    create_topic(services.kafka_bootstrap, topic, partitions=6)
+    env = {**env, "OUTBOX_RETENTION_HOURS": str(RETENTION_SECONDS / 3600),
+           "OUTBOX_PRUNE_INTERVAL": "10"}
+    relays = start_relays(env, schema, 1)
+    time.sleep(3)
+    started = time.perf_counter()
+    stop_at = started + minutes * 60
+    load = threading.Thread(target=write_load, args=(engine, schema, topic, rate, stop_at))
+    samples: list[RetentionSample] = []
+    try:
+        load.start()
+        last_count, last_at = delivered(engine, schema), time.perf_counter()
+        while (now := time.perf_counter()) < stop_at:
+            time.sleep(min(every, stop_at - now))
+            count, at = delivered(engine, schema), time.perf_counter()
+            samples.append(RetentionSample(
+                (at - started) / 60, (count - last_count) / (at - last_at),
+                backlog(engine, schema), megabytes(engine, schema)))
+            last_count, last_at = count, at
+            s = samples[-1]
+            say(f"   {s.minute:4.1f} min: {s.delivered_per_second:8,.0f} delivered/s, backlog "
+                f"{s.backlog:7,}, tables + indexes {s.megabytes:7.1f} MB")
+        load.join()
+    finally:
+        stop(relays)
+    return samples
+
+
+def growth(samples: list[RetentionSample], minutes: float, tail: float = 3.0) -> float:
+    """Relative size growth over the last ``tail`` minutes (from the sample nearest their start)."""
+    start = min(samples, key=lambda s: abs(s.minute - (minutes - tail)))
+    return samples[-1].megabytes / start.megabytes - 1
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--rate", type=int, default=1000, help="publish rate of the latency run")
+    parser.add_argument("--drain-messages", type=int, default=50_000)
+    parser.add_argument("--file", type=Path, default=ROOT / "BENCHMARKS.md")
+    parser.add_argument("--no-write", action="store_true", help="print only")
+    args = parser.parse_args()
+
+    load = os.getloadavg()
+    say("starting fresh embedded PostgreSQL (durable: fsync on) and Kafka broker ...")
+    services = devservices.start(durable=True)
+    env = {**os.environ, **services.env()}
+    engine = create_engine(sqlalchemy_url(services.database_url), pool_size=10)
+    try:
+        say(f"1. commit → ack at {args.rate:,} msg/s for {args.minutes:g} minutes")
+        minutes = latency_soak(services, engine, env, args.rate, args.minutes)
+        for m in minutes:
+            say(f"   minute {m.minute:2}: {m.messages:6,} messages, p50 {m.p50:6.1f} ms, "
+                f"p99 {m.p99:6.1f} ms, max {m.worst:7.1f} ms")
+        say(f"2. maximum drain rate of 1 relay ({args.drain_messages:,} messages)")
+        drain = relay_throughput(services, engine, env, 1, args.drain_messages)
+        rate = 0.7 * drain
+        say(f"   {drain:,.0f} msg/s; publishing at 70%: {rate:,.0f} msg/s for {args.minutes:g} "
+            f"minutes, retention {RETENTION_SECONDS} s")
+        samples = retention_soak(services, engine, env, rate, args.minutes)
+    finally:
+        engine.dispose()
+        devservices.stop(services)
+
+    grew = growth(samples, args.minutes)
+    latency_ok = all(m.p50 <= 5 and m.p99 <= 25 for m in minutes)
+    bounded = max(s.backlog for s in samples[len(samples) // 2:]) <= 2 * rate
+    say(f"\nlatency target (p50 ≤ 5 ms, p99 ≤ 25 ms every minute): "
+        f"{'met' if latency_ok else 'not met'}")
+    say(f"retention: sizes grew {grew:+.1%} over the last 3 minutes (target ≤ +5%): "
+        f"{'met' if grew <= 0.05 else 'not met'}; backlog bounded: {bounded}")
+    if args.no_write:
+        return
+    lines = [
+        f"`make soak` ({args.minutes:g} minutes each). Run of "
+        f"{datetime.date.today().isoformat()} on {platform.node() or 'this machine'}: "
+        f"nproc {os.cpu_count()}, load average {load[0]:.1f} at the start; fresh durable "
+        "embedded PostgreSQL and Tansu, 1 relay (kafka-python transport), 1 KiB payloads, "
+        "1,000 keys, 6 partitions.",
+        "",
+        f"Commit → recorded ack at {args.rate:,} msg/s (4 publishing threads, one message per "
+        f"transaction): target p50 ≤ 5 ms and p99 ≤ 25 ms in every minute — "
+        f"**{'met' if latency_ok else 'not met'}**.",
+        "",
+        "| minute | messages | p50 | p99 | max |",
+        "|---|---|---|---|---|",
+        *(f"| {m.minute} | {m.messages:,} | {m.p50:.1f} ms | {m.p99:.1f} ms | {m.worst:.1f} ms |"
+          for m in minutes),
+        "",
+        f"Retention: maximum drain rate {drain:,.0f} msg/s; {rate:,.0f} msg/s (70%) written for "
+        f"{args.minutes:g} minutes with retention {RETENTION_SECONDS} s, pruning every 10 s. "
+        f"message + pending + op_record with indexes grew **{grew:+.1%}** over the last 3 "
+        f"minutes (target ≤ +5%); backlog bounded: **{bounded}**.",
+        "",
+        "| minute | delivered/s | backlog | tables + indexes |",
+        "|---|---|---|---|",
+        *(f"| {s.minute:.1f} | {s.delivered_per_second:,.0f} | {s.backlog:,} | "
+          f"{s.megabytes:.1f} MB |" for s in samples),
+    ]
+    args.file.write_text(replace_block(args.file.read_text(), "\n".join(lines), "make soak",
+                                       "`make soak`: latency and retention over ten minutes"))
+    say(f"updated {args.file}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
