@@ -216,8 +216,10 @@ class Relay:
         metrics.BATCH_SIZE.observe(len(batch))
         return flight
 
-    def _settle(self, conn: Connection, flight: InFlight) -> None:
-        """Wait for a batch's acks, then record them; raises BrokerTrouble if Kafka failed."""
+    def _settle(self, conn: Connection, flight: InFlight, salvaging: bool = False) -> None:
+        """Wait for a batch's acks, then record them; raises BrokerTrouble if Kafka failed
+        (unless ``salvaging``: a failure already ends the pass, and the acks that do arrive
+        are still recorded, so the next pass does not send those messages again)."""
         self._await_acks(flight)
         acks: list[tuple[int, int, int]] = []
         failures: list[store.Failure] = []
@@ -248,7 +250,7 @@ class Relay:
         transient = [f for f in failures if not f.permanent]
         for failure in failures:
             metrics.FAILURES.labels("permanent" if failure.permanent else "retriable").inc()
-        if transient:
+        if transient and not salvaging:
             raise BrokerTrouble(f"{len(transient)} messages not acknowledged, e.g. message "
                                 f"{transient[0].id}: {transient[0].error}")
 
@@ -273,11 +275,13 @@ class Relay:
 class Recorder(threading.Thread):
     """Waits for each sent batch's acks, in order, and records them (``settle``) on its own
     connection, so the main loop can fetch and send the next batches meanwhile. After a
-    failure it records nothing more (those rows stay pending and are sent again) and the main
-    loop raises the failure to start a new pass."""
+    failure the main loop raises it to start a new pass, and the recorder still waits for the
+    batches already sent and records the acks that arrive (``salvaging``): an outage must
+    never make the next pass send again what Kafka already has. Rows whose sends failed stay
+    pending and are sent again."""
 
     def __init__(self, settings: RelaySettings,
-                 settle: Callable[[Connection, InFlight], None]) -> None:
+                 settle: Callable[[Connection, InFlight, bool], None]) -> None:
         super().__init__(name=f"recorder-{settings.worker_id}", daemon=True)
         self._url = settings.sqlalchemy_url
         self._settle = settle
@@ -285,6 +289,8 @@ class Recorder(threading.Thread):
         self._changed = threading.Condition()
         self._unsettled: list[InFlight] = []
         self._failure: BaseException | None = None
+        #: every send ends (acked or failed) within the producer's delivery timeout
+        self._close_timeout = settings.kafka_delivery_timeout_ms / 1000 + 10
 
     def submit(self, flight: InFlight) -> None:
         with self._changed:
@@ -310,19 +316,19 @@ class Recorder(threading.Thread):
             raise self._failure
 
     def close(self) -> None:
+        """Wait until every batch handed over is settled or salvaged."""
         self._queue.put(None)
-        self.join(30)
+        self.join(self._close_timeout)
 
     def run(self) -> None:
         engine = create_engine(self._url, pool_size=1, max_overflow=0, pool_pre_ping=True)
         try:
             with engine.connect() as conn:
                 while (flight := self._queue.get()) is not None:
-                    if self._failure is None:
-                        try:
-                            self._settle(conn, flight)
-                        except BaseException as exc:
-                            self._failure = exc
+                    try:
+                        self._settle(conn, flight, self._failure is not None)
+                    except BaseException as exc:
+                        self._failure = self._failure or exc
                     with self._changed:
                         self._unsettled.remove(flight)
                         self._changed.notify_all()
