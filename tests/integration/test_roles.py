@@ -25,7 +25,8 @@ def logins(engine: Engine, settings: Settings, schema: str) -> Iterator[dict[str
     """A login role per group role, each with its own database URL."""
     result = run_outbox(settings, "db", "upgrade", "--create-roles")
     assert result.returncode == 0, result.stderr
-    assert f"roles {schema}_app, {schema}_relay, {schema}_sweeper granted" in result.stdout
+    assert (f"roles {schema}_app, {schema}_relay, {schema}_sweeper, {schema}_reconcile granted"
+            in result.stdout)
     urls = {}
     with engine.begin() as conn:
         for kind in ("app", "relay", "sweeper"):
