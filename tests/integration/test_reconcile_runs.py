@@ -14,7 +14,6 @@ import pytest
 from click.testing import CliRunner
 from pyspark.sql import SparkSession
 from sqlalchemy import Engine, create_engine, text
-from sqlalchemy.exc import ProgrammingError
 
 from outbox import ConfigurationError, Outbox, migrate
 from outbox.cli import main
@@ -22,7 +21,7 @@ from outbox.dev import services as devservices
 from outbox.settings import Settings, sqlalchemy_url
 from outbox.spark import reconcile as job
 from outbox.spark.runs import RUN_LOCK_CLASS, RunOutcome
-from tests.conftest import publish_orders, wait_until
+from tests.conftest import assert_refused, publish_orders, wait_until
 from tests.integration import test_reconcile
 from tests.processes import outbox_env
 
@@ -118,23 +117,20 @@ def test_reconciliation_under_the_reconcile_role_holds_back_for_other_roles_tran
 
 
 def test_the_reconcile_role_reads_but_changes_nothing_except_its_runs(
-    services: devservices.Services, schema: str, reconcile_login: str
+    schema: str, reconcile_login: str
 ) -> None:
     as_reconcile = create_engine(sqlalchemy_url(reconcile_login))
     try:
         with as_reconcile.connect() as conn:
             assert conn.execute(text(f"SELECT count(payload) FROM {schema}.message")).scalar() == 0
-        for forbidden in (
-            f"UPDATE {schema}.message SET status = status",
-            f"DELETE FROM {schema}.op_record",
-            f"DELETE FROM {schema}.reconcile_run",
-            f"INSERT INTO {schema}.message (topic) VALUES ('forged')",
-        ):
-            with as_reconcile.connect() as conn, pytest.raises(ProgrammingError,
-                                                                match="permission denied"):
-                conn.execute(text(forbidden))
     finally:
         as_reconcile.dispose()
+    assert_refused(reconcile_login, [
+        f"UPDATE {schema}.message SET status = status",
+        f"DELETE FROM {schema}.op_record",
+        f"DELETE FROM {schema}.reconcile_run",
+        f"INSERT INTO {schema}.message (topic) VALUES ('forged')",
+    ])
 
 
 def test_a_role_that_cannot_see_other_sessions_is_refused_before_it_reads(
