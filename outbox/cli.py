@@ -162,7 +162,8 @@ def _migrate(shared: Shared, direction: str, revision: str) -> DatabaseSettings:
 @db.command()
 @click.option("--revision", default="head", show_default=True)
 @click.option("--create-roles", is_flag=True,
-              help="also create the least-privilege roles <schema>_app, _relay, _sweeper")
+              help="also create the least-privilege roles <schema>_app, _relay, _sweeper, "
+              "_reconcile")
 @pass_shared
 def upgrade(shared: Shared, revision: str, create_roles: bool) -> None:
     """Create or upgrade the outbox tables."""
@@ -472,10 +473,12 @@ def reconcile(shared: Shared, kafka_bootstrap: str | None, since: datetime | Non
 
     Runs a Spark job over the messages created since the last run (or --since/--until),
     prints a short report and writes Parquet details under --output-dir. Exit code 0: no
-    finding over its threshold; 1: at least one is; 2: a usage or configuration error.
+    finding over its threshold; 1: at least one is; 2: a usage or configuration error;
+    3: another run of the schema is in progress, this one did nothing.
     """
     try:
         from outbox.spark import reconcile as job
+        from outbox.spark.runs import RunInProgress
     except ImportError as exc:
         raise ConfigurationError(
             f"reconcile needs the spark extra ({exc}): pip install "
@@ -490,6 +493,10 @@ def reconcile(shared: Shared, kafka_bootstrap: str | None, since: datetime | Non
         "reconcile_thresholds": {**settings.reconcile_thresholds, **thresholds}})
     setup_logging(settings.log_level)
     with job.session(settings) as spark:
-        result = job.run(spark, settings, since=since, until=until)
+        try:
+            result = job.run(spark, settings, since=since, until=until)
+        except RunInProgress as exc:
+            click.echo(f"outbox: {exc}", err=True)
+            sys.exit(3)
     click.echo(result.report, nl=False)
     sys.exit(result.exit_code)

@@ -6,8 +6,14 @@ Our revisions carry the branch label ``outbox`` and record their version in
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator, MutableMapping
+from functools import cache
+from importlib import resources
+from importlib.resources.abc import Traversable
 from pathlib import Path
 
 from alembic import command, context, op
@@ -22,9 +28,31 @@ from outbox.schema import VERSION_TABLE
 from outbox.settings import sqlalchemy_url, validate_identifier
 
 
+@cache
+def _script_location() -> Path:
+    """The folder of our Alembic scripts. Alembic reads only folders: when the package runs
+    from a zip or wheel (``spark-submit --py-files``), its scripts are copied out first."""
+    scripts = resources.files(migrations)
+    if isinstance(scripts, Path):
+        return scripts
+    folder = Path(tempfile.mkdtemp(prefix="outbox-migrations-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    _copy(scripts, folder)
+    return folder
+
+
+def _copy(source: Traversable, target: Path) -> None:
+    for entry in source.iterdir():
+        if entry.is_dir():
+            (target / entry.name).mkdir()
+            _copy(entry, target / entry.name)
+        else:
+            (target / entry.name).write_bytes(entry.read_bytes())
+
+
 def alembic_config(url: str, schema: str, connection: Connection | None = None) -> Config:
     config = Config()
-    config.set_main_option("script_location", str(Path(migrations.__file__).parent))
+    config.set_main_option("script_location", str(_script_location()))
     config.attributes["schema"] = validate_identifier(schema)
     config.attributes["url"] = sqlalchemy_url(url)
     if connection is not None:
@@ -78,8 +106,9 @@ def ignore_outbox(schema: str = "outbox", include_name: IncludeName | None = Non
 def create_roles(url: str, schema: str) -> list[str]:
     """Create (if absent) and grant the least-privilege roles; returns their names."""
     with _serialised(url, schema) as conn:
-        conn.exec_driver_sql(str(store.query("create_roles", schema)))
-    return [f"{schema}_{kind}" for kind in ("app", "relay", "sweeper")]
+        for block in ("create_roles", "create_reconcile_role"):
+            conn.exec_driver_sql(str(store.query(block, schema)))
+    return [f"{schema}_{kind}" for kind in ("app", "relay", "sweeper", "reconcile")]
 
 
 @contextlib.contextmanager

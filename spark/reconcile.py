@@ -27,12 +27,12 @@ from typing import Any
 
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
-from sqlalchemy import create_engine
+from sqlalchemy import Engine, create_engine
 
 from outbox.exceptions import ConfigurationError
 from outbox.migrate import require_current
 from outbox.settings import ReconcileSettings
-from outbox.spark import findings, queries, report, sources
+from outbox.spark import findings, queries, report, runs, sources
 from outbox.spark.kafka_source import high_watermarks
 from outbox.spark.runs import RunOutcome
 
@@ -96,18 +96,29 @@ def session(settings: ReconcileSettings) -> Iterator[SparkSession]:
 
 def run(spark: SparkSession, settings: ReconcileSettings, *, since: datetime | None = None,
         until: datetime | None = None) -> Result:
-    """Reconcile one window and record it; see the module docstring."""
+    """Reconcile one window and record it; see the module docstring. Raises RunInProgress,
+    having done nothing, while another run of the schema is under way."""
+    if settings.reconcile_read_topics:
+        settings.require("kafka_bootstrap")
+    engine = create_engine(settings.sqlalchemy_url, pool_size=2)
+    try:
+        with runs.one_at_a_time(engine, settings.schema_name):
+            return _run(spark, settings, engine, since, until)
+    finally:
+        engine.dispose()
+
+
+def _run(spark: SparkSession, settings: ReconcileSettings, engine: Engine,
+         since: datetime | None, until: datetime | None) -> Result:
     started_at = datetime.now(UTC)
     clock_start = time.monotonic()
     limits = findings.thresholds(settings.reconcile_thresholds)
     schema = settings.schema_name
-    if settings.reconcile_read_topics:
-        settings.require("kafka_bootstrap")
-    engine = create_engine(settings.sqlalchemy_url, pool_size=1)
     cached: list[DataFrame] = []
     try:
         with engine.connect() as conn:
             require_current(conn, schema)
+            runs.require_hold_back(conn)
             clock = queries.window_end(conn, until, settings.reconcile_sla_seconds)
             mark = queries.watermark(conn, schema)
             conn.rollback()
@@ -199,7 +210,6 @@ def run(spark: SparkSession, settings: ReconcileSettings, *, since: datetime | N
         for df in cached:
             df.unpersist()
         spark.sparkContext.setJobDescription(None)  # type: ignore[arg-type]
-        engine.dispose()
 
 
 def _findings_summary(counts: dict[str, int], samples: dict[str, list[int]],

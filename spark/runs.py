@@ -1,4 +1,5 @@
-"""The reconcile_run table: one summary row per reconciliation run, written only by the job.
+"""The reconcile_run table: one summary row per reconciliation run, written only by the job;
+and the lock that keeps runs of one schema from overlapping.
 
 It is declared on the outbox's metadata (so the migrations create it with the other tables)
 but lives here, with the job that owns it; the library applications import never loads it.
@@ -6,12 +7,33 @@ but lives here, with the job that owns it; the library applications import never
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from enum import StrEnum
 
-from sqlalchemy import BigInteger, Boolean, Column, DateTime, Identity, Table, Text, func
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    Column,
+    Connection,
+    DateTime,
+    Engine,
+    Identity,
+    Table,
+    Text,
+    func,
+    literal_column,
+    select,
+)
 from sqlalchemy.dialects.postgresql import JSONB
 
+from outbox.exceptions import ConfigurationError, OutboxError
 from outbox.schema import metadata, one_of
+from outbox.settings import validate_identifier
+
+#: Namespace of the advisory lock that lets one reconciliation run of a schema at a time
+#: (first half of the lock key; outbox/store.py's locks use 0x0B0C to 0x0B0E).
+RUN_LOCK_CLASS = 0x0B1C
 
 
 class RunOutcome(StrEnum):
@@ -43,3 +65,46 @@ reconcile_run = Table(
     Column("output_path", Text, nullable=False),
     one_of("outcome", RunOutcome),
 )
+
+
+class RunInProgress(OutboxError):
+    """Another reconciliation run of the same schema is under way; this one did nothing."""
+
+
+@contextlib.contextmanager
+def one_at_a_time(engine: Engine, schema: str) -> Iterator[None]:
+    """Hold the schema's run lock for the block, or raise RunInProgress at once.
+
+    Two runs at once would read the same watermark and reconcile overlapping windows. The
+    lock is a session lock on a connection of its own, idle while the run works (so it never
+    holds back the window end), released at the end, or by the server when the process dies.
+    """
+    lock = (RUN_LOCK_CLASS, func.hashtext(validate_identifier(schema)))
+    with engine.connect() as conn:
+        taken = conn.execute(select(func.pg_try_advisory_lock(*lock))).scalar_one()
+        conn.commit()
+        if not taken:
+            raise RunInProgress(
+                f"another reconciliation run of schema {schema!r} is in progress; this one "
+                "did nothing (runs of a schema take turns: start the next when it ends)")
+        try:
+            yield
+        finally:
+            conn.execute(select(func.pg_advisory_unlock(*lock)))
+            conn.commit()
+
+
+def require_hold_back(conn: Connection) -> None:
+    """Refuse a role that cannot hold the window end back.
+
+    The window ends before the oldest open transaction, read from pg_stat_activity, which
+    shows other roles' transactions only to superusers and members of pg_read_all_stats:
+    without it, a transaction committing late could fall behind a window already passed.
+    """
+    role, sees_all = conn.execute(select(
+        literal_column("current_user"), func.pg_has_role("pg_read_all_stats", "USAGE"))).one()
+    if not sees_all:
+        raise ConfigurationError(
+            f"role {role} cannot see other sessions' transactions, so a late commit could "
+            f"escape reconciliation: GRANT pg_read_all_stats TO {role}, or run as a member of "
+            "the <schema>_reconcile role (`outbox db upgrade --create-roles`)")

@@ -206,3 +206,17 @@ def publish_orders(engine: Engine, outbox: Outbox, topic: str, orders: list[tupl
         else:
             session.rollback()
     return ids
+
+
+def assert_refused(url: str, statements: list[str]) -> None:
+    """Each statement, run by the login role of ``url``, fails with "permission denied"."""
+    from sqlalchemy.exc import ProgrammingError
+
+    as_login = create_engine(sqlalchemy_url(url))
+    try:
+        for statement in statements:
+            with as_login.connect() as conn, pytest.raises(ProgrammingError,
+                                                            match="permission denied"):
+                conn.execute(text(statement))
+    finally:
+        as_login.dispose()

@@ -454,3 +454,27 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.relay_member TO {schema}_relay;
 GRANT SELECT ON {schema}.message TO {schema}_sweeper;
 GRANT SELECT, UPDATE, DELETE ON {schema}.pending TO {schema}_sweeper;
 GRANT SELECT, INSERT ON {schema}.op_record TO {schema}_sweeper;
+
+-- name: create_reconcile_role
+-- The reconciliation job's group role (NOLOGIN), {schema}_reconcile: reads every table of the
+-- schema (also tables later migrations add: default privileges), writes only reconcile_run,
+-- and is a member of pg_read_all_stats, so it sees other roles' open transactions in
+-- pg_stat_activity and holds its window end back for them. Granting that membership needs a
+-- superuser (or ADMIN OPTION on it); otherwise the role is made without it and the job
+-- refuses to run under it until someone grants it.
+DO $role$
+BEGIN
+    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{schema}_reconcile') THEN
+        CREATE ROLE {schema}_reconcile NOLOGIN;
+    END IF;
+    BEGIN
+        GRANT pg_read_all_stats TO {schema}_reconcile;
+    EXCEPTION WHEN insufficient_privilege THEN
+        RAISE WARNING 'a superuser must run: GRANT pg_read_all_stats TO {schema}_reconcile';
+    END;
+END
+$role$;
+GRANT USAGE ON SCHEMA {schema} TO {schema}_reconcile;
+GRANT SELECT ON ALL TABLES IN SCHEMA {schema} TO {schema}_reconcile;
+ALTER DEFAULT PRIVILEGES IN SCHEMA {schema} GRANT SELECT ON TABLES TO {schema}_reconcile;
+GRANT INSERT ON {schema}.reconcile_run TO {schema}_reconcile;

@@ -88,6 +88,20 @@ def test_every_compose_command_runs(settings: Settings) -> None:
         assert f"127.0.0.1:{services[name]['command'][-1]}/metrics" in health[-1]
 
 
+def test_the_reconcile_job_runs_its_command(settings: Settings, tmp_path: Path) -> None:
+    """``docker compose run --rm reconcile``: its image's target has Java and the spark extra
+    (tests/unit/test_dockerfile.py); here its command runs against the suite's services."""
+    service = COMPOSE["services"]["reconcile"]
+    assert service["build"]["target"] == "reconcile" and service["profiles"] == ["reconcile"]
+    env = {**compose_env(settings), "OUTBOX_RECONCILE_OUTPUT_DIR": str(tmp_path)}
+
+    done = run_outbox(None, *service["command"], env=env)
+
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("outbox reconciliation run 1: CLEAN")
+    assert any(tmp_path.iterdir())
+
+
 def _healthy(port: int) -> bool:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as reply:

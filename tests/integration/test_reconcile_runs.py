@@ -1,0 +1,146 @@
+"""Reconciliation runs take turns per schema, and run under the least-privilege reconcile
+role: read-only on the outbox tables, writing only reconcile_run, still holding the window
+end back for other roles' open transactions (issue 15, "no blind spots")."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from pyspark.sql import SparkSession
+from sqlalchemy import Engine, create_engine, text
+
+from outbox import ConfigurationError, Outbox, migrate
+from outbox.cli import main
+from outbox.dev import services as devservices
+from outbox.settings import Settings, sqlalchemy_url
+from outbox.spark import reconcile as job
+from outbox.spark.runs import RUN_LOCK_CLASS, RunOutcome
+from tests.conftest import assert_refused, publish_orders, wait_until
+from tests.integration import test_reconcile
+from tests.processes import outbox_env
+
+#: The suite's one local SparkSession (test_reconcile.py's fixture).
+spark = test_reconcile.spark
+
+
+def tables_only(services: devservices.Services, schema: str, output: Path,
+                database_url: str | None = None) -> Settings:
+    return test_reconcile.reconcile_settings(services, schema, output).model_copy(update={
+        "reconcile_read_topics": False, "database_url": database_url or services.database_url})
+
+
+def holds_run_lock(engine: Engine, schema: str) -> bool:
+    with engine.connect() as conn:
+        return bool(conn.execute(text(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted "
+            "AND classid = :lock_class AND objid::bigint = hashtext(:schema)::bigint & 4294967295"
+        ), {"lock_class": RUN_LOCK_CLASS, "schema": schema}).scalar_one())
+
+
+def test_a_second_run_of_the_schema_exits_while_the_first_runs_then_follows_it(
+    spark: SparkSession, services: devservices.Services, engine: Engine, schema: str,
+    tmp_path: Path
+) -> None:
+    settings = tables_only(services, schema, tmp_path)
+    publish_orders(engine, Outbox(settings=settings), "orders", [("k", 1), ("k", 2)])
+    env = {"OUTBOX_DATABASE_URL": services.database_url, "OUTBOX_SCHEMA": schema,
+           "OUTBOX_RECONCILE_OUTPUT_DIR": str(tmp_path)}
+    with engine.connect() as blocker:
+        # The first run takes the run lock, then waits here, reading the last run's end.
+        blocker.execute(text(f"LOCK TABLE {schema}.reconcile_run IN ACCESS EXCLUSIVE MODE"))
+        first = subprocess.Popen(
+            [sys.executable, "-m", "outbox", "reconcile", "--tables-only", "--master", "local[1]"],
+            env=outbox_env(settings, **env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True)
+        try:
+            wait_until(lambda: holds_run_lock(engine, schema), 120, "the first run's lock")
+            second = CliRunner().invoke(main, ["reconcile", "--tables-only"], env=env)
+        finally:
+            blocker.rollback()
+            output, errors = first.communicate(timeout=180)
+
+    assert second.exit_code == 3, second.output
+    assert second.stderr.strip().splitlines() == [
+        f"outbox: another reconciliation run of schema {schema!r} is in progress; this one did "
+        "nothing (runs of a schema take turns: start the next when it ends)"]
+    assert first.returncode == 0, errors[-3000:]
+    assert "reconciliation run 1: CLEAN" in output
+    after = job.run(spark, settings, until=datetime.now(UTC))
+    with engine.connect() as conn:
+        windows = conn.execute(text(
+            f"SELECT window_since, window_until FROM {schema}.reconcile_run ORDER BY id")).all()
+    assert len(windows) == 2 and windows[1].window_since == windows[0].window_until
+    assert after.summary["counts"]["messages"] == 2
+
+
+@pytest.fixture
+def reconcile_login(engine: Engine, services: devservices.Services, schema: str
+                    ) -> Iterator[str]:
+    """The URL of a login role that is a member of ``<schema>_reconcile``, made by
+    ``create_roles`` (what ``outbox db upgrade --create-roles`` runs)."""
+    roles = migrate.create_roles(services.database_url, schema)
+    assert f"{schema}_reconcile" in roles
+    login = f"{schema}_reconcile_login"
+    with engine.begin() as conn:
+        conn.execute(text(f"CREATE ROLE {login} LOGIN PASSWORD 'pw' IN ROLE {schema}_reconcile"))
+    yield services.database_url.replace(
+        f"{devservices.DB_USER}:{devservices.DB_PASSWORD}@", f"{login}:pw@")
+    with engine.begin() as conn:
+        for role in [login, *roles]:
+            conn.execute(text(f"DROP OWNED BY {role}"))
+            conn.execute(text(f"DROP ROLE {role}"))
+
+
+def test_reconciliation_under_the_reconcile_role_holds_back_for_other_roles_transactions(
+    spark: SparkSession, services: devservices.Services, engine: Engine, schema: str,
+    reconcile_login: str, tmp_path: Path
+) -> None:
+    settings = tables_only(services, schema, tmp_path, reconcile_login)
+    publish_orders(engine, Outbox(settings=settings), "orders", [("k", 1), ("k", 2), ("j", 3)])
+    with engine.connect() as other_role:
+        opened = other_role.execute(text(
+            "SELECT xact_start FROM pg_stat_activity WHERE pid = pg_backend_pid()")).scalar_one()
+        try:
+            result = job.run(spark, settings, until=datetime.now(UTC))
+        finally:
+            other_role.rollback()
+
+    assert result.window.until == opened
+    assert result.outcome is RunOutcome.CLEAN
+    assert result.summary["counts"]["messages"] == 3
+
+
+def test_the_reconcile_role_reads_but_changes_nothing_except_its_runs(
+    schema: str, reconcile_login: str
+) -> None:
+    as_reconcile = create_engine(sqlalchemy_url(reconcile_login))
+    try:
+        with as_reconcile.connect() as conn:
+            assert conn.execute(text(f"SELECT count(payload) FROM {schema}.message")).scalar() == 0
+    finally:
+        as_reconcile.dispose()
+    assert_refused(reconcile_login, [
+        f"UPDATE {schema}.message SET status = status",
+        f"DELETE FROM {schema}.op_record",
+        f"DELETE FROM {schema}.reconcile_run",
+        f"INSERT INTO {schema}.message (topic) VALUES ('forged')",
+    ])
+
+
+def test_a_role_that_cannot_see_other_sessions_is_refused_before_it_reads(
+    spark: SparkSession, services: devservices.Services, engine: Engine, schema: str,
+    reconcile_login: str, tmp_path: Path
+) -> None:
+    with engine.begin() as conn:
+        conn.execute(text(f"REVOKE pg_read_all_stats FROM {schema}_reconcile"))
+    settings = tables_only(services, schema, tmp_path, reconcile_login)
+
+    with pytest.raises(ConfigurationError, match="cannot see other sessions' transactions"):
+        job.run(spark, settings, until=datetime.now(UTC))
+    assert not any(tmp_path.iterdir())
