@@ -126,7 +126,8 @@ def test_the_reconcile_role_reads_but_changes_nothing_except_its_runs(
     finally:
         as_reconcile.dispose()
     assert_refused(reconcile_login, [
-        f"UPDATE {schema}.message SET status = status",
+        f"UPDATE {schema}.message SET topic = topic",
+        f"UPDATE {schema}.pending SET status = status",
         f"DELETE FROM {schema}.op_record",
         f"DELETE FROM {schema}.reconcile_run",
         f"INSERT INTO {schema}.message (topic) VALUES ('forged')",
