@@ -28,6 +28,9 @@ LOCK_CLASS = 0x0B0C
 WORKER_LOCK_CLASS = 0x0B0D
 #: Namespace of the advisory lock that serialises migrations of one schema.
 MIGRATION_LOCK_CLASS = 0x0B0E
+#: The NOTIFY payload of a commit whose row is due later (the relay then re-reads when the
+#: next delayed row is due); other commits notify with an empty payload.
+DELAYED_NOTE = "delayed"
 _BLOCK = re.compile(r"^-- name: (\w+)\n", re.MULTILINE)
 
 
@@ -83,6 +86,7 @@ def publish(
         "lock_key": message.lock_key,
         "channel": notify_channel(schema),
         "notify": notify,
+        "delayed_note": DELAYED_NOTE,
     }
 
 

@@ -158,7 +158,7 @@ class Relay:
         recorder = self._recorder = Recorder(self.settings, self._settle)
         recorder.start()
         try:
-            with self._engine.connect() as conn:
+            with _autocommit(self._engine) as conn:
                 self._loop(conn, transport, wakeup, recorder)
                 recorder.drain()
                 recorder.raise_failure()
@@ -195,7 +195,7 @@ class Relay:
                 continue
             due = promote_at - time.monotonic() if shards else poll
             notes = wakeup.wait(max(0.0, min(poll, due)), self.stopping)
-            if notes:
+            if store.DELAYED_NOTE in notes:
                 promote_at = 0.0  # a new row may be due sooner than we knew
             if "rebalance" in notes:
                 self._keeper.poke()
@@ -323,7 +323,7 @@ class Recorder(threading.Thread):
     def run(self) -> None:
         engine = create_engine(self._url, pool_size=1, max_overflow=0, pool_pre_ping=True)
         try:
-            with engine.connect() as conn:
+            with _autocommit(engine) as conn:
                 while (flight := self._queue.get()) is not None:
                     try:
                         self._settle(conn, flight, self._failure is not None)
@@ -339,6 +339,13 @@ class Recorder(threading.Thread):
                 self._changed.notify_all()
         finally:
             engine.dispose()
+
+
+def _autocommit(engine: Engine) -> Connection:
+    """A connection whose statements commit one by one: the relay's hot statements (fetch,
+    promote, mark delivered) are each one statement, and BEGIN and COMMIT would double their
+    round trips. A multi-statement block (``with conn.begin()``) commits each statement."""
+    return engine.connect().execution_options(isolation_level="AUTOCOMMIT")
 
 
 def _headers(row: store.Deliverable) -> list[tuple[str, bytes]]:

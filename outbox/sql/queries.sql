@@ -7,7 +7,7 @@
 -- takes a transaction-scoped advisory lock on its (topic, key) hash, so rows of one key get
 -- their ids in commit order and the relay's id order is the key's order. pg_notify (unless
 -- turned off) is queued and sent by PostgreSQL only if the transaction commits. A row due
--- later starts DELAYED; times are the database's clock, not the application's.
+-- later starts DELAYED (and says so in its notification); times are the database's clock.
 WITH written AS (
     INSERT INTO {schema}.message
         (producer_group, topic, key, header_keys, header_values, payload, content_type, shard,
@@ -30,7 +30,10 @@ SELECT id, shard, topic, key, producer_group,
        now() + make_interval(secs => CAST(:check_after_seconds AS double precision)),
        created_at
 FROM written
-RETURNING message_id AS id, CASE WHEN CAST(:notify AS boolean) THEN pg_notify(:channel, '') END;
+RETURNING message_id AS id,
+          CASE WHEN CAST(:notify AS boolean)
+               THEN pg_notify(:channel, CASE WHEN status = 'DELAYED' THEN :delayed_note ELSE '' END)
+          END;
 
 -- name: fetch_deliverable
 -- The relay's next batch: committed, undelivered rows of the shards it owns, in id order,
