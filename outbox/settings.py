@@ -310,10 +310,19 @@ class PublishSettings(DatabaseSettings):
     )
 
 
+#: Payload bytes one relay batch may hold by default.
+RELAY_BATCH_BYTES = 16 * 1024 * 1024
+
+
 class RelaySettings(DatabaseSettings, KafkaSettings):
     """The relay daemon: batches, leases, parking, metrics and retention."""
 
-    relay_batch_size: int = Field(default=500, gt=0, le=100_000)
+    relay_batch_size: int = Field(default=2000, gt=0, le=100_000,
+                                  description="messages fetched and sent per batch")
+    relay_batch_bytes: int = Field(
+        default=RELAY_BATCH_BYTES, ge=1024, le=1024 * 1024 * 1024,
+        description="payload bytes per batch (a batch always holds at least one message)"
+    )
     relay_poll_interval: float = Field(
         default=1.0, ge=0.01, le=3600, description="seconds between polls when no NOTIFY arrives"
     )

@@ -20,7 +20,7 @@ from sqlalchemy.dialects.postgresql.psycopg import dialect as psycopg_dialect
 from outbox.encoding import EncodedMessage
 from outbox.message import Message
 from outbox.schema import Resolution
-from outbox.settings import validate_identifier
+from outbox.settings import RELAY_BATCH_BYTES, validate_identifier
 
 #: Namespace of the advisory locks that order writers of one key (first half of the lock key).
 LOCK_CLASS = 0x0B0C
@@ -113,10 +113,13 @@ def fetch_deliverable(
     shards: Iterable[int],
     limit: int,
     in_flight: Sequence[int] = (),
+    max_bytes: int = RELAY_BATCH_BYTES,
 ) -> list[Deliverable]:
-    """The relay's next batch. Runs on the driver with binary results: payloads arrive as
-    raw bytes instead of hex text, which more than halves the cost of the hot fetch."""
-    params = {"shards": list(shards), "limit": limit, "in_flight": list(in_flight)}
+    """The relay's next batch: at most ``limit`` rows and ``max_bytes`` of payload (at least
+    one row). Runs on the driver with binary results: payloads arrive as raw bytes instead
+    of hex text, which more than halves the cost of the hot fetch."""
+    params = {"shards": list(shards), "limit": limit, "in_flight": list(in_flight),
+              "max_bytes": max_bytes}
     driver = conn.connection.driver_connection
     assert driver is not None
     with driver.cursor(binary=True) as cursor:

@@ -188,8 +188,9 @@ class Relay:
                     if time.monotonic() >= promote_at:
                         _, next_due_in = store.promote_due(conn, self.schema, shards)
                         promote_at = time.monotonic() + min(poll, next_due_in or poll)
-                    batch = store.fetch_deliverable(conn, self.schema, shards, limit,
-                                                    in_flight=recorder.in_flight_ids())
+                    batch = store.fetch_deliverable(
+                        conn, self.schema, shards, limit, in_flight=recorder.in_flight_ids(),
+                        max_bytes=self.settings.relay_batch_bytes)
             if batch:
                 metrics.topics_seen(row.topic for row in batch)
                 recorder.submit(self._send(transport, batch))

@@ -9,9 +9,10 @@ from collections import defaultdict
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
-from outbox import Outbox
+from outbox import Outbox, store
 from outbox.dev.topics import read_topic
 from outbox.relay.relay import Relay
+from outbox.schema import SHARDS
 from outbox.settings import Settings
 from tests.conftest import both_transports, count_status, publish_orders, wait_delivered, wait_until
 
@@ -159,3 +160,20 @@ def test_relay_wakes_on_commit_without_waiting_for_a_poll(
         daemon.stop()
         thread.join(10)
     assert not thread.is_alive()
+
+
+def test_a_batch_stops_at_its_byte_budget_but_always_holds_one_message(
+    engine: Engine, outbox: Outbox, schema: str
+) -> None:
+    with Session(engine) as session, session.begin():
+        ids = [outbox.publish(session, "big", b"x" * 300_000, key=f"k{i}") for i in range(5)]
+    with engine.connect() as conn:
+        def batch(max_bytes: int, in_flight: list[int] | None = None) -> list[int]:
+            return [row.id for row in store.fetch_deliverable(
+                conn, schema, range(SHARDS), 100, in_flight=in_flight or [],
+                max_bytes=max_bytes)]
+
+        assert batch(700_000) == ids[:3], "rows start below the budget: 0, 300 kB, 600 kB"
+        assert batch(1_000_000_000) == ids
+        assert batch(1024) == ids[:1], "one message bigger than the budget still goes"
+        assert batch(700_000, in_flight=ids[:3]) == ids[3:]
