@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs what the demo and the tests need on a fresh Debian machine: PostgreSQL's server
-# binaries, Java and the PostgreSQL JDBC driver (Debian packages, only if absent), a
+# binaries, Java, the PostgreSQL JDBC driver and promtool (Debian packages, only if absent), a
 # virtualenv in .venv and the project.
 # Usage: scripts/bootstrap.sh [pip extras, e.g. dev,spark]
 set -euo pipefail
@@ -13,6 +13,8 @@ command -v java >/dev/null || need+=(openjdk-17-jre-headless)
 command -v setpriv >/dev/null || need+=(util-linux)
 # The PostgreSQL JDBC driver for Spark reconciliation (outbox reconcile).
 [ -f /usr/share/java/postgresql.jar ] || need+=(libpostgresql-jdbc-java)
+# promtool checks and unit-tests the alert rules in deploy/prometheus (tests/unit/test_alert_rules.py).
+command -v promtool >/dev/null || need+=(prometheus)
 if [ "${#need[@]}" -gt 0 ]; then
   echo "bootstrap: installing Debian packages: ${need[*]}"
   sudo_cmd=""

@@ -17,10 +17,11 @@ import yaml
 from outbox.dev import services as devservices
 from outbox.settings import Settings
 from tests.conftest import wait_until
+from tests.monitoring import promtool
 from tests.processes import outbox_env, run_outbox, start_outbox
 
-COMPOSE: dict[str, Any] = yaml.safe_load(
-    (Path(__file__).parents[2] / "docker-compose.yml").read_text())
+ROOT = Path(__file__).parents[2]
+COMPOSE: dict[str, Any] = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 
 
 def compose_schema() -> dict[str, Any]:
@@ -42,7 +43,7 @@ def test_compose_file_follows_the_compose_specification() -> None:
 
 def test_compose_deploys_what_a_team_needs() -> None:
     services = COMPOSE["services"]
-    assert {"postgres", "kafka", "migrate", "relay", "sweeper"} <= set(services)
+    assert {"postgres", "kafka", "migrate", "relay", "sweeper", "prometheus"} <= set(services)
     assert services["relay"]["deploy"]["replicas"] == 2
     for name in ("relay", "sweeper"):
         assert services[name]["depends_on"]["migrate"]["condition"] == (
@@ -56,6 +57,41 @@ def test_compose_settings_are_ones_the_cli_knows() -> None:
     env = COMPOSE["services"]["relay"]["environment"]
     known = {f"OUTBOX_{name.upper()}" for name in Settings.model_fields} | {"OUTBOX_SCHEMA"}
     assert set(env) <= known, set(env) - known
+
+
+def metrics_port(service: str) -> str:
+    command = COMPOSE["services"][service]["command"]
+    return str(command[command.index("--metrics-port") + 1])
+
+
+def prometheus_config() -> Path:
+    """The configuration file the prometheus service loads, on this side of its volume."""
+    service = COMPOSE["services"]["prometheus"]
+    (flag,) = [arg for arg in service["command"] if arg.startswith("--config.file=")]
+    inside = Path(flag.partition("=")[2])
+    mounts = dict(reversed(volume.split(":")[:2]) for volume in service["volumes"])
+    return ROOT / mounts[str(inside.parent)] / inside.name
+
+
+def test_prometheus_scrapes_every_relay_and_the_sweeper_on_their_metrics_ports() -> None:
+    config = yaml.safe_load(prometheus_config().read_text())
+    discovery = {job["job_name"]: job["dns_sd_configs"] for job in config["scrape_configs"]}
+    for job, service in (("outbox-relay", "relay"), ("outbox-sweeper", "sweeper")):
+        port = metrics_port(service)
+        assert discovery[job] == [{"names": [service], "type": "A", "port": int(port),
+                                   "refresh_interval": "30s"}]
+        assert COMPOSE["services"][service]["expose"] == [port]
+
+
+def test_prometheus_loads_the_alert_rules() -> None:
+    config = prometheus_config()
+    rule_files = yaml.safe_load(config.read_text())["rule_files"]
+    assert rule_files == ["alerts.yml"] and (config.parent / "alerts.yml").is_file()
+
+    checked = promtool("check", "config", str(config))
+
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "SUCCESS: 1 rule files found" in checked.stdout
 
 
 def compose_env(settings: Settings) -> dict[str, str]:
@@ -85,7 +121,7 @@ def test_every_compose_command_runs(settings: Settings) -> None:
             output, _ = process.communicate(timeout=30)
         assert process.returncode == 0, output
         health = services[name]["healthcheck"]["test"]
-        assert f"127.0.0.1:{services[name]['command'][-1]}/metrics" in health[-1]
+        assert f"127.0.0.1:{metrics_port(name)}/metrics" in health[-1]
 
 
 def test_the_reconcile_job_runs_its_command(settings: Settings, tmp_path: Path) -> None:
