@@ -258,9 +258,12 @@ def leave(conn: Connection, schema: str, worker_id: str) -> None:
     )
 
 
-def backlog(conn: Connection, schema: str) -> dict[str, int]:
-    """Undelivered messages by state: pending, unresolved, delayed, parked, discarded."""
-    return {k: int(v) for k, v in conn.execute(query("backlog", schema)).one()._mapping.items()}
+def backlog(conn: Connection, schema: str) -> tuple[dict[str, int], float]:
+    """Undelivered messages by state (pending, unresolved, delayed, parked, discarded), and
+    the seconds the oldest committed pending message has waited (0 when none waits)."""
+    row = dict(conn.execute(query("backlog", schema)).one()._mapping)
+    oldest = row.pop("oldest_pending_seconds")
+    return {k: int(v) for k, v in row.items()}, float(oldest or 0.0)
 
 
 def status_by_topic(conn: Connection, schema: str) -> list[dict[str, Any]]:

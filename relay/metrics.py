@@ -34,6 +34,10 @@ BACKLOG = Gauge(
     "outbox_messages", "Undelivered messages by state (pending is like rocketmq_half_messages)",
     ["state"],
 )
+OLDEST_PENDING = Gauge(
+    "outbox_oldest_pending_seconds",
+    "How long the oldest committed, undelivered message has waited (0 when none waits)",
+)
 
 
 _topics_seen: set[str] = set()
@@ -50,8 +54,10 @@ def topics_seen(topics: Iterable[str]) -> None:
 
 def observe_backlog(conn: Connection, schema: str) -> None:
     with conn.begin():
-        for state, count in store.backlog(conn, schema).items():
-            BACKLOG.labels(state).set(count)
+        counts, oldest = store.backlog(conn, schema)
+    for state, count in counts.items():
+        BACKLOG.labels(state).set(count)
+    OLDEST_PENDING.set(oldest)
 
 
 def serve(port: int, address: str = "0.0.0.0") -> None:

@@ -196,13 +196,16 @@ SELECT message_id, 'RESUMED', :actor, 'was ' || was FROM resumed
 RETURNING message_id, detail, pg_notify(:channel, '');
 
 -- name: backlog
--- Undelivered messages by state for the metrics: the pending table holds exactly those.
+-- Undelivered messages by state for the metrics (the pending table holds exactly those), and
+-- how long the oldest committed one has waited (NULL when none waits).
 SELECT count(*) FILTER (WHERE status = 'PENDING' AND resolution = 'COMMIT') AS pending,
        count(*) FILTER (WHERE resolution = 'UNKNOWN'
                         AND status IN ('PENDING', 'DELAYED')) AS unresolved,
        count(*) FILTER (WHERE status = 'DELAYED') AS delayed,
        count(*) FILTER (WHERE status = 'PARKED') AS parked,
-       count(*) FILTER (WHERE status = 'DISCARDED') AS discarded
+       count(*) FILTER (WHERE status = 'DISCARDED') AS discarded,
+       extract(epoch FROM now() - min(created_at) FILTER (
+           WHERE status = 'PENDING' AND resolution = 'COMMIT')) AS oldest_pending_seconds
 FROM {schema}.pending;
 
 -- name: status_by_topic

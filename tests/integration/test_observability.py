@@ -118,3 +118,20 @@ def test_prune_deletes_only_expired_finished_rows(
     with engine.connect() as conn:
         kept_ops = set(conn.execute(text(f"SELECT message_id FROM {schema}.op_record")).scalars())
     assert kept_ops == {ids[0]}, "a kept row keeps its history"
+
+
+def test_backlog_gauges_count_pending_rows_and_the_oldest_ones_wait(
+    engine: Engine, outbox: Outbox, schema: str, topic: str
+) -> None:
+    from prometheus_client import REGISTRY
+
+    from outbox.relay import metrics
+
+    publish_orders(engine, outbox, topic, [("a", 1), ("b", 2)])  # no relay runs
+    with engine.begin() as conn:
+        conn.execute(text(f"UPDATE {schema}.pending SET created_at = now() - interval '90 s'"))
+    with engine.connect() as conn:
+        metrics.observe_backlog(conn, schema)
+    assert REGISTRY.get_sample_value("outbox_messages", {"state": "pending"}) == 2
+    oldest = REGISTRY.get_sample_value("outbox_oldest_pending_seconds")
+    assert oldest is not None and 90 <= oldest < 120
