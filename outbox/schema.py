@@ -30,6 +30,12 @@ DEFAULT_SCHEMA = "outbox"
 #: Keys are hashed into this many virtual shards; a relay owns a shard through a lease.
 SHARDS = 64
 VERSION_TABLE = "outbox_alembic_version"
+#: A row's shard must be one a relay can own.
+SHARD_VALID = f"shard >= 0 AND shard < {SHARDS}"
+#: Headers the relay adds to every record; a stored message never carries its own.
+RESERVED_HEADERS = ("content-type", "outbox-id")
+HEADERS_VALID = ("NOT (coalesce(header_keys, '{}') && ARRAY["
+                 + ", ".join(f"'{name}'" for name in RESERVED_HEADERS) + "])")
 
 
 class Resolution(StrEnum):
@@ -92,6 +98,8 @@ message = Table(
     Column("shard", SmallInteger, nullable=False),
     Column("deliver_after", DateTime(timezone=True)),
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    CheckConstraint(SHARD_VALID, name="shard_valid"),
+    CheckConstraint(HEADERS_VALID, name="headers_valid"),
     Index("message_created_at_idx", "created_at", postgresql_using="brin"),
 )
 
@@ -116,6 +124,7 @@ pending = Table(
     Column("created_at", DateTime(timezone=True), nullable=False),
     one_of("resolution", Resolution, exclude=(Resolution.ROLLBACK,)),
     one_of("status", Status, exclude=(Status.DELIVERED, Status.ROLLED_BACK)),
+    CheckConstraint(SHARD_VALID, name="shard_valid"),
     Index(
         "pending_relay_idx",
         "message_id",

@@ -208,15 +208,15 @@ def publish_orders(engine: Engine, outbox: Outbox, topic: str, orders: list[tupl
     return ids
 
 
-def assert_refused(url: str, statements: list[str]) -> None:
-    """Each statement, run by the login role of ``url``, fails with "permission denied"."""
-    from sqlalchemy.exc import ProgrammingError
+def assert_refused(url: str, statements: list[str], match: str = "permission denied") -> None:
+    """Each statement, run by the login role of ``url``, fails with an error matching
+    ``match`` (a missing privilege by default; a constraint or trigger otherwise)."""
+    from sqlalchemy.exc import DBAPIError
 
     as_login = create_engine(sqlalchemy_url(url))
     try:
         for statement in statements:
-            with as_login.connect() as conn, pytest.raises(ProgrammingError,
-                                                            match="permission denied"):
+            with as_login.connect() as conn, pytest.raises(DBAPIError, match=match):
                 conn.execute(text(statement))
     finally:
         as_login.dispose()

@@ -274,52 +274,16 @@ SELECT to_regclass(:table) IS NOT NULL;
 SELECT version_num FROM {schema}.outbox_alembic_version;
 
 -- name: decide
--- An application's decision on an UNKNOWN message (RocketMQ's endTransaction). The pending
--- row is locked first so the answer reflects a decision that committed meanwhile; only an
--- UNKNOWN row changes, so no decision or check-back ever overrides an earlier one. COMMIT
--- leaves the row to the relay; ROLLBACK deletes it with a ROLLED_BACK op record. A DISCARDED
--- row can still be decided (a late COMMIT is delivered, with a RESUMED op record). Returns
--- nothing for an unknown id, else the resolution found and whether this call changed it.
-WITH target AS (
-    SELECT message_id, resolution, status FROM {schema}.pending
-    WHERE message_id = :id FOR UPDATE
-), committed AS (
-    UPDATE {schema}.pending AS p
-    SET resolution = 'COMMIT',
-        status = CASE WHEN p.status = 'DISCARDED' AND p.deliver_after > now() THEN 'DELAYED'
-                      WHEN p.status = 'DISCARDED' THEN 'PENDING' ELSE p.status END,
-        next_check_at = NULL
-    FROM target
-    WHERE CAST(:resolution AS text) = 'COMMIT' AND p.message_id = target.message_id
-      AND p.resolution = 'UNKNOWN' AND p.status IN ('PENDING', 'DELAYED', 'DISCARDED')
-    RETURNING p.message_id, p.status, target.status AS was
-), rolled_back AS (
-    DELETE FROM {schema}.pending AS p
-    USING target
-    WHERE CAST(:resolution AS text) = 'ROLLBACK' AND p.message_id = target.message_id
-      AND p.resolution = 'UNKNOWN' AND p.status IN ('PENDING', 'DELAYED', 'DISCARDED')
-    RETURNING p.message_id, 'ROLLED_BACK' AS status, target.status AS was
-), decided AS (
-    SELECT * FROM committed UNION ALL SELECT * FROM rolled_back
-), recorded AS (
-    INSERT INTO {schema}.op_record (message_id, action, actor, detail)
-    SELECT message_id, CASE WHEN status = 'ROLLED_BACK' THEN 'ROLLED_BACK' ELSE 'RESUMED' END,
-           :actor,
-           CASE WHEN was = 'DISCARDED' THEN 'was DISCARDED; ' ELSE '' END
-           || 'decided ' || CAST(:resolution AS text) || ' by the application'
-    FROM decided WHERE status = 'ROLLED_BACK' OR was = 'DISCARDED'
-), finished AS (
-    SELECT CASE WHEN EXISTS (SELECT FROM {schema}.op_record AS o
-                             WHERE o.message_id = m.id AND o.action = 'ROLLED_BACK')
-                THEN 'ROLLBACK' ELSE 'COMMIT' END AS resolution
-    FROM {schema}.message AS m
-    WHERE m.id = :id AND NOT EXISTS (SELECT FROM target)
-)
-SELECT target.resolution AS was_resolution, EXISTS (SELECT FROM decided) AS decided,
-       (SELECT count(pg_notify(:channel, '')) FROM decided WHERE status = 'PENDING') AS notified
-FROM target
-UNION ALL
-SELECT resolution, false, 0 FROM finished;
+-- An application's decision on an UNKNOWN message (RocketMQ's endTransaction), through the
+-- SECURITY DEFINER function of revision 0005 (the application's role may not change pending
+-- rows or write op records itself). It locks the pending row first, so the answer reflects a
+-- decision that committed meanwhile; only an UNKNOWN row changes, so no decision or check-back
+-- ever overrides an earlier one. COMMIT leaves the row to the relay; ROLLBACK deletes it with a
+-- ROLLED_BACK op record; a DISCARDED row can still be decided (a late COMMIT is delivered, with
+-- a RESUMED op record). Returns nothing for an unknown id, else the resolution found and
+-- whether this call changed it.
+SELECT was_resolution, decided, notified
+FROM {schema}.decide_message(:id, CAST(:resolution AS text), :actor, :channel);
 
 -- name: claim_checks
 -- A sweeper claims due UNKNOWN rows of the producer groups it has checkers for, through the
@@ -436,9 +400,12 @@ ORDER BY producer_group;
 
 -- name: create_roles
 -- Least-privilege group roles (NOLOGIN; grant them to your login roles):
---   {schema}_app      writes prepare rows and decisions, reads no payloads, deletes nothing;
---   {schema}_relay    delivers, keeps leases and prunes;
---   {schema}_sweeper  checks back (grant it SELECT on the tables your SQL checkers read).
+--   {schema}_app      writes prepare rows (the columns the publish statement sets; the rest
+--                     is checked by revision 0005's constraints and trigger) and decides
+--                     through decide_message(); reads no payloads, updates and deletes nothing;
+--   {schema}_relay    delivers (delivery columns of pending only), keeps leases and prunes;
+--   {schema}_sweeper  checks back (check columns of pending only; grant it SELECT on the
+--                     tables your SQL checkers read).
 DO $roles$
 DECLARE
     name text;
@@ -450,22 +417,30 @@ BEGIN
     END LOOP;
 END
 $roles$;
+-- Start from nothing, so running this again after an upgrade also takes back what an older
+-- revision's rules granted.
+REVOKE ALL ON ALL TABLES IN SCHEMA {schema} FROM {schema}_app, {schema}_relay, {schema}_sweeper;
 GRANT USAGE ON SCHEMA {schema} TO {schema}_app, {schema}_relay, {schema}_sweeper;
 GRANT SELECT ON {schema}.outbox_alembic_version TO {schema}_app, {schema}_relay, {schema}_sweeper;
-GRANT INSERT ON {schema}.message, {schema}.pending TO {schema}_app;
+GRANT INSERT (producer_group, topic, key, header_keys, header_values, payload, content_type,
+              shard, deliver_after)
+    ON {schema}.message TO {schema}_app;
 GRANT SELECT (id, producer_group, topic, key, shard, deliver_after, created_at)
     ON {schema}.message TO {schema}_app;
-GRANT SELECT (message_id, resolution, status, deliver_after),
-      UPDATE (resolution, status, next_check_at), DELETE
+GRANT INSERT (message_id, shard, topic, key, producer_group, status, resolution,
+              deliver_after, next_check_at, created_at),
+      SELECT (message_id, status)
     ON {schema}.pending TO {schema}_app;
-GRANT SELECT (message_id, action), INSERT ON {schema}.op_record TO {schema}_app;
+GRANT EXECUTE ON FUNCTION {schema}.decide_message(bigint, text, text, text) TO {schema}_app;
 GRANT SELECT, DELETE ON {schema}.message TO {schema}_relay;
-GRANT SELECT, UPDATE, DELETE ON {schema}.pending TO {schema}_relay;
+GRANT SELECT, DELETE, UPDATE (status, attempts, last_error, check_count, next_check_at)
+    ON {schema}.pending TO {schema}_relay;
 GRANT SELECT, INSERT, DELETE ON {schema}.op_record TO {schema}_relay;
 GRANT SELECT, UPDATE ON {schema}.relay_lease TO {schema}_relay;
 GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.relay_member TO {schema}_relay;
 GRANT SELECT ON {schema}.message TO {schema}_sweeper;
-GRANT SELECT, UPDATE, DELETE ON {schema}.pending TO {schema}_sweeper;
+GRANT SELECT, DELETE, UPDATE (check_count, resolution, status, next_check_at)
+    ON {schema}.pending TO {schema}_sweeper;
 GRANT SELECT, INSERT ON {schema}.op_record TO {schema}_sweeper;
 
 -- name: create_reconcile_role

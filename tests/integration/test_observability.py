@@ -93,17 +93,16 @@ def test_relay_metrics_are_served_for_prometheus(
 def test_prune_deletes_only_expired_finished_rows(
     engine: Engine, outbox: Outbox, settings: Settings, schema: str, topic: str
 ) -> None:
-    ids = publish_orders(engine, outbox, topic, [(f"k{i}", i) for i in range(30)])
+    publish_orders(engine, outbox, topic, [(f"k{i}", i) for i in range(29)])
     with running_relay(settings):
-        wait_delivered(engine, schema, 30)
-    pending = publish_orders(engine, outbox, topic, [("p", 1)])
+        wait_delivered(engine, schema, 29)
+    parked, *pending = publish_orders(engine, outbox, topic, [("q", 0), ("p", 1)])
     with engine.begin() as conn:
         conn.execute(text(f"UPDATE {schema}.message SET created_at = now() - interval '100 hours'"))
-        conn.execute(text(  # delivered once, then parked again: kept with its history
-            f"INSERT INTO {schema}.pending (message_id, shard, topic, key, producer_group, "
-            f"status, resolution, created_at) SELECT id, shard, topic, key, producer_group, "
-            f"'PARKED', 'COMMIT', created_at FROM {schema}.message WHERE id = :id"),
-            {"id": ids[0]})
+        conn.execute(text(f"UPDATE {schema}.pending SET status = 'PARKED' "
+                          f"WHERE message_id = :id"), {"id": parked})
+        conn.execute(text(f"INSERT INTO {schema}.op_record (message_id, action, actor, detail) "
+                          f"VALUES (:id, 'PARKED', 'relay', 'rejected')"), {"id": parked})
         conn.execute(text(
             f"UPDATE {schema}.op_record SET created_at = now() - interval '100 hours'"))
 
@@ -114,10 +113,10 @@ def test_prune_deletes_only_expired_finished_rows(
     assert count_status(engine, schema, "DELIVERED") == 0
     with engine.connect() as conn:
         left = set(conn.execute(text(f"SELECT id FROM {schema}.message")).scalars())
-    assert left == {ids[0], *pending}, "parked and undelivered rows are kept"
+    assert left == {parked, *pending}, "parked and undelivered rows are kept"
     with engine.connect() as conn:
         kept_ops = set(conn.execute(text(f"SELECT message_id FROM {schema}.op_record")).scalars())
-    assert kept_ops == {ids[0]}, "a kept row keeps its history"
+    assert kept_ops == {parked}, "a kept row keeps its history"
 
 
 def test_backlog_gauges_count_pending_rows_and_the_oldest_ones_wait(

@@ -66,20 +66,33 @@ def publish_clean_flow(engine: Engine, outbox: Outbox, topic: str, n: int) -> li
 
 
 def insert_message(conn: object, schema: str, topic: str, **columns: object) -> int:
-    """A message row, and its pending row unless ``status`` says it is finished."""
+    """A message row written as the publish statement writes it, then moved to ``status``
+    and aged by ``age`` (as the relay, the sweeper and time would)."""
     values = {"key": None, "resolution": "COMMIT", "status": "PENDING", "check_count": 0,
               "age": "0 seconds", **columns}
-    return int(conn.execute(text(  # type: ignore[attr-defined]
-        f"WITH m AS (INSERT INTO {schema}.message (topic, key, payload, content_type, shard, "
-        f"created_at) VALUES (:topic, :key, CAST('{{}}' AS bytea), 'application/json', 0, "
-        f"now() - CAST(:age AS interval)) RETURNING id, topic, key, created_at), "
+    execute = conn.execute  # type: ignore[attr-defined]
+    message_id = int(execute(text(
+        f"WITH m AS (INSERT INTO {schema}.message (topic, key, payload, content_type, shard) "
+        f"VALUES (:topic, :key, CAST('{{}}' AS bytea), 'application/json', 0) "
+        f"RETURNING id, topic, key, created_at), "
         f"p AS (INSERT INTO {schema}.pending (message_id, shard, topic, key, producer_group, "
-        f"status, resolution, check_count, created_at, next_check_at) "
-        f"SELECT id, 0, topic, key, 'default', :status, :resolution, :check_count, created_at, "
-        f"now() + interval '30 seconds' FROM m "
-        f"WHERE :status NOT IN ('DELIVERED', 'ROLLED_BACK')) "
+        f"status, resolution, created_at, next_check_at) "
+        f"SELECT id, 0, topic, key, 'default', 'PENDING', :resolution, created_at, "
+        f"now() + interval '30 seconds' FROM m) "
         f"SELECT id FROM m"),
-        {"topic": topic, **values}).scalar_one())
+        {"topic": topic, "key": values["key"], "resolution": values["resolution"]}
+    ).scalar_one())
+    for table, column in (("message", "id"), ("pending", "message_id")):
+        execute(text(f"UPDATE {schema}.{table} SET created_at = created_at - "
+                     f"CAST(:age AS interval) WHERE {column} = :id"),
+                {"age": values["age"], "id": message_id})
+    if values["status"] in ("DELIVERED", "ROLLED_BACK"):
+        execute(text(f"DELETE FROM {schema}.pending WHERE message_id = :id"), {"id": message_id})
+    else:
+        execute(text(f"UPDATE {schema}.pending SET status = :status, check_count = :checks "
+                     f"WHERE message_id = :id"),
+                {"status": values["status"], "checks": values["check_count"], "id": message_id})
+    return message_id
 
 
 def produce(bootstrap: str, topic: str, partition: int, key: bytes | None,

@@ -90,3 +90,64 @@ def test_application_role_cannot_read_payloads_or_forge_deliveries(
         f"UPDATE {schema}.relay_lease SET owner = 'me'",
         f"SELECT * FROM {schema}.op_record",
     ])
+
+
+def test_application_role_cannot_forge_state_shards_headers_or_history(
+    engine: Engine, outbox: Outbox, schema: str, logins: dict[str, str]
+) -> None:
+    """Issue 11's forgeries by the application's role, each refused by the database."""
+    app_engine = create_engine(sqlalchemy_url(logins["app"]))
+    try:
+        with Session(app_engine) as session, session.begin():
+            committed = outbox.publish(session, "t", {"n": 1})
+            unknown = outbox.prepare(session, "t", {"n": 2})
+            rolled_back = outbox.prepare(session, "t", {"n": 3})
+        outbox.rollback(app_engine, rolled_back)  # through decide_message(), as the app
+    finally:
+        app_engine.dispose()
+    new_message = (f"INSERT INTO {schema}.message (topic, payload, content_type, shard{{cols}}) "
+                   f"VALUES ('t', 'x', 'text/plain', {{shard}}{{vals}})")
+    assert_refused(logins["app"], [
+        # mark a committed row delivered, park or discard it, or revive a rolled-back one
+        f"UPDATE {schema}.pending SET status = 'PARKED' WHERE message_id = {committed}",
+        f"DELETE FROM {schema}.pending WHERE message_id = {committed}",
+        f"UPDATE {schema}.pending SET resolution = 'COMMIT' WHERE message_id = {unknown}",
+        # write op records (a fake DELIVERED one) or choose its own creation time
+        f"INSERT INTO {schema}.op_record (message_id, action, actor) "
+        f"VALUES ({committed}, 'DELIVERED', 'app')",
+        new_message.format(cols=", created_at", shard=0, vals=", now() - interval '1 day'"),
+    ])
+    assert_refused(logins["app"], [
+        new_message.format(cols="", shard=999, vals=""),  # a shard no relay owns
+        new_message.format(cols=", header_keys, header_values", shard=0,  # a forged id header
+                           vals=", ARRAY['outbox-id'], ARRAY[CAST('1' AS bytea)]"),
+    ], match="violates check constraint")
+    revive = (f"INSERT INTO {schema}.pending (message_id, shard, topic, producer_group, status, "
+              f"resolution, created_at) SELECT id, shard, topic, producer_group, '{{status}}', "
+              f"'COMMIT', now() FROM {schema}.message WHERE id = {{id}}")
+    assert_refused(logins["app"], [
+        revive.format(status="PENDING", id=rolled_back),  # a rolled-back message, revived
+        revive.format(status="PENDING", id=committed),  # a second pending row: pkey, or this
+    ], match="written only by the publish statement|duplicate key")
+    with engine.connect() as conn:
+        states = dict(conn.execute(text(
+            f"SELECT id, status FROM {schema}.message_state")).all())
+    assert states == {committed: "PENDING", unknown: "PENDING", rolled_back: "ROLLED_BACK"}
+
+
+def test_relay_and_sweeper_roles_touch_only_their_own_columns(
+    outbox: Outbox, engine: Engine, schema: str, logins: dict[str, str]
+) -> None:
+    with Session(engine) as session, session.begin():
+        message_id = outbox.prepare(session, "t", {"n": 1})
+    assert_refused(logins["relay"], [
+        f"UPDATE {schema}.message SET payload = 'forged'",
+        f"UPDATE {schema}.pending SET resolution = 'COMMIT' WHERE message_id = {message_id}",
+        f"UPDATE {schema}.pending SET shard = 1",
+    ])
+    assert_refused(logins["sweeper"], [
+        f"UPDATE {schema}.message SET payload = 'forged'",
+        f"UPDATE {schema}.pending SET attempts = 0, last_error = NULL",
+        f"UPDATE {schema}.pending SET shard = 1",
+        f"DELETE FROM {schema}.message",
+    ])
