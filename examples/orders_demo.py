@@ -158,7 +158,7 @@ def main() -> int:
         with engine.connect() as conn:
             while time.monotonic() < deadline:
                 delivered = conn.execute(text(
-                    "SELECT count(*) FROM outbox.message WHERE status = 'DELIVERED'")
+                    "SELECT count(*) FROM outbox.message_state WHERE status = 'DELIVERED'")
                 ).scalar_one()
                 conn.rollback()
                 if delivered >= len(committed):
