@@ -172,6 +172,7 @@ class Relay:
         limit = self.settings.relay_batch_size
         poll = self.settings.relay_poll_interval
         promote_at = 0.0  # monotonic time of the next look for due delayed rows
+        woken = False  # by a notification, since the last fetch
         self._keeper.first_tick.wait(self.settings.relay_lease_seconds)
         while not self.stopping.is_set():
             if self._keeper.fatal is not None:
@@ -191,12 +192,16 @@ class Relay:
                     batch = store.fetch_deliverable(
                         conn, self.schema, shards, limit, in_flight=recorder.in_flight_ids(),
                         max_bytes=self.settings.relay_batch_bytes)
+            if woken:
+                wakeup.found_work(bool(batch))
+                woken = False
             if batch:
                 metrics.topics_seen(row.topic for row in batch)
                 recorder.submit(self._send(transport, batch))
                 continue
             due = promote_at - time.monotonic() if shards else poll
             notes = wakeup.wait(max(0.0, min(poll, due)), self.stopping)
+            woken = bool(notes)
             if store.DELAYED_NOTE in notes:
                 promote_at = 0.0  # a new row may be due sooner than we knew
             if "rebalance" in notes:

@@ -10,12 +10,25 @@ from psycopg import sql
 from outbox import store
 from outbox.settings import sqlalchemy_url
 
+#: Wake-ups in a row that found nothing to deliver before the relay starts pausing after each
+#: notification (anyone may NOTIFY the channel: a flood must not spin the relay), the first
+#: pause, and the longest (a real commit during a flood waits at most this long).
+FREE_WAKES = 3
+FIRST_PAUSE = 0.001
+MAX_PAUSE = 0.1
+
 
 class Wakeup:
-    """A dedicated autocommit connection LISTENing for committed prepare rows."""
+    """A dedicated autocommit connection LISTENing for committed prepare rows.
+
+    Notifications are hints, coalesced: however many arrive, one wake-up reads them all. When
+    wake-ups keep finding nothing (:meth:`found_work`), each next one first pauses, doubling up
+    to ``MAX_PAUSE``, so a flood costs a bounded number of fetches a second.
+    """
 
     def __init__(self, database_url: str, schema: str) -> None:
         dsn = sqlalchemy_url(database_url).replace("postgresql+psycopg://", "postgresql://", 1)
+        self._idle_wakes = 0
         self._conn = psycopg.connect(dsn, autocommit=True)
         channel = sql.Identifier(store.notify_channel(schema))
         self._conn.execute(sql.SQL("LISTEN {}").format(channel))
@@ -29,9 +42,19 @@ class Wakeup:
             step = min(slice_seconds, remaining)
             payloads = {n.payload for n in self._conn.notifies(timeout=step, stop_after=1)}
             if payloads:
+                if pause := self._pause():
+                    stop.wait(pause)
                 return payloads | self.drain()
             remaining -= step
         return set()
+
+    def found_work(self, found: bool) -> None:
+        """Whether the fetch after the last notification found anything to deliver."""
+        self._idle_wakes = 0 if found else self._idle_wakes + 1
+
+    def _pause(self) -> float:
+        extra = self._idle_wakes - FREE_WAKES
+        return 0.0 if extra < 0 else min(MAX_PAUSE, FIRST_PAUSE * 2 ** extra)
 
     def drain(self) -> set[str]:
         return {n.payload for n in self._conn.notifies(timeout=0)}

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import signal
+import time
 from collections import Counter
 
 from sqlalchemy import Engine, text
 
-from outbox import Outbox
+from outbox import Outbox, store
 from outbox.dev.topics import read_topic
 from outbox.settings import Settings
 from tests.conftest import both_transports, count_status, publish_orders, wait_delivered, wait_until
@@ -70,3 +71,38 @@ def test_sigterm_stops_the_relay_cleanly_and_hands_back_its_shards(
             f"SELECT count(*) FROM {schema}.relay_lease WHERE owner IS NOT NULL")).scalar_one()
         members = conn.execute(text(f"SELECT count(*) FROM {schema}.relay_member")).scalar_one()
     assert (owned, members) == (0, 0)
+
+
+def test_a_notify_flood_costs_the_relay_a_bounded_number_of_fetches(
+    engine: Engine, outbox: Outbox, settings: Settings, schema: str, topic: str
+) -> None:
+    """Anyone may NOTIFY the relay's channel; five seconds of it must not spin the relay."""
+    channel = store.notify_channel(schema)
+
+    def scans_of_pending() -> int:
+        with engine.connect() as conn:
+            return int(conn.execute(text(
+                "SELECT coalesce(seq_scan, 0) + coalesce(idx_scan, 0) FROM pg_stat_user_tables "
+                "WHERE schemaname = :schema AND relname = 'pending'"), {"schema": schema}
+            ).scalar_one())
+
+    before = scans_of_pending()
+    relay = start_outbox(settings, "relay")
+    try:
+        time.sleep(3)  # up, shards owned, idle
+        sent, end = 0, time.monotonic() + 5
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            while time.monotonic() < end:
+                conn.execute(text("SELECT pg_notify(:channel, '')"), {"channel": channel})
+                sent += 1
+        publish_orders(engine, outbox, topic, [("k", 1)])
+        wait_delivered(engine, schema, 1, timeout=15)
+    finally:
+        relay.send_signal(signal.SIGTERM)
+        relay.wait(30)
+    wait_until(lambda: scans_of_pending() == scans_of_pending(), 15, "statistics to settle")
+    fetches = scans_of_pending() - before
+    assert sent > 2000, f"only {sent} notifications sent: the flood did not happen"
+    # 3 free wake-ups, then pauses doubling to 100 ms: about 60 in 5 s, plus polls and
+    # start-up; without the pauses the relay fetched once per notification drained.
+    assert fetches < 200, f"{fetches} scans of pending for {sent} notifications"
