@@ -166,6 +166,15 @@ op_record = Table(
     Index("op_record_created_at_idx", "created_at", postgresql_using="brin"),
 )
 
+#: Producer groups bound to a role: only its members may decide the group's UNKNOWN messages
+#: (written by the operator; a group not listed may be decided by any application role).
+producer_group_role = Table(
+    "producer_group_role",
+    metadata,
+    Column("producer_group", Text, primary_key=True),
+    Column("role", Text, nullable=False),
+)
+
 #: One row per virtual shard: which relay delivers that shard's messages, and until when.
 relay_lease = Table(
     "relay_lease",

@@ -151,3 +151,32 @@ def test_relay_and_sweeper_roles_touch_only_their_own_columns(
         f"UPDATE {schema}.pending SET shard = 1",
         f"DELETE FROM {schema}.message",
     ])
+
+
+def test_a_producer_group_bound_to_a_role_is_decided_only_by_its_members(
+    engine: Engine, settings: Settings, schema: str, logins: dict[str, str]
+) -> None:
+    payments = Outbox(settings=settings, producer_group="payments")
+    with engine.begin() as conn:
+        conn.execute(text(f"CREATE ROLE {schema}_payments NOLOGIN"))
+        conn.execute(text(f"INSERT INTO {schema}.producer_group_role VALUES "
+                          f"('payments', '{schema}_payments')"))
+    app_engine = create_engine(sqlalchemy_url(logins["app"]))
+    try:
+        with Session(app_engine) as session, session.begin():
+            bound = payments.prepare(session, "t", {"n": 1})
+            free = Outbox(settings=settings).prepare(session, "t", {"n": 2})
+        Outbox(settings=settings).commit(app_engine, free)  # an unbound group: any app role
+        with pytest.raises(Exception, match=f"only as a member of {schema}_payments"):
+            payments.commit(app_engine, bound)
+        with engine.begin() as conn:
+            conn.execute(text(f"GRANT {schema}_payments TO {schema}_app_login"))
+        payments.commit(app_engine, bound)
+    finally:
+        app_engine.dispose()
+        with engine.begin() as conn:
+            conn.execute(text(f"DROP ROLE {schema}_payments"))
+    with engine.connect() as conn:
+        resolutions = dict(conn.execute(text(
+            f"SELECT id, resolution FROM {schema}.message_state")).all())
+    assert resolutions == {bound: "COMMIT", free: "COMMIT"}
