@@ -9,7 +9,7 @@ COMMIT, ROLLBACK or UNKNOWN (None counts as UNKNOWN), like RocketMQ's checkLocal
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import Connection
@@ -38,10 +38,18 @@ class SqlChecker:
 
     Binds: ``:id``, ``:producer_group``, ``:topic``, ``:key`` and ``:payload`` (text; use
     ``CAST(:payload AS jsonb)``), ``:check_count``. The first column of the first row is the
-    answer; no row or NULL is UNKNOWN.
+    answer; no row or NULL is UNKNOWN. It runs as the role ``<schema>_checker``, in the
+    read-only transaction of the check, sent so that PostgreSQL refuses a second statement
+    (see ``create_checker_role`` in sql/queries.sql); an unknown bind raises ValueError here.
     """
 
     sql: str
+    schema: str
+    #: ``sql`` with positional binds, as it is prepared.
+    statement: str = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "statement", store.positional_checker(self.sql))
 
     def __call__(self, message: Message, conn: Connection) -> Any:
-        return store.run_sql_checker(conn, self.sql, message)
+        return store.run_sql_checker(conn, self.schema, self.statement, message)

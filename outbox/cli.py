@@ -163,7 +163,7 @@ def _migrate(shared: Shared, direction: str, revision: str) -> DatabaseSettings:
 @click.option("--revision", default="head", show_default=True)
 @click.option("--create-roles", is_flag=True,
               help="also create the least-privilege roles <schema>_app, _relay, _sweeper, "
-              "_reconcile")
+              "_reconcile, _checker")
 @pass_shared
 def upgrade(shared: Shared, revision: str, create_roles: bool) -> None:
     """Create or upgrade the outbox tables."""

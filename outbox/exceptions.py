@@ -17,6 +17,10 @@ class ConfigurationError(OutboxError):
     """A setting is missing or invalid."""
 
 
+class CheckerRefused(ConfigurationError):
+    """PostgreSQL refuses a SQL checker: not one statement, unparsable, or no answer column."""
+
+
 class SchemaNotMigrated(OutboxError):
     """The outbox tables are missing: ``outbox db upgrade`` has not been run."""
 

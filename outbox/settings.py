@@ -370,9 +370,15 @@ class SweepSettings(DatabaseSettings):
     sweep_metrics_port: int | None = Field(
         default=None, ge=0, le=65535, description="serve the sweeper's metrics on this port"
     )
+    #: Each runs as the role ``<schema>_checker`` (``outbox db upgrade --create-roles``): the
+    #: sweeper prepares it after ``SET LOCAL ROLE`` and runs it inside a SECURITY DEFINER
+    #: function that role owns, where PostgreSQL refuses any switch back to the sweeper's role.
+    #: One statement (PostgreSQL refuses more), read-only, under ``checker_timeout``; refused
+    #: at sweeper start when PostgreSQL cannot prepare it.
     sql_checkers: dict[str, str] = Field(
         default_factory=dict,
-        description="producer group -> SQL query returning COMMIT, ROLLBACK or UNKNOWN (JSON)",
+        description="producer group -> one SQL query returning COMMIT, ROLLBACK or UNKNOWN "
+        "(JSON); runs as <schema>_checker",
     )
 
     @field_validator("sql_checkers")

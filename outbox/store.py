@@ -18,6 +18,7 @@ from sqlalchemy import Connection, TextClause, text
 from sqlalchemy.dialects.postgresql.psycopg import dialect as psycopg_dialect
 
 from outbox.encoding import EncodedMessage
+from outbox.exceptions import CheckerRefused
 from outbox.message import Message
 from outbox.schema import Resolution
 from outbox.settings import RELAY_BATCH_BYTES, validate_identifier
@@ -409,9 +410,64 @@ def begin_check(conn: Connection, schema: str, timeout_seconds: float) -> None:
     conn.execute(query("begin_check", schema), {"timeout_ms": timeout_ms})
 
 
-def run_sql_checker(conn: Connection, sql: str, message: Message) -> Any:
-    """Run a configured SQL checker; its first column of its first row (None if no row)."""
+#: The binds a SQL checker may use, in the order of run_sql_checker's parameters, and their
+#: types (PostgreSQL oids: bigint, text x4, integer).
+CHECKER_BINDS = ("id", "producer_group", "topic", "key", "payload", "check_count")
+_CHECKER_TYPES = (20, 25, 25, 25, 25, 23)
+#: The name a SQL checker is prepared under for one check (dropped by ``reset_session``).
+CHECKER_STATEMENT = "outbox_sql_checker"
+_PYFORMAT_BIND = re.compile(r"%\((\w+)\)s|%%")
+
+
+def positional_checker(sql: str) -> str:
+    """``sql`` with its ``:name`` binds as ``$1``..``$6`` (the order of CHECKER_BINDS), as
+    SQLAlchemy's ``text()`` finds them. An unknown name raises ValueError naming it."""
+
+    def positional(match: re.Match[str]) -> str:
+        if match.group(1) is None:
+            return "%"
+        if match.group(1) not in CHECKER_BINDS:
+            raise ValueError(f"binds :{match.group(1)}; a SQL checker may bind "
+                             + ", ".join(f":{name}" for name in CHECKER_BINDS))
+        return f"${CHECKER_BINDS.index(match.group(1)) + 1}"
+
+    return _PYFORMAT_BIND.sub(positional, driver_sql(text(sql)))
+
+
+def prepare_sql_checker(conn: Connection, schema: str, statement: str) -> None:
+    """Prepare ``statement`` (see positional_checker) as the checker role, for
+    run_sql_checker. It is sent alone in a Parse message of the extended query protocol,
+    which PostgreSQL refuses to hold more than one statement; it must answer with a column.
+    The prepared statement outlives the transaction: ``reset_session`` drops it."""
+    from psycopg import pq
+
+    conn.execute(query("sql_checker_as_checker", schema))
+    driver = conn.connection.driver_connection
+    assert driver is not None
+    pgconn, name = driver.pgconn, CHECKER_STATEMENT.encode()
+    for result in (pgconn.prepare(name, statement.encode(driver.info.encoding),
+                                  _CHECKER_TYPES),
+                   pgconn.describe_prepared(name)):
+        if result.status != pq.ExecStatus.COMMAND_OK:
+            message = result.error_field(pq.DiagnosticField.MESSAGE_PRIMARY) or b"refused"
+            raise CheckerRefused(message.decode(driver.info.encoding, errors="replace"))
+    if result.nfields == 0:
+        raise CheckerRefused("it returns no column; a SQL checker is one query whose first "
+                             "column answers COMMIT, ROLLBACK or UNKNOWN")
+    conn.execute(query("sql_checker_as_sweeper", schema))
+
+
+def sql_checker_ready(conn: Connection, schema: str) -> bool:
+    """Whether the checker role and its function exist (``outbox db upgrade --create-roles``)."""
+    return bool(conn.execute(query("sql_checker_ready", schema)).scalar_one())
+
+
+def run_sql_checker(conn: Connection, schema: str, statement: str, message: Message) -> Any:
+    """Run a SQL checker as the checker role, in the open (read-only) transaction; the first
+    column of its first row, as text (None if no row). Reset the connection afterwards."""
+    prepare_sql_checker(conn, schema, statement)
     params = {
+        "statement": CHECKER_STATEMENT,
         "id": message.id,
         "producer_group": message.producer_group,
         "topic": message.topic,
@@ -419,7 +475,14 @@ def run_sql_checker(conn: Connection, sql: str, message: Message) -> Any:
         "payload": message.payload.decode(errors="replace"),
         "check_count": message.check_count,
     }
-    return conn.execute(text(sql), params).scalar()
+    return conn.execute(query("run_sql_checker", schema), params).scalar()
+
+
+def reset_session(conn: Connection, schema: str) -> None:
+    """Forget whatever a check left on its connection's session (advisory locks, prepared
+    statements, settings): DISCARD ALL, which runs outside a transaction."""
+    conn.execution_options(isolation_level="AUTOCOMMIT")
+    conn.execute(query("reset_session", schema))
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,15 +15,17 @@ listed by ``outbox discarded`` and re-armed by ``outbox resume``.
 from __future__ import annotations
 
 import collections
+import contextlib
 import importlib
 import logging
 import os
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from typing import Any
 
 import psycopg
 from prometheus_client import Counter, Gauge
@@ -33,7 +35,7 @@ from sqlalchemy.exc import DBAPIError
 from outbox import store
 from outbox.app import Outbox
 from outbox.checkers import Checker, SqlChecker, to_resolution
-from outbox.exceptions import ConfigurationError, first_line
+from outbox.exceptions import CheckerRefused, ConfigurationError, first_line
 from outbox.migrate import require_current
 from outbox.relay.daemon import Lifecycle
 from outbox.schema import Resolution, Status
@@ -82,9 +84,14 @@ def load_app(path: str) -> Outbox:
 
 def checkers_for(settings: SweepSettings, checkers: Mapping[str, Checker]) -> dict[str, Checker]:
     """Python checkers and the SQL checkers of ``OUTBOX_SQL_CHECKERS``, by producer group."""
-    found: dict[str, Checker] = {
-        group: SqlChecker(sql) for group, sql in settings.sql_checkers.items()
-    }
+    found: dict[str, Checker] = {}
+    for group, sql in settings.sql_checkers.items():
+        try:
+            found[group] = SqlChecker(sql, settings.schema_name)
+        except ValueError as exc:
+            raise ConfigurationError(
+                f"the SQL checker of producer group {group!r} {exc} (OUTBOX_SQL_CHECKERS)"
+            ) from None
     for group, checker in checkers.items():
         if group in found:
             raise ConfigurationError(
@@ -105,6 +112,8 @@ class _Running:
     claim: store.Claim
     deadline: float
     expired: bool = False
+    #: The connection the check runs on while it runs: cancelled at the deadline.
+    driver: psycopg.Connection[Any] | None = None
 
 
 @dataclass
@@ -156,6 +165,7 @@ class Sweeper:
         with self._engine.connect() as conn:
             require_current(conn, self.schema)
             conn.rollback()
+            self._refuse_bad_sql_checkers(conn)
         log.info("sweeper %s started: database %s, schema %s, checkers for %s",
                  self.settings.worker_id, mask_url(self.settings.database_url), self.schema,
                  ", ".join(self.groups))
@@ -196,8 +206,8 @@ class Sweeper:
                                                 settings.checker_timeout + CLAIM_MARGIN)
             started = time.monotonic()
             for claim in claims:
-                future = executor.submit(self._check, claim)
-                running[future] = _Running(claim, started + settings.checker_timeout)
+                item = _Running(claim, started + settings.checker_timeout)
+                running[executor.submit(self._check, item)] = item
             timeout = settings.sweep_poll_interval
             if claims and len(claims) == wanted and len(running) < settings.sweep_concurrency:
                 timeout = 0.0  # a full batch, and room for more: claim again at once
@@ -216,29 +226,77 @@ class Sweeper:
                     log.warning("check-back failed, retried when its claim expires: %s",
                                 first_line(future.exception()))
 
-    def _check(self, claim: store.Claim) -> None:
-        """One check-back, in a worker thread; records its own outcome on the same connection."""
-        message = claim.message
-        group = message.producer_group
-        with self._engine.connect() as conn:
+    def _refuse_bad_sql_checkers(self, conn: Connection) -> None:
+        """Prepare each SQL checker once at start, as a check would: one that PostgreSQL
+        refuses stops the sweeper with one line, not its producer group 15 checks later."""
+        sql_checkers = {group: checker for group, checker in self.checkers.items()
+                        if isinstance(checker, SqlChecker)}
+        if not sql_checkers:
+            return
+        with conn.begin():
+            ready = store.sql_checker_ready(conn, self.schema)
+        if not ready:
+            raise ConfigurationError(
+                f"SQL checkers run as the role {self.schema}_checker, which is missing: run "
+                "`outbox db upgrade --create-roles` (docs/operations.md)")
+        for group, checker in sql_checkers.items():
             try:
                 with conn.begin() as transaction:
                     store.begin_check(conn, self.schema, self.settings.checker_timeout)
+                    store.prepare_sql_checker(conn, self.schema, checker.statement)
+                    transaction.rollback()
+            except (CheckerRefused, DBAPIError) as exc:
+                raise ConfigurationError(
+                    f"the SQL checker of producer group {group!r} is refused: "
+                    f"{first_line(exc)} (OUTBOX_SQL_CHECKERS)") from None
+            finally:
+                store.reset_session(conn, self.schema)
+
+    def _check(self, item: _Running) -> None:
+        """One check-back, in a worker thread; then records its outcome."""
+        message = item.claim.message
+        resolution, kind, detail = self._ask(item)
+        if kind in ("ERROR", "TIMEOUT"):
+            log.warning("message %d (producer group %r): %s; counted as inconclusive",
+                        message.id, message.producer_group, detail)
+        outcome = store.CheckOutcome(message.id, item.claim.token, resolution, detail)
+        with self._engine.connect() as conn:
+            self._record(conn, [(outcome, kind)])
+
+    def _ask(self, item: _Running) -> tuple[Resolution, str, str]:
+        """The checker's answer, outcome kind and detail. Its connection is reset afterwards
+        (DISCARD ALL), or closed if the check failed: a check leaves nothing on the pool."""
+        message = item.claim.message
+        group = message.producer_group
+        with self._engine.connect() as conn:
+            try:
+                with self._cancellable(item, conn), conn.begin() as transaction:
+                    store.begin_check(conn, self.schema, self.settings.checker_timeout)
                     answer = self.checkers[group](message, conn)
                     transaction.rollback()
+                store.reset_session(conn, self.schema)
                 resolution = to_resolution(answer, f"the checker of producer group {group!r}")
-                kind, detail = resolution.value, f"checker answered {resolution}"
             except (Exception, SystemExit) as exc:  # a checker calling sys.exit is an error too
-                resolution = Resolution.UNKNOWN
+                conn.invalidate()
                 if isinstance(getattr(exc, "orig", None), psycopg.errors.QueryCanceled):
-                    kind, detail = "TIMEOUT", _timed_out(self.settings.checker_timeout)
-                else:
-                    kind = "ERROR"
-                    detail = f"checker raised {type(exc).__name__}: {first_line(exc)}"
-                log.warning("message %d (producer group %r): %s; counted as inconclusive",
-                            message.id, group, detail)
-            outcome = store.CheckOutcome(message.id, claim.token, resolution, detail)
-            self._record(conn, [(outcome, kind)])
+                    return Resolution.UNKNOWN, "TIMEOUT", _timed_out(self.settings.checker_timeout)
+                if isinstance(exc, CheckerRefused | DBAPIError):
+                    return Resolution.UNKNOWN, "ERROR", f"PostgreSQL refused: {first_line(exc)}"
+                return (Resolution.UNKNOWN, "ERROR",
+                        f"checker raised {type(exc).__name__}: {first_line(exc)}")
+        return resolution, resolution.value, f"checker answered {resolution}"
+
+    @contextlib.contextmanager
+    def _cancellable(self, item: _Running, conn: Connection) -> Iterator[None]:
+        """While the check runs, ``_expire`` may cancel its statement at the deadline: a
+        client-side backstop to the statement timeout of ``begin_check``."""
+        with self._lock:
+            item.driver = conn.connection.driver_connection
+        try:
+            yield
+        finally:
+            with self._lock:
+                item.driver = None
 
     def _expire(self, conn: Connection, running: dict[Future[None], _Running], now: float
                 ) -> None:
@@ -252,6 +310,9 @@ class Sweeper:
         detail = _timed_out(self.settings.checker_timeout)
         for item in overdue:
             item.expired = True
+            with self._lock:
+                if item.driver is not None:
+                    item.driver.cancel_safe(timeout=1.0)
             log.warning("message %d (producer group %r): %s; counted as inconclusive",
                         item.claim.message.id, item.claim.message.producer_group, detail)
         self._record(conn, [

@@ -220,3 +220,35 @@ def assert_refused(url: str, statements: list[str], match: str = "permission den
                 conn.execute(text(statement))
     finally:
         as_login.dispose()
+
+
+@pytest.fixture
+def roles(services: devservices.Services, engine: Engine, schema: str) -> Iterator[list[str]]:
+    """The least-privilege roles of ``schema`` (``outbox db upgrade --create-roles``)."""
+    names = migrate.create_roles(services.database_url, schema)
+    yield names
+    drop_roles(engine, names)
+
+
+def drop_roles(engine: Engine, names: list[str]) -> None:
+    with engine.begin() as conn:
+        for role in names:
+            conn.execute(text(f"DROP OWNED BY {role}"))
+            conn.execute(text(f"DROP ROLE {role}"))
+
+
+@pytest.fixture
+def payments(engine: Engine, schema: str, roles: list[str]) -> Iterator[str]:
+    """A business table, in a schema of its own, that SQL checkers may read (granted to the
+    checker role, as an operator would)."""
+    shop = f"{schema}_shop"
+    with engine.begin() as conn:
+        conn.execute(text(f"CREATE SCHEMA {shop}"))
+        conn.execute(text(f"CREATE TABLE {shop}.payments (order_id int PRIMARY KEY, "
+                          f"state text NOT NULL)"))
+        conn.execute(text(f"INSERT INTO {shop}.payments VALUES "
+                          f"(1, 'paid'), (2, 'failed'), (3, 'pending')"))
+        conn.execute(text(f"GRANT USAGE ON SCHEMA {shop} TO {schema}_checker"))
+        conn.execute(text(f"GRANT SELECT ON {shop}.payments TO {schema}_checker"))
+    yield f"{shop}.payments"
+    drop_schema(engine, shop)

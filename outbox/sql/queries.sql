@@ -466,3 +466,74 @@ GRANT USAGE ON SCHEMA {schema} TO {schema}_reconcile;
 GRANT SELECT ON ALL TABLES IN SCHEMA {schema} TO {schema}_reconcile;
 ALTER DEFAULT PRIVILEGES IN SCHEMA {schema} GRANT SELECT ON TABLES TO {schema}_reconcile;
 GRANT INSERT ON {schema}.reconcile_run TO {schema}_reconcile;
+
+-- name: create_checker_role
+-- The SQL checkers' group role (NOLOGIN), {schema}_checker: granted nothing in the outbox
+-- schema, it SELECTs only what the operator grants it on the business tables. The sweeper's
+-- role is a member, so a checker is parsed with the checker's rights (sql_checker_as_checker).
+-- It then runs inside run_sql_checker, a SECURITY DEFINER function the checker role owns:
+-- there PostgreSQL refuses SET ROLE, RESET ROLE and set_config('role' or
+-- 'session_authorization'), so a checker never gets the sweeper's (or a superuser's) rights
+-- back. The function only EXECUTEs a statement the session prepared with the extended query
+-- protocol, which PostgreSQL refuses to hold more than one statement. Owning a function needs
+-- CREATE on its schema for a moment, taken back in the same transaction.
+DO $role$
+BEGIN
+    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{schema}_checker') THEN
+        CREATE ROLE {schema}_checker NOLOGIN;
+    END IF;
+    IF NOT pg_has_role('{schema}_checker', 'MEMBER') THEN
+        GRANT {schema}_checker TO CURRENT_USER;  -- to make it the function's owner
+    END IF;
+END
+$role$;
+GRANT {schema}_checker TO {schema}_sweeper;
+CREATE OR REPLACE FUNCTION {schema}.run_sql_checker(
+    statement text, id bigint, producer_group text, topic text, key text, payload text,
+    check_count integer
+) RETURNS text LANGUAGE plpgsql SECURITY DEFINER AS $checker$
+DECLARE
+    answer text;
+BEGIN
+    EXECUTE 'EXECUTE ' || pg_catalog.quote_ident(statement) || '('
+            || pg_catalog.concat_ws(', ', pg_catalog.quote_nullable(id),
+                                    pg_catalog.quote_nullable(producer_group),
+                                    pg_catalog.quote_nullable(topic),
+                                    pg_catalog.quote_nullable(key),
+                                    pg_catalog.quote_nullable(payload),
+                                    pg_catalog.quote_nullable(check_count)) || ')'
+        INTO answer;
+    RETURN answer;
+END
+$checker$;
+GRANT CREATE ON SCHEMA {schema} TO {schema}_checker;
+ALTER FUNCTION {schema}.run_sql_checker(text, bigint, text, text, text, text, integer)
+    OWNER TO {schema}_checker;
+REVOKE CREATE ON SCHEMA {schema} FROM {schema}_checker;
+REVOKE ALL ON FUNCTION {schema}.run_sql_checker(text, bigint, text, text, text, text, integer)
+    FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION {schema}.run_sql_checker(text, bigint, text, text, text, text, integer)
+    TO {schema}_sweeper;
+
+-- name: sql_checker_as_checker
+-- A SQL checker is parsed as the checker role: the names it reads resolve with its rights.
+SET LOCAL ROLE {schema}_checker;
+
+-- name: sql_checker_as_sweeper
+SET LOCAL ROLE NONE;
+
+-- name: sql_checker_ready
+-- Whether `outbox db upgrade --create-roles` made the checker role and its function.
+SELECT to_regrole('{schema}_checker') IS NOT NULL
+       AND to_regprocedure('{schema}.run_sql_checker(text, bigint, text, text, text, text, '
+                           'integer)') IS NOT NULL;
+
+-- name: run_sql_checker
+-- Run the statement prepared as :statement as the checker role (see create_checker_role).
+SELECT {schema}.run_sql_checker(:statement, :id, :producer_group, :topic, :key, :payload,
+                                :check_count);
+
+-- name: reset_session
+-- After a check: advisory locks, prepared statements and settings a checker left on its
+-- connection's session are gone before the pool hands the connection out again.
+DISCARD ALL;

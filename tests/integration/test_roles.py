@@ -24,8 +24,8 @@ def logins(engine: Engine, settings: Settings, schema: str) -> Iterator[dict[str
     """A login role per group role, each with its own database URL."""
     result = run_outbox(settings, "db", "upgrade", "--create-roles")
     assert result.returncode == 0, result.stderr
-    assert (f"roles {schema}_app, {schema}_relay, {schema}_sweeper, {schema}_reconcile granted"
-            in result.stdout)
+    assert (f"roles {schema}_app, {schema}_relay, {schema}_sweeper, {schema}_reconcile, "
+            f"{schema}_checker granted" in result.stdout)
     urls = {}
     with engine.begin() as conn:
         for kind in ("app", "relay", "sweeper"):
@@ -39,6 +39,8 @@ def logins(engine: Engine, settings: Settings, schema: str) -> Iterator[dict[str
             for role in (f"{schema}_{kind}_login", f"{schema}_{kind}"):
                 conn.execute(text(f"DROP OWNED BY {role}"))
                 conn.execute(text(f"DROP ROLE {role}"))
+        conn.execute(text(f"DROP OWNED BY {schema}_checker"))
+        conn.execute(text(f"DROP ROLE {schema}_checker"))
 
 
 def test_relay_and_sweeper_work_under_their_roles(

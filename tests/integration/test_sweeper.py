@@ -447,17 +447,6 @@ def test_application_killed_between_prepare_and_decision_is_resolved_by_the_chec
 
 # --- SQL checkers --------------------------------------------------------------------------
 
-@pytest.fixture
-def payments(engine: Engine, schema: str) -> str:
-    """A business table the SQL checkers below read."""
-    with engine.begin() as conn:
-        conn.execute(text(f"CREATE TABLE {schema}.payments (order_id int PRIMARY KEY, "
-                          f"state text NOT NULL)"))
-        conn.execute(text(f"INSERT INTO {schema}.payments VALUES "
-                          f"(1, 'paid'), (2, 'failed'), (3, 'pending')"))
-    return f"{schema}.payments"
-
-
 def test_a_sql_checker_resolves_from_the_business_tables(
     engine: Engine, orders: Outbox, fast: Settings, schema: str, payments: str
 ) -> None:
@@ -501,7 +490,7 @@ def test_a_sql_checker_runs_read_only(
 
 
 def test_a_sql_checker_is_cut_off_at_the_checker_timeout(
-    engine: Engine, orders: Outbox, fast: Settings, schema: str
+    engine: Engine, orders: Outbox, fast: Settings, schema: str, roles: list[str]
 ) -> None:
     message_id = prepare(engine, orders)
     with sweeping(fast, sql_checkers={GROUP: "SELECT 'COMMIT' FROM pg_sleep(30)"},
