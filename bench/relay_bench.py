@@ -24,7 +24,7 @@ from typing import Any
 
 from confluent_kafka import Producer
 from kafka import KafkaProducer
-from sqlalchemy import Engine, create_engine, text
+from sqlalchemy import Engine, TextClause, create_engine, text
 from sqlalchemy.orm import Session
 
 from outbox import Outbox, migrate, store
@@ -80,28 +80,33 @@ def raw_produce(bootstrap: str, topic: str, n: int, client: str = "kafka-python"
     return n / elapsed
 
 
+def bulk_publish(schema: str) -> TextClause:
+    """:n committed prepare rows to :topic, keyed like publish does (one key, one shard), in
+    one statement: with :status 'PENDING' each gets its pending row, with 'DELIVERED' its op
+    record instead (history)."""
+    return text(f"""
+        WITH written AS (
+            INSERT INTO {schema}.message (topic, key, payload, content_type, shard)
+            SELECT :topic, convert_to('key-' || (i % {KEYS}), 'UTF8'), :payload,
+                   'application/octet-stream', (i % {KEYS}) % {SHARDS}
+            FROM generate_series(1, :n) AS i
+            RETURNING id, topic, key, shard, created_at
+        ), queued AS (
+            INSERT INTO {schema}.pending
+                (message_id, shard, topic, key, producer_group, status, resolution, created_at)
+            SELECT id, shard, topic, key, 'default', 'PENDING', 'COMMIT', created_at
+            FROM written WHERE :status = 'PENDING'
+        )
+        INSERT INTO {schema}.op_record (message_id, action, actor, kafka_partition,
+                                        kafka_offset)
+        SELECT id, 'DELIVERED', 'history', 0, id FROM written WHERE :status = 'DELIVERED'""")
+
+
 def preload(engine: Engine, schema: str, topic: str, n: int, status: str = "PENDING") -> None:
-    """Committed prepare rows, keyed like publish does (one key, one shard); a PENDING row
-    gets its pending row, a DELIVERED one its op record."""
+    """``n`` rows of :func:`bulk_publish`, then ANALYZE."""
     with engine.begin() as conn:
-        conn.execute(text(f"""
-            WITH written AS (
-                INSERT INTO {schema}.message (topic, key, payload, content_type, shard)
-                SELECT :topic, convert_to('key-' || (i % {KEYS}), 'UTF8'), :payload,
-                       'application/octet-stream', (i % {KEYS}) % {SHARDS}
-                FROM generate_series(1, :n) AS i
-                RETURNING id, topic, key, shard, created_at
-            ), queued AS (
-                INSERT INTO {schema}.pending
-                    (message_id, shard, topic, key, producer_group, status, resolution,
-                     created_at)
-                SELECT id, shard, topic, key, 'default', 'PENDING', 'COMMIT', created_at
-                FROM written WHERE :status = 'PENDING'
-            )
-            INSERT INTO {schema}.op_record (message_id, action, actor, kafka_partition,
-                                            kafka_offset)
-            SELECT id, 'DELIVERED', 'history', 0, id FROM written WHERE :status = 'DELIVERED'"""),
-            {"topic": topic, "payload": PAYLOAD, "n": n, "status": status})
+        conn.execute(bulk_publish(schema),
+                     {"topic": topic, "payload": PAYLOAD, "n": n, "status": status})
         for table in ("message", "pending", "op_record"):
             conn.execute(text(f"ANALYZE {schema}.{table}"))
 

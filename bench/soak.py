@@ -29,6 +29,7 @@ from pathlib import Path
 from relay_bench import (
     KEYS,
     PAYLOAD,
+    bulk_publish,
     delivered,
     relay_throughput,
     say,
@@ -42,7 +43,6 @@ from sqlalchemy.orm import Session
 from outbox import Outbox, migrate
 from outbox.dev import services as devservices
 from outbox.dev.topics import create_topic
-from outbox.schema import SHARDS
 from outbox.settings import sqlalchemy_url
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -129,22 +129,13 @@ class RetentionSample:
 def write_load(engine: Engine, schema: str, topic: str, rate: float, stop_at: float) -> None:
     """``rate`` committed messages a second, in 10 statements a second, until ``stop_at``."""
     per_statement, interval = max(1, round(rate / 10)), 0.1
-    statement = text(f"""
-        WITH written AS (
-            INSERT INTO {schema}.message (topic, key, payload, content_type, shard)
-            SELECT :topic, convert_to('key-' || (i % {KEYS}), 'UTF8'), :payload,
-                   'application/octet-stream', (i % {KEYS}) % {SHARDS}
-            FROM generate_series(1, :n) AS i
-            RETURNING id, topic, key, shard, created_at
-        )
-        INSERT INTO {schema}.pending
-            (message_id, shard, topic, key, producer_group, status, resolution, created_at)
-        SELECT id, shard, topic, key, 'default', 'PENDING', 'COMMIT', created_at FROM written""")
+    statement = bulk_publish(schema)
     next_at = time.perf_counter()
     with engine.connect() as conn:
         while next_at < stop_at:
             with conn.begin():
-                conn.execute(statement, {"topic": topic, "payload": PAYLOAD, "n": per_statement})
+                conn.execute(statement, {"topic": topic, "payload": PAYLOAD, "n": per_statement,
+                                         "status": "PENDING"})
             next_at += interval
             pause = next_at - time.perf_counter()
             if pause > 0:
