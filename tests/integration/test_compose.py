@@ -13,6 +13,7 @@ from typing import Any
 
 import jsonschema
 import yaml
+from sqlalchemy import Engine
 
 from outbox.dev import services as devservices
 from outbox.settings import Settings
@@ -103,11 +104,25 @@ def compose_env(settings: Settings) -> dict[str, str]:
     return outbox_env(settings, **env)
 
 
-def test_every_compose_command_runs(settings: Settings) -> None:
+def _run_postgres_init_scripts(engine: Engine, schema: str) -> None:
+    """What the postgres service runs on its first start (its /docker-entrypoint-initdb.d
+    mounts), with the checker role named after this test's schema."""
+    mounts = [v.split(":") for v in COMPOSE["services"]["postgres"]["volumes"]]
+    scripts = [ROOT / source for source, target, *_ in mounts
+               if target.startswith("/docker-entrypoint-initdb.d/")]
+    assert scripts, "the postgres service creates the tables its SQL checker reads"
+    with engine.begin() as conn:
+        for script in scripts:
+            conn.exec_driver_sql(script.read_text().replace("outbox_checker",
+                                                            f"{schema}_checker"))
+
+
+def test_every_compose_command_runs(settings: Settings, engine: Engine) -> None:
     services = COMPOSE["services"]
     env = compose_env(settings)
     migrate = run_outbox(None, *services["migrate"]["command"], env=env)
     assert migrate.returncode == 0, migrate.stderr
+    _run_postgres_init_scripts(engine, settings.schema_name)
     for name in ("relay", "sweeper"):
         command = list(services[name]["command"])
         port = devservices.free_port()
