@@ -129,23 +129,25 @@ def test_a_held_topic_is_parked_after_the_bound_with_its_reason(
 
 def test_sigterm_during_a_hold_stops_the_relay_within_seconds(
     engine: Engine, outbox: Outbox, schema: str, topic: str, missing: str,
-    held_settings: Settings,
+    settings: Settings, proxy: KafkaProxy,
 ) -> None:
+    """With the producers' own time limits (60 s blocks, 120 s retries)."""
     publish_orders(engine, outbox, missing, HELD[:5])
     good_ids = publish_orders(engine, outbox, topic, GOOD[:20])
-    relay = start_outbox(held_settings, "relay")
+    relay = start_outbox(settings.model_copy(update={"kafka_bootstrap": proxy.bootstrap}),
+                         "relay")
     try:
         wait_until(lambda: count_topic(engine, schema, topic, "DELIVERED") == len(good_ids),
                    30, "the good topic's messages")
         relay.send_signal(signal.SIGTERM)
         try:
-            _, stderr = relay.communicate(timeout=15)
+            output, _ = relay.communicate(timeout=15)
         except subprocess.TimeoutExpired:
             pytest.fail("the relay did not stop within 15 s of SIGTERM during a hold")
     finally:
         if relay.poll() is None:
             relay.kill()
             relay.wait()
-    assert relay.returncode == 0, stderr
-    assert "Traceback" not in stderr
+    assert relay.returncode == 0, output
+    assert "Traceback" not in output
     assert count_status(engine, schema, "PENDING") == 5
