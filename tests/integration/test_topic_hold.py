@@ -17,7 +17,7 @@ from sqlalchemy import Engine, text
 
 from outbox import Outbox
 from outbox.dev import services as devservices
-from outbox.dev.topics import read_topic
+from outbox.dev.topics import create_topic, read_topic
 from outbox.settings import Settings
 from tests.conftest import (
     both_transports,
@@ -148,3 +148,27 @@ def test_sigterm_during_a_hold_stops_the_relay_within_seconds(
     assert relay.returncode == 0, output
     assert "Traceback" not in output
     assert count_status(engine, schema, "PENDING") == 5
+
+
+def test_acks_that_arrived_are_recorded_before_a_failed_pass_sends_again(
+    engine: Engine, outbox: Outbox, schema: str, topic: str, proxy: KafkaProxy,
+    held_settings: Settings, services: devservices.Services, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The first batch holds a record the broker keeps refusing (retriable) until the
+    producer's delivery timeout ends the pass; the three batches sent after it were acked
+    meanwhile, and a new pass must not send them again."""
+    refused = f"refused-{uuid.uuid4().hex[:8]}"
+    create_topic(services.kafka_bootstrap, refused, partitions=1)
+    proxy.refuse(refused)
+    publish_orders(engine, outbox, refused, [("r", 0)])
+    good_ids = publish_orders(engine, outbox, topic, GOOD[:79])  # 4 batches of 20 with it
+    failing = held_settings.model_copy(update={"relay_batch_size": 20,
+                                               "kafka_delivery_timeout_ms": 35_000})
+    with running_relay(failing) as relay:
+        wait_until(lambda: "BrokerTrouble" in caplog.text, 60,
+                   "the refused record to end a pass")
+        wait_until(lambda: count_topic(engine, schema, topic, "DELIVERED") == len(good_ids), 30,
+                   "the good topic's messages")
+        relay.stop(abandon=True)  # the refused record stays pending
+    assert count_topic(engine, schema, refused, "PENDING") == 1
+    assert ids_per_record(services, topic) == Counter(good_ids), "each good message once"
