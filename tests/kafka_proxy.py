@@ -1,16 +1,21 @@
 """A Kafka-protocol-aware loopback proxy that makes chosen topics missing, for real.
 
-Tansu creates a topic whenever a client asks for its metadata, so a missing topic (Apache
-Kafka with ``auto.create.topics.enable=false``, the production norm) cannot be had from it
-directly. This proxy forwards every request and response unchanged except Metadata (api
-key 3): held topics are taken out of the request (the broker never hears of them, so it does
-not create them) and put back into the response with UNKNOWN_TOPIC_OR_PARTITION, exactly what
-Apache Kafka answers; and the brokers listed are rewritten to the proxy, so clients keep
-talking through it. Produce (api key 0) records of a *refused* topic are not forwarded but
-answered with NOT_ENOUGH_REPLICAS, a retriable error, so the producer retries them until its
-delivery timeout while the other topics' records of the same request land. :meth:`KafkaProxy.release` makes a held topic appear (the broker then
-creates it on demand). Frames are decoded with kafka-python's protocol classes, which know
-every Metadata version, flexible ones included, so kafka-python and librdkafka both work.
+Tansu creates a topic whenever a client asks for its metadata (it ignores Metadata's
+``allow_auto_topic_creation=false``), so a missing topic (Apache Kafka with
+``auto.create.topics.enable=false``, the production norm) cannot be had from it directly.
+This proxy forwards every request and response unchanged except:
+
+* Metadata (api key 3): held topics are taken out of the request (the broker never hears of
+  them, so it does not create them) and put back into the response with
+  UNKNOWN_TOPIC_OR_PARTITION, exactly what Apache Kafka answers; the brokers listed are
+  rewritten to the proxy, so clients keep talking through it. :meth:`KafkaProxy.release`
+  makes a held topic appear (the broker then creates it on demand).
+* Produce (api key 0): records of a *refused* topic are not forwarded but answered with
+  NOT_ENOUGH_REPLICAS, a retriable error, so the producer retries them until its delivery
+  timeout while the other topics' records of the same request land.
+
+Frames are decoded with kafka-python's protocol classes, which know every version, flexible
+ones included, so kafka-python and librdkafka both work through it.
 """
 
 from __future__ import annotations
