@@ -58,10 +58,6 @@ class KafkaProxy:
     def bootstrap(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def hold(self, topic: str) -> None:
-        with self._lock:
-            self._held.add(topic)
-
     def release(self, topic: str) -> None:
         """The topic exists from now on (the broker creates it when asked for it)."""
         with self._lock:
@@ -71,10 +67,6 @@ class KafkaProxy:
         """Answer the topic's produce requests with a retriable error from now on."""
         with self._lock:
             self._refused.add(topic)
-
-    def accept(self, topic: str) -> None:
-        with self._lock:
-            self._refused.discard(topic)
 
     def held(self) -> frozenset[str]:
         with self._lock:
