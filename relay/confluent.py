@@ -113,8 +113,9 @@ class ConfluentTransport:
         for topic in topics:
             try:
                 listed = self.producer.list_topics(topic, timeout=timeout).topics.get(topic)
-            except KafkaException:  # no answer within the timeout
-                continue
+            except KafkaException as exc:
+                raise ServiceUnavailable(f"Kafka did not answer a metadata request within "
+                                         f"{timeout:g}s: {exc.args[0].str()}") from None
             if listed is not None and listed.error is None and listed.partitions:
                 found.add(topic)
         return found

@@ -3,8 +3,9 @@
 A producer sending to a topic the cluster does not know (a typo, or a topic not created yet
 where auto-creation is off, the production norm) blocks or retries until it gives up, and the
 relay would take that for a broker outage and stall every topic. So before a batch goes out,
-each topic the relay has not seen yet is looked up once (:meth:`Transport.available`). A
-topic without metadata is *held*: its rows stay pending, the fetch skips them (so its keys
+each topic the relay has not seen yet is looked up once (:meth:`Transport.available`; no
+answer at all is a broker outage, which ends the pass as any other). A topic the broker says
+it does not know is *held*: its rows stay pending, the fetch skips them (so its keys
 keep their order and nothing later overtakes), it is logged once, the ``outbox_topic_held``
 gauge says so and `outbox status` shows it, while every other topic keeps flowing. Kafka is
 asked again with back-off; when the topic appears its messages go out, and with

@@ -74,6 +74,7 @@ class KafkaPythonTransport:
         if not asked:
             return found
         answered = threading.Event()
+        before = metadata._last_successful_refresh_ms
         for topic in asked:
             future = metadata.add_topic(topic)
         future.add_both(lambda *_: answered.set())
@@ -82,6 +83,9 @@ class KafkaPythonTransport:
         found |= {topic for topic in asked if metadata.partitions_for_topic(topic) is not None}
         for topic in asked - found:
             metadata._topics.discard(topic)
+        if found < set(topics) and metadata._last_successful_refresh_ms == before:
+            raise ServiceUnavailable(f"Kafka did not answer a metadata request within "
+                                     f"{timeout:g}s")
         return found
 
     def flush(self, timeout: float) -> None:

@@ -51,7 +51,8 @@ class Transport(Protocol):
 
     def available(self, topics: Collection[str], timeout: float) -> set[str]:
         """Which of ``topics`` Kafka has metadata (partitions) for, asking it for at most
-        ``timeout`` seconds; the others are unknown to the broker, or it did not answer."""
+        ``timeout`` seconds; the others are unknown to it. Raises ServiceUnavailable if no
+        broker answered: that is an outage, not a missing topic."""
         ...
 
     def flush(self, timeout: float) -> None:

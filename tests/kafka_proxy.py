@@ -49,6 +49,8 @@ class KafkaProxy:
         self._refused: set[str] = set()
         self._lock = threading.Lock()
         self._closed = threading.Event()
+        self._open = threading.Event()
+        self._open.set()
         self._sockets: list[socket.socket] = []
         self._listener = socket.create_server(("127.0.0.1", self.port))
         self._listener.settimeout(0.1)
@@ -72,19 +74,31 @@ class KafkaProxy:
         with self._lock:
             return frozenset(self._held)
 
-    def close(self) -> None:
-        self._closed.set()
-        self._listener.close()
+    def cut(self) -> None:
+        """Drop every connection and refuse new ones until :meth:`restore`."""
+        self._open.clear()
         with self._lock:
             sockets, self._sockets = self._sockets, []
         for sock in sockets:
             with contextlib.suppress(OSError):
-                sock.close()
+                sock.shutdown(socket.SHUT_RDWR)  # wakes the pump blocked in recv()
+            sock.close()
+
+    def restore(self) -> None:
+        self._open.set()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._listener.close()
+        self.cut()
 
     def _accept(self) -> None:
         while not self._closed.is_set():
             try:
                 client, _ = self._listener.accept()
+                if not self._open.is_set():
+                    client.close()
+                    continue
                 upstream = socket.create_connection(("127.0.0.1", self.target_port), 2)
             except (TimeoutError, OSError):
                 continue

@@ -172,3 +172,23 @@ def test_acks_that_arrived_are_recorded_before_a_failed_pass_sends_again(
         relay.stop(abandon=True)  # the refused record stays pending
     assert count_topic(engine, schema, refused, "PENDING") == 1
     assert ids_per_record(services, topic) == Counter(good_ids), "each good message once"
+
+
+def test_a_topic_first_seen_while_the_broker_is_away_is_not_held(
+    engine: Engine, outbox: Outbox, schema: str, topic: str, proxy: KafkaProxy,
+    held_settings: Settings, services: devservices.Services, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """No answer at all is an outage (the pass ends and is retried), not a missing topic."""
+    caplog.set_level(logging.INFO, logger="outbox.relay")
+    later = f"later-{uuid.uuid4().hex[:8]}"
+    with running_relay(held_settings):
+        publish_orders(engine, outbox, topic, GOOD[:10])
+        wait_delivered(engine, schema, 10)
+        proxy.cut()
+        create_topic(services.kafka_bootstrap, later, partitions=1)  # unknown to the relay
+        publish_orders(engine, outbox, later, HELD[:10])
+        wait_until(lambda: "paused" in caplog.text, 30, "the outage to be logged")
+        proxy.restore()
+        wait_delivered(engine, schema, 20, timeout=60)
+    assert "holding" not in caplog.text
+    assert held_gauge(later) is None
