@@ -29,8 +29,6 @@ from sqlalchemy import (
 DEFAULT_SCHEMA = "outbox"
 #: Keys are hashed into this many virtual shards; a relay owns a shard through a lease.
 SHARDS = 64
-#: Message ids per partition of ``message`` and ``op_record`` (see revision 0006).
-PARTITION_SIZE = 1_000_000
 VERSION_TABLE = "outbox_alembic_version"
 #: A row's shard must be one a relay can own.
 SHARD_VALID = f"shard >= 0 AND shard < {SHARDS}"

@@ -85,7 +85,7 @@ def op_record_columns() -> list[sa.Column[Any]]:
     ]
 
 
-def create_message(name: str, schema: str, key: tuple[str, ...], **partitioned: str) -> None:
+def create_message(name: str, schema: str, key: tuple[str, ...], **partitioned: Any) -> None:
     op.create_table(
         name, *message_columns(),
         sa.PrimaryKeyConstraint(*key, name=op.f(f"{name}_pkey")),
@@ -95,7 +95,7 @@ def create_message(name: str, schema: str, key: tuple[str, ...], **partitioned: 
     )
 
 
-def create_op_record(name: str, schema: str, key: tuple[str, ...], **partitioned: str) -> None:
+def create_op_record(name: str, schema: str, key: tuple[str, ...], **partitioned: Any) -> None:
     op.create_table(
         name, *op_record_columns(),
         sa.PrimaryKeyConstraint(*key, name=op.f(f"{name}_pkey")),
@@ -138,16 +138,22 @@ DECLARE
     next_id bigint;
     top bigint;
     low bigint;
+    goal bigint;
     made integer := 0;
 BEGIN
     LOCK TABLE {schema}.message IN SHARE UPDATE EXCLUSIVE MODE;
     next_id := {next_id};
     SELECT max(b.high) INTO top FROM {schema}.partition_bounds('{schema}.message') AS b;
-    -- The sequence has run past the last range: its newest rows are in the default
-    -- partition, so the next range starts one partition further on, clear of them.
-    low := CASE WHEN top IS NULL OR top < next_id THEN next_id + CASE WHEN top IS NULL
-                THEN 0 ELSE size END ELSE top END;
-    WHILE low < next_id + ahead * size LOOP
+    low := coalesce(top, next_id);
+    goal := next_id + ahead * size;
+    IF low < next_id THEN
+        -- The sequence ran past the last range (its newest rows went to the default
+        -- partition): leave one range of ids to the default partition, clear of inserts
+        -- running now, and start after it.
+        low := next_id + size;
+        goal := goal + size;
+    END IF;
+    WHILE low < goal LOOP
         EXECUTE format('CREATE TABLE {schema}.%I (LIKE {schema}.message INCLUDING DEFAULTS '
                        'INCLUDING CONSTRAINTS)', 'message_p' || low);
         EXECUTE format('ALTER TABLE {schema}.message ATTACH PARTITION {schema}.%I '

@@ -1,0 +1,139 @@
+"""Retention drops whole partitions of history; unfinished messages and publishes survive it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import pytest
+from sqlalchemy import Engine, text
+
+from outbox import Outbox, store
+from outbox.dev import services as devservices
+from outbox.dev.topics import read_topic
+from outbox.settings import Settings
+from tests.conftest import (
+    count_status,
+    publish_orders,
+    running_relay,
+    wait_delivered,
+    wait_until,
+)
+from tests.processes import run_outbox
+
+
+@pytest.fixture
+def small(engine: Engine, settings: Settings, schema: str) -> Settings:
+    """Ranges of 10 ids (three made ahead) instead of the million the migration made."""
+    with engine.begin() as conn:
+        for name in ranges(engine, schema):
+            if name != "message_p0":
+                conn.execute(text(f"DROP TABLE {schema}.{name}, {schema}.op_record_{name[8:]}"))
+        store.ensure_partitions(conn, schema, 10, ahead=3)
+    assert ranges(engine, schema) == ["message_p0", "message_p1", "message_p11", "message_p21"]
+    return settings.model_copy(update={"partition_size": 10})
+
+
+def ranges(engine: Engine, schema: str) -> list[str]:
+    """The range partitions of ``message``, lowest first."""
+    with engine.connect() as conn:
+        return list(conn.execute(text(
+            f"SELECT name FROM {schema}.partition_bounds('{schema}.message') "
+            f"ORDER BY low NULLS FIRST")).scalars())
+
+
+def located(engine: Engine, schema: str, table: str, column: str = "id") -> dict[int, str]:
+    """Each row's id (or message id) and the partition holding it."""
+    with engine.connect() as conn:
+        return {row[0]: row[1] for row in conn.execute(text(
+            f"SELECT o.{column}, c.relname FROM {schema}.{table} AS o "
+            f"JOIN pg_class AS c ON c.oid = o.tableoid"))}
+
+
+def age(engine: Engine, schema: str, hours: int = 100) -> None:
+    with engine.begin() as conn:
+        for table in ("message", "op_record"):
+            conn.execute(text(f"UPDATE {schema}.{table} "
+                              f"SET created_at = now() - make_interval(hours => {hours})"))
+
+
+def exists(engine: Engine, schema: str, tables: Iterable[str]) -> dict[str, bool]:
+    with engine.connect() as conn:
+        return {table: conn.execute(text("SELECT to_regclass(:name) IS NOT NULL"),
+                                    {"name": f"{schema}.{table}"}).scalar_one()
+                for table in tables}
+
+
+def test_retention_drops_expired_partitions_and_keeps_unfinished_messages(
+    engine: Engine, outbox: Outbox, small: Settings, schema: str, topic: str
+) -> None:
+    publish_orders(engine, outbox, topic, [(f"k{i}", i) for i in range(29)])
+    with running_relay(small):
+        wait_delivered(engine, schema, 29)
+    parked, pending = publish_orders(engine, outbox, topic, [("q", 0), ("p", 1)])
+    with engine.begin() as conn:
+        conn.execute(text(f"UPDATE {schema}.pending SET status = 'PARKED' "
+                          f"WHERE message_id = :id"), {"id": parked})
+        conn.execute(text(f"INSERT INTO {schema}.op_record (message_id, action, actor, detail) "
+                          f"VALUES (:id, 'PARKED', 'relay', 'rejected')"), {"id": parked})
+    age(engine, schema)
+
+    result = run_outbox(small, "prune", "--retention-hours", "72")
+    assert result.returncode == 0, result.stderr
+    assert ("dropped 3 partitions older than 72 h (kept 1 unfinished messages); "
+            "pruned 0 messages and 0 op records of the default partition") in result.stdout
+    assert exists(engine, schema, ("message_p1", "message_p11", "message_p21", "op_record_p1",
+                                   "op_record_p11", "op_record_p21")) == dict.fromkeys(
+        ("message_p1", "message_p11", "message_p21", "op_record_p1", "op_record_p11",
+         "op_record_p21"), False)
+    assert located(engine, schema, "message") == {parked: "message_default",
+                                                  pending: "message_p31"}
+    assert located(engine, schema, "op_record", "message_id") == {parked: "op_record_default"}
+    assert count_status(engine, schema, "PARKED") == 1 and count_status(
+        engine, schema, "DELIVERED") == 0
+
+    resumed = run_outbox(small, "resume", str(parked))
+    assert resumed.returncode == 0, resumed.stderr
+    with running_relay(small):
+        wait_delivered(engine, schema, 2)
+    age(engine, schema)
+    again = run_outbox(small, "prune", "--retention-hours", "72")
+    assert again.returncode == 0, again.stderr
+    assert ("pruned 1 messages and 3 op records of the default partition") in again.stdout
+    assert located(engine, schema, "message") == {pending: "message_p31"}
+
+
+def test_retention_keeps_partitions_holding_rows_inside_the_window(
+    engine: Engine, outbox: Outbox, small: Settings, schema: str, topic: str
+) -> None:
+    publish_orders(engine, outbox, topic, [(f"k{i}", i) for i in range(25)])
+    with running_relay(small):
+        wait_delivered(engine, schema, 25)
+    age(engine, schema)
+    with engine.begin() as conn:  # one young row in the second range
+        conn.execute(text(f"UPDATE {schema}.message SET created_at = now() WHERE id = 15"))
+
+    result = run_outbox(small, "prune", "--retention-hours", "72")
+    assert result.returncode == 0, result.stderr
+    assert "dropped 1 partitions" in result.stdout  # ids 1-10 (the relay dropped the empty p0)
+    assert sorted(located(engine, schema, "message")) == list(range(11, 26))
+
+
+def test_publish_beyond_every_partition_lands_in_the_default_partition_and_is_delivered(
+    services: devservices.Services, engine: Engine, outbox: Outbox, small: Settings,
+    schema: str, topic: str
+) -> None:
+    first = publish_orders(engine, outbox, topic, [(f"k{i % 3}", i) for i in range(35)])
+    assert {located(engine, schema, "message")[i] for i in first[30:]} == {"message_default"}
+
+    with running_relay(small):  # its retention pass makes ranges clear of the default's rows
+        wait_until(lambda: "message_p46" in ranges(engine, schema), what="ranges ahead")
+        wait_delivered(engine, schema, 35)
+        later = publish_orders(engine, outbox, topic, [(f"k{i % 3}", i) for i in range(20)])
+        wait_delivered(engine, schema, 55)
+    where = located(engine, schema, "message")
+    assert [where[i] for i in later] == ["message_default"] * 10 + ["message_p46"] * 10
+    records = read_topic(services.kafka_bootstrap, topic)
+    assert sorted(r.message_id for r in records) == first + later
+    for key in ("k0", "k1", "k2"):
+        ids = [r.message_id for r in records if r.key == key.encode()]
+        assert ids == sorted(ids), f"key {key} delivered in order"
