@@ -14,13 +14,20 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import Engine, MetaData, inspect, text
 
-from outbox import migrate
+from outbox import Outbox, migrate
 from outbox.dev import services as devservices
 from outbox.dev.topics import read_topic
 from outbox.migrations import target_metadata
 from outbox.schema import SHARDS, VERSION_TABLE
 from outbox.settings import Settings
-from tests.conftest import drop_schema, fresh_schema, running_relay, wait_delivered
+from tests.conftest import (
+    drop_schema,
+    fresh_schema,
+    publish_orders,
+    running_relay,
+    wait_delivered,
+    wait_until,
+)
 from tests.processes import run_outbox
 
 
@@ -205,5 +212,109 @@ def test_upgrade_from_0003_moves_unfinished_rows_in_place_and_they_keep_flowing(
         for key in ("k0", "k1", "k2"):
             ids = [r.message_id for r in records if r.key == key.encode()]
             assert ids == sorted(ids), f"key {key} delivered in order"
+    finally:
+        drop_schema(engine, name)
+
+
+def test_upgrade_from_0005_keeps_rows_in_place_and_they_keep_flowing_and_downgrade_back(
+    services: devservices.Services, engine: Engine, settings: Settings, topic: str
+) -> None:
+    """0006 makes the old tables the first partitions: every state survives, pending rows
+    go out in key order, new rows land in a new range; the downgrade keeps them all."""
+    name = f"m_{uuid.uuid4().hex[:12]}"
+    migrate.upgrade(services.database_url, name, "0005")
+    try:
+        old: dict[str, int] = {}
+        with engine.begin() as conn:
+            def row(born: str | None, resolution: str = "COMMIT", key: str | None = "k",
+                    delay: str = "0 seconds", **later: object) -> int:
+                written = conn.execute(text(
+                    f"INSERT INTO {name}.message (topic, key, payload, content_type, shard, "
+                    f"deliver_after) VALUES (:topic, :key, CAST(:payload AS bytea), "
+                    f"'text/plain', 5, now() + CAST(:delay AS interval)) "
+                    f"RETURNING id, created_at, deliver_after"),
+                    {"topic": topic, "key": None if key is None else key.encode(),
+                     "payload": f"{born}-{resolution}".encode(), "delay": delay}).one()
+                if born is not None:
+                    conn.execute(text(
+                        f"INSERT INTO {name}.pending (message_id, shard, topic, key, "
+                        f"producer_group, status, resolution, deliver_after, next_check_at, "
+                        f"created_at) SELECT id, shard, topic, key, producer_group, "
+                        f"CASE WHEN :delay = '0 seconds' THEN 'PENDING' ELSE 'DELAYED' END, "
+                        f":resolution, deliver_after, now(), created_at "
+                        f"FROM {name}.message WHERE id = :id"),
+                        {"id": written.id, "resolution": resolution, "delay": delay})
+                if later:
+                    conn.execute(text(
+                        f"UPDATE {name}.pending SET "
+                        + ", ".join(f"{column} = :{column}" for column in later)
+                        + " WHERE message_id = :id"), {"id": written.id, **later})
+                return int(written.id)
+
+            def op_record(message_id: int, action: str) -> None:
+                conn.execute(text(f"INSERT INTO {name}.op_record (message_id, action, actor) "
+                                  f"VALUES (:id, :action, 'relay')"),
+                             {"id": message_id, "action": action})
+
+            old["delivered"] = row(None)
+            op_record(old["delivered"], "DELIVERED")
+            old["rolled_back"] = row(None, "ROLLBACK")
+            op_record(old["rolled_back"], "ROLLED_BACK")
+            old["unknown"] = row("PENDING", "UNKNOWN", key="u", check_count=3)
+            old["parked"] = row("PENDING", key=None, status="PARKED", attempts=5,
+                                last_error="too large")
+            op_record(old["parked"], "PARKED")
+            old["discarded"] = row("PENDING", "UNKNOWN", key="x", status="DISCARDED",
+                                   check_count=15)
+            old["delayed"] = row("DELAYED", key="d", delay="1 hour")
+            flowing = [row("PENDING", key=f"k{i % 3}") for i in range(6)]
+
+        expected = {
+            "delivered": ("DELIVERED", "COMMIT"), "rolled_back": ("ROLLED_BACK", "ROLLBACK"),
+            "unknown": ("PENDING", "UNKNOWN"), "parked": ("PARKED", "COMMIT"),
+            "discarded": ("DISCARDED", "UNKNOWN"), "delayed": ("DELAYED", "COMMIT"),
+        }
+
+        def states() -> dict[str, tuple[str, str]]:
+            with engine.connect() as conn:
+                found = {r.id: (r.status, r.resolution) for r in conn.execute(text(
+                    f"SELECT id, status, resolution FROM {name}.message_state"))}
+            return {k: found[i] for k, i in old.items()}
+
+        def ops() -> set[tuple[int, str]]:
+            with engine.connect() as conn:
+                return {(r.message_id, r.action) for r in conn.execute(text(
+                    f"SELECT message_id, action FROM {name}.op_record"))}
+
+        ops_before = ops()
+        migrate.upgrade(services.database_url, name)
+
+        assert states() == expected
+        assert ops() == ops_before
+        with engine.connect() as conn:
+            where = set(conn.execute(text(
+                f"SELECT DISTINCT c.relname FROM {name}.message AS m "
+                f"JOIN pg_class AS c ON c.oid = m.tableoid")).scalars())
+        assert where == {"message_p0"}, "the old rows stay where they are"
+        relay_settings = settings.model_copy(update={"schema_name": name})
+        new = publish_orders(engine, Outbox(settings=relay_settings), topic, [("k0", 99)])
+        assert new[0] > max(flowing)
+        with running_relay(relay_settings):
+            wait_until(lambda: states()["delivered"] == ("DELIVERED", "COMMIT") and ops() >= {
+                (i, "DELIVERED") for i in [*flowing, *new]}, 60, "flowing rows delivered")
+        records = read_topic(services.kafka_bootstrap, topic)
+        assert sorted(r.message_id for r in records) == [*flowing, *new]
+        for key in ("k0", "k1", "k2"):
+            ids = [r.message_id for r in records if r.key == key.encode()]
+            assert ids == sorted(ids), f"key {key} delivered in order"
+
+        migrate.downgrade(services.database_url, name, "0005")
+        assert states() == expected
+        assert ops() >= ops_before | {(i, "DELIVERED") for i in [*flowing, *new]}
+        with engine.connect() as conn:
+            kind = conn.execute(text(f"SELECT relkind FROM pg_class WHERE oid = "
+                                     f"'{name}.message'::regclass")).scalar_one()
+        assert kind == "r"
+        migrate.upgrade(services.database_url, name)
     finally:
         drop_schema(engine, name)

@@ -4,41 +4,21 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-import pytest
 from sqlalchemy import Engine, text
 
-from outbox import Outbox, store
+from outbox import Outbox
 from outbox.dev import services as devservices
 from outbox.dev.topics import read_topic
 from outbox.settings import Settings
 from tests.conftest import (
     count_status,
     publish_orders,
+    ranges,
     running_relay,
     wait_delivered,
     wait_until,
 )
 from tests.processes import run_outbox
-
-
-@pytest.fixture
-def small(engine: Engine, settings: Settings, schema: str) -> Settings:
-    """Ranges of 10 ids (three made ahead) instead of the million the migration made."""
-    with engine.begin() as conn:
-        for name in ranges(engine, schema):
-            if name != "message_p0":
-                conn.execute(text(f"DROP TABLE {schema}.{name}, {schema}.op_record_{name[8:]}"))
-        store.ensure_partitions(conn, schema, 10, ahead=3)
-    assert ranges(engine, schema) == ["message_p0", "message_p1", "message_p11", "message_p21"]
-    return settings.model_copy(update={"partition_size": 10})
-
-
-def ranges(engine: Engine, schema: str) -> list[str]:
-    """The range partitions of ``message``, lowest first."""
-    with engine.connect() as conn:
-        return list(conn.execute(text(
-            f"SELECT name FROM {schema}.partition_bounds('{schema}.message') "
-            f"ORDER BY low NULLS FIRST")).scalars())
 
 
 def located(engine: Engine, schema: str, table: str, column: str = "id") -> dict[int, str]:
