@@ -78,7 +78,9 @@ def upgrade(url: str, schema: str, revision: str = "head",
     """Also safe to call from an application's own Alembic env.py. At head, also creates the
     partitions the next message ids need (the relay's retention keeps doing so)."""
     with _keeping_callers_alembic(), _serialised(url, schema) as conn:
-        command.upgrade(alembic_config(url, schema, conn), revision)
+        config = alembic_config(url, schema, conn)
+        config.attributes["partition_size"] = partition_size
+        command.upgrade(config, revision)
         if store.schema_version(conn, schema) == head():
             store.ensure_partitions(conn, schema, partition_size)
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
-from alembic import op
+from alembic import context, op
 from alembic.util.pyfiles import load_module_py
 
 from outbox.migrations import target_schema
@@ -38,7 +38,8 @@ depends_on = None
 TIMESTAMP = sa.DateTime(timezone=True)
 SHARD_VALID = "shard >= 0 AND shard < 64"
 HEADERS_VALID = "NOT (coalesce(header_keys, '{}') && ARRAY['content-type', 'outbox-id'])"
-#: Message ids per partition, and how many partitions to keep ready beyond the sequence.
+#: Message ids per partition (unless ``outbox.migrate.upgrade`` says otherwise), and how many
+#: partitions to keep ready beyond the sequence.
 PARTITION_SIZE = 1_000_000
 AHEAD = 2
 MESSAGE_COLUMNS = ("id, producer_group, topic, key, header_keys, header_values, payload, "
@@ -293,7 +294,8 @@ def upgrade() -> None:
     for table in ("message", "op_record"):
         op.execute(f"CREATE TABLE {schema}.{table}_default PARTITION OF {schema}.{table} DEFAULT")
     op.execute(partition_functions(schema))
-    op.execute(f"SELECT {schema}.ensure_partitions({PARTITION_SIZE}, {AHEAD})")
+    size = context.config.attributes.get("partition_size", PARTITION_SIZE)
+    op.execute(f"SELECT {schema}.ensure_partitions({int(size)}, {AHEAD})")
     op.execute(message_state_view(schema))
 
 
