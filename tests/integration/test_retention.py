@@ -43,12 +43,24 @@ def exists(engine: Engine, schema: str, tables: Iterable[str]) -> dict[str, bool
                 for table in tables}
 
 
+def deliver(engine: Engine, outbox: Outbox, settings: Settings, topic: str, n: int) -> None:
+    """``n`` keyed messages published and delivered by a relay."""
+    publish_orders(engine, outbox, topic, [(f"k{i}", i) for i in range(n)])
+    with running_relay(settings):
+        wait_delivered(engine, settings.schema_name, n)
+
+
+def prune(settings: Settings) -> str:
+    """One `outbox prune` pass with the default window (72 h); its summary line."""
+    result = run_outbox(settings, "prune")
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
 def test_retention_drops_expired_partitions_and_keeps_unfinished_messages(
     engine: Engine, outbox: Outbox, small: Settings, schema: str, topic: str
 ) -> None:
-    publish_orders(engine, outbox, topic, [(f"k{i}", i) for i in range(29)])
-    with running_relay(small):
-        wait_delivered(engine, schema, 29)
+    deliver(engine, outbox, small, topic, 29)
     parked, pending = publish_orders(engine, outbox, topic, [("q", 0), ("p", 1)])
     with engine.begin() as conn:
         conn.execute(text(f"UPDATE {schema}.pending SET status = 'PARKED' "
@@ -57,14 +69,10 @@ def test_retention_drops_expired_partitions_and_keeps_unfinished_messages(
                           f"VALUES (:id, 'PARKED', 'relay', 'rejected')"), {"id": parked})
     age(engine, schema)
 
-    result = run_outbox(small, "prune", "--retention-hours", "72")
-    assert result.returncode == 0, result.stderr
     assert ("dropped 3 partitions older than 72 h (kept 1 unfinished messages); "
-            "pruned 0 messages and 0 op records of the default partition") in result.stdout
-    assert exists(engine, schema, ("message_p1", "message_p11", "message_p21", "op_record_p1",
-                                   "op_record_p11", "op_record_p21")) == dict.fromkeys(
-        ("message_p1", "message_p11", "message_p21", "op_record_p1", "op_record_p11",
-         "op_record_p21"), False)
+            "pruned 0 messages and 0 op records of the default partition") in prune(small)
+    dropped = [f"{table}_p{low}" for table in ("message", "op_record") for low in (1, 11, 21)]
+    assert exists(engine, schema, dropped) == dict.fromkeys(dropped, False)
     assert located(engine, schema, "message") == {parked: "message_default",
                                                   pending: "message_p31"}
     assert located(engine, schema, "op_record", "message_id") == {parked: "op_record_default"}
@@ -76,25 +84,19 @@ def test_retention_drops_expired_partitions_and_keeps_unfinished_messages(
     with running_relay(small):
         wait_delivered(engine, schema, 2)
     age(engine, schema)
-    again = run_outbox(small, "prune", "--retention-hours", "72")
-    assert again.returncode == 0, again.stderr
-    assert ("pruned 1 messages and 3 op records of the default partition") in again.stdout
+    assert "pruned 1 messages and 3 op records of the default partition" in prune(small)
     assert located(engine, schema, "message") == {pending: "message_p31"}
 
 
 def test_retention_keeps_partitions_holding_rows_inside_the_window(
     engine: Engine, outbox: Outbox, small: Settings, schema: str, topic: str
 ) -> None:
-    publish_orders(engine, outbox, topic, [(f"k{i}", i) for i in range(25)])
-    with running_relay(small):
-        wait_delivered(engine, schema, 25)
+    deliver(engine, outbox, small, topic, 25)
     age(engine, schema)
     with engine.begin() as conn:  # one young row in the second range
         conn.execute(text(f"UPDATE {schema}.message SET created_at = now() WHERE id = 15"))
 
-    result = run_outbox(small, "prune", "--retention-hours", "72")
-    assert result.returncode == 0, result.stderr
-    assert "dropped 1 partitions" in result.stdout  # ids 1-10 (the relay dropped the empty p0)
+    assert "dropped 1 partitions" in prune(small)  # ids 1-10 (the relay dropped the empty p0)
     assert sorted(located(engine, schema, "message")) == list(range(11, 26))
 
 
