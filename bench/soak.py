@@ -131,6 +131,7 @@ class RetentionSample:
     delivered_per_second: float
     backlog: int
     megabytes: float
+    pending_megabytes: float
     partitions: int
 
 
@@ -150,12 +151,12 @@ def write_load(engine: Engine, schema: str, topic: str, rate: float, stop_at: fl
                 time.sleep(pause)
 
 
-def megabytes(engine: Engine, schema: str) -> float:
+def megabytes(engine: Engine, schema: str, tables: tuple[str, ...] = TABLES) -> float:
     """Tables and indexes, every partition included (a partitioned table has no storage)."""
     with engine.connect() as conn:
         return sum(conn.execute(text(
             "SELECT coalesce(sum(pg_total_relation_size(relid)), 0) FROM pg_partition_tree(:t)"),
-            {"t": f"{schema}.{table}"}).scalar_one() for table in TABLES) / 1e6
+            {"t": f"{schema}.{table}"}).scalar_one() for table in tables) / 1e6
 
 
 def partitions(engine: Engine, schema: str) -> int:
@@ -179,10 +180,14 @@ def backlog(engine: Engine, schema: str) -> int:
 
 
 def retention_soak(services: devservices.Services, engine: Engine, env: dict[str, str],
-                   rate: float, minutes: float, partition_size: int, every: float = 30.0
+                   rate: float, minutes: float, partition_size: int,
+                   pending_storage: str | None = None, every: float = 30.0
                    ) -> list[RetentionSample]:
     schema, topic = "soak_retention", "soak-retention"
     migrate.upgrade(services.database_url, schema, partition_size=partition_size)
+    if pending_storage:
+        with engine.begin() as conn:
+            conn.execute(text(f"ALTER TABLE {schema}.pending SET ({pending_storage})"))
     create_topic(services.kafka_bootstrap, topic, partitions=6)
     env = {**env, "OUTBOX_RETENTION_HOURS": str(RETENTION_SECONDS / 3600),
            "OUTBOX_PRUNE_INTERVAL": "10", "OUTBOX_PARTITION_SIZE": str(partition_size)}
@@ -200,12 +205,13 @@ def retention_soak(services: devservices.Services, engine: Engine, env: dict[str
             count, at = recorded(engine, schema), time.perf_counter()
             samples.append(RetentionSample(
                 (at - started) / 60, (count - last_count) / (at - last_at),
-                backlog(engine, schema), megabytes(engine, schema), partitions(engine, schema)))
+                backlog(engine, schema), megabytes(engine, schema),
+                megabytes(engine, schema, ("pending",)), partitions(engine, schema)))
             last_count, last_at = count, at
             s = samples[-1]
             say(f"   {s.minute:4.1f} min: {s.delivered_per_second:8,.0f} delivered/s, backlog "
-                f"{s.backlog:7,}, tables + indexes {s.megabytes:7.1f} MB, "
-                f"{s.partitions} partitions")
+                f"{s.backlog:7,}, tables + indexes {s.megabytes:7.1f} MB (pending "
+                f"{s.pending_megabytes:.1f} MB), {s.partitions} partitions")
         load.join()
     finally:
         stop(relays)
@@ -287,6 +293,9 @@ def main() -> None:
     parser.add_argument("--partition-seconds", type=float, default=10.0,
                         help="message ids per partition in the retention run: this many "
                              "seconds of its publish rate")
+    parser.add_argument("--pending-storage", metavar="PARAMS",
+                        help="storage parameters for the pending table in the retention run, "
+                             "e.g. 'autovacuum_vacuum_scale_factor = 0'")
     parser.add_argument("--pass-cost", type=int, nargs="*", metavar="ROWS",
                         help="only time one retention pass removing each number of old rows")
     args = parser.parse_args()
@@ -316,7 +325,8 @@ def main() -> None:
             f"{args.minutes:g} minutes, retention {RETENTION_SECONDS} s")
         size = max(1000, round(rate * args.partition_seconds))
         say(f"   partitions of {size:,} message ids ({args.partition_seconds:g} s of writes)")
-        samples = retention_soak(services, engine, env, rate, args.minutes, size)
+        samples = retention_soak(services, engine, env, rate, args.minutes, size,
+                                 args.pending_storage)
     finally:
         engine.dispose()
         devservices.stop(services)
@@ -329,21 +339,24 @@ def main() -> None:
     say(f"retention: sizes grew {grew:+.1%} over the last 3 minutes (target ≤ +5%): "
         f"{'met' if grew <= 0.05 else 'not met'}; backlog bounded: {bounded}")
     table = [
-        "| minute | delivered/s | backlog | tables + indexes | partitions of message |",
-        "|---|---|---|---|---|",
+        "| minute | delivered/s | backlog | tables + indexes | of which pending | partitions |",
+        "|---|---|---|---|---|---|",
         *(f"| {s.minute:.1f} | {s.delivered_per_second:,.0f} | {s.backlog:,} | "
-          f"{s.megabytes:.1f} MB | {s.partitions} |" for s in samples),
+          f"{s.megabytes:.1f} MB | {s.pending_megabytes:.1f} MB | {s.partitions} |"
+          for s in samples),
     ]
     retention_line = (
         f"Retention: maximum drain rate {drain:,.0f} msg/s; {rate:,.0f} msg/s "
         f"({args.fraction:.0%}) written for {args.minutes:g} minutes with retention "
-        f"{RETENTION_SECONDS} s, pruning every 10 s, partitions of {size:,} message ids. "
+        f"{RETENTION_SECONDS} s, pruning every 10 s, partitions of {size:,} message ids"
+        + (f", pending table ({args.pending_storage})" if args.pending_storage else "") + ". "
         f"message + pending + op_record with indexes grew **{grew:+.1%}** over the last 3 "
         f"minutes (target ≤ +5%); backlog bounded: **{bounded}**.")
     if args.no_write:
         return
     if args.retention_only:
-        name = f"soak retention {args.fraction:.0%}"
+        name = f"soak retention {args.fraction:.0%}" + (" pending" if args.pending_storage
+                                                         else "")
         block = "\n".join([
             f"`python bench/soak.py --retention-only --fraction {args.fraction:g}`. Run of "
             f"{datetime.date.today().isoformat()} on {platform.node() or 'this machine'}: "
