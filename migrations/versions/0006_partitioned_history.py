@@ -49,6 +49,8 @@ OP_RECORD_COLUMNS = ("id, message_id, action, actor, created_at, kafka_partition
 #: Partition DDL waits at most this long for a lock, then gives up until the next pass: a
 #: long transaction never makes publishers queue behind it.
 LOCK_TIMEOUT = "500ms"
+#: Namespace of the advisory lock one retention step holds (outbox/store.py has the others).
+RETENTION_LOCK_CLASS = 0x0B0F
 FUNCTIONS = ("ensure_partitions(bigint, integer)", "drop_expired_partition(double precision)",
              "prune_default(double precision, integer)", "partition_bounds(regclass)")
 
@@ -119,6 +121,8 @@ def partition_functions(schema: str) -> str:
     definer = "SECURITY DEFINER SET search_path = pg_catalog, pg_temp"
     next_id = (f"(SELECT CASE WHEN is_called THEN last_value + 1 ELSE last_value END "
                f"FROM {schema}.message_id_seq)")
+    # Relays run their passes independently: one at a time works, the others skip quietly.
+    one_pass = f"pg_try_advisory_xact_lock({RETENTION_LOCK_CLASS}, hashtext('{schema}'))"
     return f"""
 CREATE FUNCTION {schema}.partition_bounds(parent regclass)
 RETURNS TABLE (name text, low bigint, high bigint)
@@ -142,6 +146,9 @@ DECLARE
     goal bigint;
     made integer := 0;
 BEGIN
+    IF NOT {one_pass} THEN
+        RETURN 0;
+    END IF;
     LOCK TABLE {schema}.message IN SHARE UPDATE EXCLUSIVE MODE;
     next_id := {next_id};
     SELECT max(b.high) INTO top FROM {schema}.partition_bounds('{schema}.message') AS b;
@@ -180,6 +187,9 @@ DECLARE
     young boolean;
     moved bigint;
 BEGIN
+    IF NOT {one_pass} THEN
+        RETURN;
+    END IF;
     LOCK TABLE {schema}.message IN SHARE UPDATE EXCLUSIVE MODE;
     FOR candidate IN
         SELECT b.name, b.low, b.high FROM {schema}.partition_bounds('{schema}.message') AS b

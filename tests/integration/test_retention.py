@@ -81,7 +81,7 @@ def test_retention_drops_expired_partitions_and_keeps_unfinished_messages(
 
     resumed = run_outbox(small, "resume", str(parked))
     assert resumed.returncode == 0, resumed.stderr
-    with running_relay(small):
+    with running_relay(small.model_copy(update={"retention_hours": 1000})):  # it prunes too
         wait_delivered(engine, schema, 2)
     age(engine, schema)
     assert "pruned 1 messages and 3 op records of the default partition" in prune(small)
