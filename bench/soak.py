@@ -155,7 +155,8 @@ def megabytes(engine: Engine, schema: str, tables: tuple[str, ...] = TABLES) -> 
     """Tables and indexes, every partition included (a partitioned table has no storage)."""
     with engine.connect() as conn:
         return sum(int(conn.execute(text(
-            "SELECT coalesce(sum(pg_total_relation_size(relid)), 0) FROM pg_partition_tree(:t)"),
+            "SELECT coalesce(sum(pg_total_relation_size(relid)), pg_total_relation_size(:t)) "
+            "FROM pg_partition_tree(:t)"),  # no rows for a table that is not partitioned
             {"t": f"{schema}.{table}"}).scalar_one()) for table in tables) / 1e6
 
 
