@@ -7,6 +7,7 @@ messages when the console runs with actions on (``guard`` decides); GET ``/healt
 from __future__ import annotations
 
 import secrets
+import signal
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -160,6 +161,10 @@ def serve(settings: Settings, overdue_seconds: float) -> None:
     """Serve the console until SIGTERM or Ctrl-C."""
     import uvicorn
 
+    # uvicorn raises the signal that stopped it again once it has shut down, into the
+    # handlers it found: a stop asked for is then a clean exit (status 0), as for the relay.
+    for stop in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(stop, lambda _sig, _frame: None)
     uvicorn.run(create_app(settings, overdue_seconds), host=settings.console_host,
                 port=settings.console_port, log_level=settings.log_level.lower(),
                 server_header=False)
