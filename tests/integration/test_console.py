@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine, make_url, text
 from sqlalchemy.orm import Session
 
 from outbox import Outbox
@@ -262,3 +262,51 @@ def test_reconciliation_runs_are_listed_with_their_report(
     assert '<a href="/runs/1/report">' in page and str(folder) in page
     assert (folder / "report.txt").read_text().splitlines()[0] in report
     assert missing.status_code == 404
+
+
+def test_the_compose_console_runs_read_only_as_its_login_role(
+    engine: Engine, settings: Settings, schema: str
+) -> None:
+    """docker-compose.yml's console service: its command, its login role (made by
+    deploy/postgres/console.sql, granted by the migrate service), its health check."""
+    from tests.integration.test_compose import COMPOSE, ROOT, compose_env
+
+    service = COMPOSE["services"]["console"]
+    migrate = run_outbox(None, *COMPOSE["services"]["migrate"]["command"],
+                         env=compose_env(settings))
+    assert migrate.returncode == 0, migrate.stderr
+    compose_url = make_url(service["environment"]["OUTBOX_DATABASE_URL"])
+    login = f"{schema}_login"
+    script = (ROOT / "deploy/postgres/console.sql").read_text()
+    with engine.begin() as conn:
+        conn.exec_driver_sql(script.replace("outbox_console", f"{schema}_console")
+                             .replace(f"rolname = '{compose_url.username}'",
+                                      f"rolname = '{login}'")
+                             .replace(f"ROLE {compose_url.username} ", f"ROLE {login} "))
+    url = settings.database_url.replace(
+        f"{devservices.DB_USER}:{devservices.DB_PASSWORD}@", f"{login}:{compose_url.password}@")
+    env = {**service["environment"], "OUTBOX_DATABASE_URL": url,
+           "OUTBOX_SCHEMA": schema, "OUTBOX_CONSOLE_METRICS_URLS": "[]"}
+    command = list(service["command"])
+    port = devservices.free_port()
+    command[command.index("--port") + 1] = str(port)
+    known = {f"OUTBOX_{name.upper()}" for name in Settings.model_fields} | {"OUTBOX_SCHEMA"}
+    assert set(service["environment"]) <= known
+    assert service["ports"] == ["127.0.0.1:8089:8089"], "published on the host's loopback"
+    try:
+        process = start_outbox(settings, *command, **env)
+        try:
+            wait_until(lambda: _healthy(f"http://127.0.0.1:{port}")
+                       or process.poll() is not None, 30, "its health check")
+            page = httpx.get(f"http://127.0.0.1:{port}/") if process.poll() is None else None
+        finally:
+            process.send_signal(signal.SIGTERM)
+            output, _ = process.communicate(timeout=30)
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text(f"DROP ROLE {login}"))
+        drop_roles(engine, [f"{schema}_{kind}" for kind in (
+            "app", "relay", "sweeper", "reconcile", "checker", "console")])
+    assert process.returncode == 0 and page is not None, output
+    assert page.status_code == 200 and 'id="mode">read-only<' in page.text
+    assert "127.0.0.1:8089/healthz" in service["healthcheck"]["test"][-1]
