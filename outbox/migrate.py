@@ -106,8 +106,7 @@ def ignore_outbox(schema: str = "outbox", include_name: IncludeName | None = Non
 def create_roles(url: str, schema: str) -> list[str]:
     """Create (if absent) and grant the least-privilege roles; returns their names."""
     with _serialised(url, schema) as conn:
-        for block in ("create_roles", "create_reconcile_role", "create_checker_role",
-                      "create_console_role"):
+        for block in ("create_roles", "create_reconcile_role", "create_checker_role"):
             conn.exec_driver_sql(str(store.query(block, schema)))
     return [f"{schema}_{kind}"
             for kind in ("app", "relay", "sweeper", "reconcile", "checker", "console")]

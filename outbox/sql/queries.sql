@@ -463,12 +463,16 @@ LIMIT :limit;
 --                     through decide_message(); reads no payloads, updates and deletes nothing;
 --   {schema}_relay    delivers (delivery columns of pending only), keeps leases and prunes;
 --   {schema}_sweeper  checks back (check columns of pending only; grant it SELECT on the
---                     tables your SQL checkers read).
+--                     tables your SQL checkers read);
+--   {schema}_console  the operator console: reads what it shows and resumes (the resume
+--                     query: delivery and check columns of pending, op records without a
+--                     Kafka position); deletes nothing, writes no message, lease or run.
 DO $roles$
 DECLARE
     name text;
 BEGIN
-    FOREACH name IN ARRAY ARRAY['{schema}_app', '{schema}_relay', '{schema}_sweeper'] LOOP
+    FOREACH name IN ARRAY ARRAY['{schema}_app', '{schema}_relay', '{schema}_sweeper',
+                                '{schema}_console'] LOOP
         IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = name) THEN
             EXECUTE 'CREATE ROLE ' || quote_ident(name) || ' NOLOGIN';
         END IF;
@@ -477,9 +481,12 @@ END
 $roles$;
 -- Start from nothing, so running this again after an upgrade also takes back what an older
 -- revision's rules granted.
-REVOKE ALL ON ALL TABLES IN SCHEMA {schema} FROM {schema}_app, {schema}_relay, {schema}_sweeper;
-GRANT USAGE ON SCHEMA {schema} TO {schema}_app, {schema}_relay, {schema}_sweeper;
-GRANT SELECT ON {schema}.outbox_alembic_version TO {schema}_app, {schema}_relay, {schema}_sweeper;
+REVOKE ALL ON ALL TABLES IN SCHEMA {schema}
+    FROM {schema}_app, {schema}_relay, {schema}_sweeper, {schema}_console;
+GRANT USAGE ON SCHEMA {schema}
+    TO {schema}_app, {schema}_relay, {schema}_sweeper, {schema}_console;
+GRANT SELECT ON {schema}.outbox_alembic_version
+    TO {schema}_app, {schema}_relay, {schema}_sweeper, {schema}_console;
 GRANT INSERT (producer_group, topic, key, header_keys, header_values, payload, content_type,
               shard, deliver_after)
     ON {schema}.message TO {schema}_app;
@@ -500,23 +507,8 @@ GRANT SELECT ON {schema}.message TO {schema}_sweeper;
 GRANT SELECT, DELETE, UPDATE (check_count, resolution, status, next_check_at)
     ON {schema}.pending TO {schema}_sweeper;
 GRANT SELECT, INSERT ON {schema}.op_record TO {schema}_sweeper;
-
--- name: create_console_role
--- The operator console's group role (NOLOGIN), {schema}_console: reads what the console shows
--- and resumes (the resume query: the delivery and check columns of pending, an op record
--- without a Kafka position); deletes nothing, writes no message, lease or run.
-DO $role$
-BEGIN
-    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{schema}_console') THEN
-        CREATE ROLE {schema}_console NOLOGIN;
-    END IF;
-END
-$role$;
-REVOKE ALL ON ALL TABLES IN SCHEMA {schema} FROM {schema}_console;
-GRANT USAGE ON SCHEMA {schema} TO {schema}_console;
-GRANT SELECT ON {schema}.outbox_alembic_version, {schema}.message, {schema}.pending,
-                {schema}.op_record, {schema}.relay_lease, {schema}.relay_member,
-                {schema}.reconcile_run
+GRANT SELECT ON {schema}.message, {schema}.pending, {schema}.op_record, {schema}.relay_lease,
+                {schema}.relay_member, {schema}.reconcile_run
     TO {schema}_console;
 GRANT UPDATE (status, attempts, last_error, check_count, next_check_at)
     ON {schema}.pending TO {schema}_console;
