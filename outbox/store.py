@@ -509,6 +509,11 @@ def check_backlog(conn: Connection, schema: str, overdue_seconds: float) -> list
     return [dict(row._mapping) for row in rows]
 
 
+def begin_snapshot(conn: Connection, schema: str) -> None:
+    """Make the transaction just begun read-only, on one snapshot for all its statements."""
+    conn.execute(query("begin_snapshot", schema))
+
+
 @dataclass(frozen=True, slots=True)
 class Held:
     """A PARKED or DISCARDED message as the console lists it (payload cut to a preview)."""

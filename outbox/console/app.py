@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import secrets
 import signal
-import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from jinja2 import Environment, PackageLoader, select_autoescape
-from sqlalchemy import Engine, create_engine
+from sqlalchemy import create_engine
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, PlainTextResponse, Response
@@ -22,7 +21,7 @@ from starlette.routing import Route
 
 from outbox import store
 from outbox.console import chart, guard, scrape
-from outbox.console.overview import WINDOW_SECONDS, HeldFilter, Trend, read
+from outbox.console.overview import HELD_LIMIT, WINDOW_SECONDS, HeldFilter, Trend, read
 from outbox.migrate import require_current
 from outbox.settings import Settings
 
@@ -39,11 +38,10 @@ SECURITY_HEADERS = {
 class Console:
     """The page's state: settings, one small engine, the templates and the backlog trend."""
 
-    def __init__(self, settings: Settings, overdue_seconds: float,
-                 engine: Engine | None = None) -> None:
+    def __init__(self, settings: Settings, overdue_seconds: float) -> None:
         self.settings, self.overdue_seconds = settings, overdue_seconds
-        self.engine = engine or create_engine(settings.sqlalchemy_url, pool_size=2,
-                                              max_overflow=2, pool_pre_ping=True)
+        self.engine = create_engine(settings.sqlalchemy_url, pool_size=2, max_overflow=2,
+                                    pool_pre_ping=True)
         self.templates = Environment(loader=PackageLoader("outbox.console"),
                                      autoescape=select_autoescape(default=True))
         self.trend = Trend(settings.console_refresh_seconds)
@@ -73,8 +71,9 @@ class Console:
             view = read(conn, self.settings, held, self.overdue_seconds)
         view.trend = self.trend.add(sum(view.totals.values()))
         return self.render(request, "console.html", view=view, held_filter=held, now=_now(),
+                           held_limit=HELD_LIMIT,
                            endpoints=scrape.scrape_all(self.settings.console_metrics_urls),
-                           charts=_charts(view.minutes, view.trend))
+                           charts=chart.charts(view.minutes, view.trend, WINDOW_SECONDS))
 
     async def resume(self, request: Request) -> Response:
         raw = await request.form()
@@ -120,27 +119,6 @@ def _ids(values: list[str]) -> list[int]:
     if len(values) > MAX_SELECTION or not all(v.isdigit() and 0 < len(v) < 19 for v in values):
         raise guard.Refused(400, f"refused: message ids are numbers (at most {MAX_SELECTION})")
     return sorted({int(v) for v in values})
-
-
-def _charts(minutes: list[dict[str, Any]], trend: list[tuple[float, int]]) -> dict[str, Any]:
-    now = time.time()
-    start = now - WINDOW_SECONDS
-    points = [(row["minute"].timestamp(), row) for row in minutes]
-    rate_max = max((row["per_second"] for _, row in points), default=0.0)
-    latency_max = max((row["p99"] or 0.0 for _, row in points), default=0.0)
-    trend_max = max((total for _, total in trend), default=0)
-    return {
-        "rate": chart.bars([(x, row["per_second"]) for x, row in points], start, now,
-                           rate_max, 60),
-        "rate_max": rate_max,
-        "latency": {p: chart.line([(x, row[p]) for x, row in points], start, now,
-                                      latency_max) for p in ("p50", "p95", "p99")},
-        "latency_max": latency_max,
-        "trend": chart.line([(t, float(total)) for t, total in trend], start, now,
-                                float(trend_max)),
-        "trend_max": trend_max,
-        "width": chart.WIDTH, "height": chart.HEIGHT,
-    }
 
 
 def create_app(settings: Settings, overdue_seconds: float) -> Starlette:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 WIDTH, HEIGHT = 600.0, 120.0
 
@@ -35,3 +37,25 @@ def bars(points: Sequence[tuple[float, float]], x_min: float, x_max: float, y_ma
     width = max(1.0, round(WIDTH * slot / span - 1, 1))
     return [Bar(round(WIDTH * (x - x_min) / span, 1), _y(y, y_max), width,
                 round(HEIGHT - _y(y, y_max), 1)) for x, y in points]
+
+
+def charts(minutes: list[dict[str, Any]], trend: list[tuple[float, int]],
+           window_seconds: float) -> dict[str, Any]:
+    """What the page draws: delivered/s bars and latency lines per minute of the window
+    (``minutes`` from overview), and the backlog trend, in the chart's pixels."""
+    now = time.time()
+    start = now - window_seconds
+    points = [(row["minute"].timestamp(), row) for row in minutes]
+    rate_max = max((row["per_second"] for _, row in points), default=0.0)
+    latency_max = max((row["p99"] or 0.0 for _, row in points), default=0.0)
+    trend_max = max((total for _, total in trend), default=0)
+    return {
+        "rate": bars([(x, row["per_second"]) for x, row in points], start, now, rate_max, 60),
+        "rate_max": rate_max,
+        "latency": {p: line([(x, row[p]) for x, row in points], start, now, latency_max)
+                    for p in ("p50", "p95", "p99")},
+        "latency_max": latency_max,
+        "trend": line([(t, float(total)) for t, total in trend], start, now, float(trend_max)),
+        "trend_max": trend_max,
+        "width": WIDTH, "height": HEIGHT,
+    }

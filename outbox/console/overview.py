@@ -50,7 +50,7 @@ def read(conn: Connection, settings: Settings, held: HeldFilter, overdue_seconds
     """Everything the page shows, in one read-only transaction (one consistent snapshot)."""
     schema = settings.schema_name
     with conn.begin():
-        conn.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
+        store.begin_snapshot(conn, schema)
         topics = store.status_by_topic(conn, schema)
         history = store.delivery_history(conn, schema, WINDOW_SECONDS)
         key = None if held.key is None else held.key.encode()

@@ -398,6 +398,10 @@ WHERE resolution = 'UNKNOWN' AND status IN ('PENDING', 'DELAYED')
 GROUP BY producer_group
 ORDER BY producer_group;
 
+-- name: begin_snapshot
+-- The console reads its whole page from one read-only snapshot, so its numbers agree.
+SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY;
+
 -- name: held_messages
 -- The console's list of PARKED and DISCARDED messages (kept for an operator), optionally of one
 -- topic and one key, newest first, with why (the broker's last error, or the op record that
