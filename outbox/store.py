@@ -570,8 +570,9 @@ def held_messages(conn: Connection, schema: str, *, topic: str | None = None,
 
 def delivery_history(conn: Connection, schema: str, window_seconds: float
                      ) -> list[dict[str, Any]]:
-    """Per minute of the window (and first, with ``minute`` None, the whole window):
-    ``delivered`` and ``latency``, the commit-to-ack p50, p95 and p99 in seconds."""
+    """Per minute since the start of the minute ``window_seconds`` ago (and first, with
+    ``minute`` None, all of them): ``delivered`` and ``latency``, the commit-to-ack p50, p95
+    and p99 in seconds."""
     rows = conn.execute(query("delivery_history", schema), {"window_seconds": window_seconds})
     return [dict(row._mapping) for row in rows]
 

@@ -21,7 +21,14 @@ from starlette.routing import Route
 
 from outbox import store
 from outbox.console import chart, guard, scrape
-from outbox.console.overview import HELD_LIMIT, WINDOW_SECONDS, HeldFilter, Trend, read
+from outbox.console.overview import (
+    HELD_LIMIT,
+    WINDOW_SECONDS,
+    Deliveries,
+    HeldFilter,
+    Trend,
+    read,
+)
 from outbox.migrate import require_current
 from outbox.settings import Settings
 
@@ -45,6 +52,7 @@ class Console:
         self.templates = Environment(loader=PackageLoader("outbox.console"),
                                      autoescape=select_autoescape(default=True))
         self.trend = Trend(settings.console_refresh_seconds)
+        self.deliveries = Deliveries()
 
     def render(self, request: Request, name: str, status: int = 200,
                **context: Any) -> HTMLResponse:
@@ -68,7 +76,7 @@ class Console:
         held = HeldFilter(topic=request.query_params.get("topic") or None,
                           key=request.query_params.get("key") or None)
         with self.engine.connect() as conn:
-            view = read(conn, self.settings, held, self.overdue_seconds)
+            view = read(conn, self.settings, held, self.overdue_seconds, self.deliveries)
         view.trend = self.trend.add(sum(view.totals.values()))
         return self.render(request, "console.html", view=view, held_filter=held, now=_now(),
                            held_limit=HELD_LIMIT,

@@ -7,6 +7,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Connection
@@ -16,6 +17,10 @@ from outbox.settings import Settings
 
 #: Deliveries and latency are shown over this window (and per minute of it).
 WINDOW_SECONDS = 3600.0
+#: The window's totals and percentiles are read again at most this often; in between a page
+#: reads only the minute before and the current one (minutes that ended are kept), so an open
+#: page does not sort an hour of deliveries every few seconds.
+WHOLE_WINDOW_EVERY = 60.0
 #: Most bytes of a payload the page shows; the rest is only counted.
 PREVIEW_BYTES = 200
 HELD_LIMIT = 200
@@ -45,14 +50,15 @@ class Overview:
     trend: list[tuple[float, int]] = field(default_factory=list)
 
 
-def read(conn: Connection, settings: Settings, held: HeldFilter, overdue_seconds: float
-         ) -> Overview:
-    """Everything the page shows, in one read-only transaction (one consistent snapshot)."""
+def read(conn: Connection, settings: Settings, held: HeldFilter, overdue_seconds: float,
+         deliveries: Deliveries) -> Overview:
+    """Everything the page shows, in one read-only transaction (one consistent snapshot;
+    the hour's delivery totals may be up to WHOLE_WINDOW_EVERY older)."""
     schema = settings.schema_name
     with conn.begin():
         store.begin_snapshot(conn, schema)
         topics = store.status_by_topic(conn, schema)
-        history = store.delivery_history(conn, schema, WINDOW_SECONDS)
+        whole, minutes = deliveries.read(conn, schema)
         key = None if held.key is None else held.key.encode()
         return Overview(
             topics=topics,
@@ -60,8 +66,8 @@ def read(conn: Connection, settings: Settings, held: HeldFilter, overdue_seconds
             check_backs=store.check_backlog(conn, schema, overdue_seconds),
             relays=store.relays(conn, schema, settings.relay_lease_seconds),
             leases=store.lease_owners(conn, schema),
-            window=_window(history),
-            minutes=[_minute(row) for row in history if row["minute"] is not None],
+            window=_window(whole),
+            minutes=[_minute(row) for row in minutes],
             held=store.held_messages(conn, schema, topic=held.topic, key=key,
                                      limit=HELD_LIMIT, preview_bytes=PREVIEW_BYTES),
             runs=store.reconcile_runs(conn, schema, RUNS_LIMIT),
@@ -73,8 +79,7 @@ def _latency(row: dict[str, Any] | None) -> dict[str, float | None]:
     return dict(zip(("p50", "p95", "p99"), values, strict=True))
 
 
-def _window(history: list[dict[str, Any]]) -> dict[str, Any]:
-    whole = next((row for row in history if row["minute"] is None), None)
+def _window(whole: dict[str, Any] | None) -> dict[str, Any]:
     delivered = int(whole["delivered"]) if whole else 0
     return {"delivered": delivered, "per_second": delivered / WINDOW_SECONDS,
             **_latency(whole)}
@@ -83,6 +88,32 @@ def _window(history: list[dict[str, Any]]) -> dict[str, Any]:
 def _minute(row: dict[str, Any]) -> dict[str, Any]:
     return {"minute": row["minute"], "delivered": int(row["delivered"]),
             "per_second": int(row["delivered"]) / 60, **_latency(row)}
+
+
+class Deliveries:
+    """The deliveries of the window per minute and in all, read through ``store`` at a
+    bounded cost (see WHOLE_WINDOW_EVERY); one per console, shared by its requests."""
+
+    def __init__(self, whole_every: float = WHOLE_WINDOW_EVERY) -> None:
+        self._whole_every = whole_every
+        self._minutes: dict[datetime, dict[str, Any]] = {}
+        self._whole: dict[str, Any] | None = None
+        self._whole_at = float("-inf")
+        self._lock = threading.Lock()
+
+    def read(self, conn: Connection, schema: str
+             ) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+        """The window's totals, and its minutes oldest first."""
+        with self._lock:
+            whole_due = time.monotonic() - self._whole_at >= self._whole_every
+            rows = store.delivery_history(conn, schema, WINDOW_SECONDS if whole_due else 60.0)
+            if whole_due:
+                self._minutes.clear()
+                self._whole, self._whole_at = rows[0], time.monotonic()
+            self._minutes.update((row["minute"], row) for row in rows[1:])
+            for minute in sorted(self._minutes)[:-61]:
+                del self._minutes[minute]
+            return self._whole, [self._minutes[m] for m in sorted(self._minutes)]
 
 
 class Trend:

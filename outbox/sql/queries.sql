@@ -427,17 +427,17 @@ ORDER BY p.message_id DESC
 LIMIT :limit;
 
 -- name: delivery_history
--- Deliveries of the last :window_seconds, per minute and (the row whose minute is NULL) in
--- all: how many, and percentiles of the commit-to-ack latency (the DELIVERED op record's time
--- minus the prepare row's). Walks op_record's BRIN index on created_at, so it reads the
--- window, not the history; message rows are read by primary key.
+-- Deliveries since the start of the minute :window_seconds ago, per minute and (the row whose
+-- minute is NULL) in all: how many, and percentiles of the commit-to-ack latency (the
+-- DELIVERED op record's time minus the prepare row's). Walks op_record's BRIN index on
+-- created_at, so it reads the window, not the history; message rows by primary key.
 SELECT date_trunc('minute', o.created_at) AS minute, count(*) AS delivered,
        percentile_cont(ARRAY[0.5, 0.95, 0.99]) WITHIN GROUP (
            ORDER BY extract(epoch FROM o.created_at - m.created_at)) AS latency
 FROM {schema}.op_record AS o
 JOIN {schema}.message AS m ON m.id = o.message_id
 WHERE o.action = 'DELIVERED'
-  AND o.created_at > now() - make_interval(secs => :window_seconds)
+  AND o.created_at >= date_trunc('minute', now() - make_interval(secs => :window_seconds))
 GROUP BY GROUPING SETS ((date_trunc('minute', o.created_at)), ())
 ORDER BY minute NULLS FIRST;
 

@@ -19,10 +19,18 @@ from sqlalchemy import Engine, make_url, text
 from sqlalchemy.orm import Session
 
 from outbox import Outbox
-from outbox.console.overview import PREVIEW_BYTES
+from outbox.console.overview import PREVIEW_BYTES, Deliveries
 from outbox.dev import services as devservices
 from outbox.settings import ConsoleSettings, Settings
-from tests.conftest import assert_refused, count_status, drop_roles, running_relay, wait_until
+from tests.conftest import (
+    assert_refused,
+    count_status,
+    drop_roles,
+    publish_orders,
+    running_relay,
+    wait_delivered,
+    wait_until,
+)
 from tests.processes import run_outbox, start_outbox
 
 TOKEN = "correct horse battery staple"
@@ -310,3 +318,29 @@ def test_the_compose_console_runs_read_only_as_its_login_role(
     assert process.returncode == 0 and page is not None, output
     assert page.status_code == 200 and 'id="mode">read-only<' in page.text
     assert "127.0.0.1:8089/healthz" in service["healthcheck"]["test"][-1]
+
+
+def test_a_refresh_reads_the_last_minutes_and_keeps_the_hours_totals(
+    engine: Engine, settings: Settings, schema: str, topic: str
+) -> None:
+    """An open page re-reads only the last two minutes of deliveries; the hour's totals and
+    percentiles come from the last whole read (here never due again)."""
+    outbox = Outbox(settings=settings)
+    kept = Deliveries(whole_every=3600)
+    with running_relay(settings):
+        publish_orders(engine, outbox, topic, [("a", 1), ("b", 2), ("c", 3)])
+        wait_delivered(engine, schema, 3)
+        with engine.connect() as conn:
+            first, first_minutes = kept.read(conn, schema)
+        publish_orders(engine, outbox, topic, [("a", 4), ("b", 5)])
+        wait_delivered(engine, schema, 5)
+    with engine.connect() as conn:
+        again, minutes = kept.read(conn, schema)
+        fresh, _ = Deliveries().read(conn, schema)
+
+    assert first is not None and first["delivered"] == 3
+    assert sum(row["delivered"] for row in first_minutes) == 3
+    assert again is first, "the hour's totals are not read again before they are due"
+    assert sum(row["delivered"] for row in minutes) == 5, "the last minutes are"
+    assert fresh is not None and fresh["delivered"] == 5
+    assert len(fresh["latency"]) == 3 and all(p > 0 for p in fresh["latency"])
