@@ -541,31 +541,14 @@ def begin_snapshot(conn: Connection, schema: str) -> None:
     conn.execute(query("begin_snapshot", schema))
 
 
-@dataclass(frozen=True, slots=True)
-class Held:
-    """A PARKED or DISCARDED message as the console lists it (payload cut to a preview)."""
-
-    id: int
-    status: str
-    producer_group: str
-    topic: str
-    key: bytes | None
-    check_count: int
-    attempts: int
-    created_at: datetime
-    reason: str | None
-    payload_bytes: int
-    preview: bytes
-    content_type: str
-
-
 def held_messages(conn: Connection, schema: str, *, topic: str | None = None,
                   key: bytes | None = None, limit: int = 200,
-                  preview_bytes: int = 200) -> list[Held]:
-    """PARKED and DISCARDED messages, newest first, optionally of one topic and key."""
+                  preview_bytes: int = 200) -> list[dict[str, Any]]:
+    """PARKED and DISCARDED messages, newest first, optionally of one topic and key: why
+    (``reason``), ``check_count``, ``attempts``, ``payload_bytes`` and a ``preview``."""
     rows = conn.execute(query("held_messages", schema), {
         "topic": topic, "key": key, "limit": limit, "preview_bytes": preview_bytes})
-    return [Held(**row._mapping) for row in rows]
+    return [dict(row._mapping) for row in rows]
 
 
 def delivery_history(conn: Connection, schema: str, window_seconds: float

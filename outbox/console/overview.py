@@ -45,7 +45,7 @@ class Overview:
     leases: list[dict[str, Any]]
     window: dict[str, Any]
     minutes: list[dict[str, Any]]
-    held: list[store.Held]
+    held: list[dict[str, Any]]
     runs: list[dict[str, Any]]
     trend: list[tuple[float, int]] = field(default_factory=list)
 
