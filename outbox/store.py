@@ -536,6 +536,12 @@ def check_backlog(conn: Connection, schema: str, overdue_seconds: float) -> list
     return [dict(row._mapping) for row in rows]
 
 
+def console_overreach(conn: Connection, schema: str) -> str | None:
+    """The current role's name if it may delete messages or pending rows, else None."""
+    row = conn.execute(query("console_overreach", schema)).one()
+    return str(row.role) if row.overreaches else None
+
+
 def begin_snapshot(conn: Connection, schema: str) -> None:
     """Make the transaction just begun read-only, on one snapshot for all its statements."""
     conn.execute(query("begin_snapshot", schema))

@@ -6,6 +6,7 @@ messages when the console runs with actions on (``guard`` decides); GET ``/healt
 
 from __future__ import annotations
 
+import logging
 import secrets
 import signal
 from datetime import UTC, datetime
@@ -32,6 +33,7 @@ from outbox.console.overview import (
 from outbox.migrate import require_current
 from outbox.settings import Settings
 
+log = logging.getLogger("outbox.console")
 #: Most messages one resume form may name.
 MAX_SELECTION = 1000
 SECURITY_HEADERS = {
@@ -134,6 +136,11 @@ def create_app(settings: Settings, overdue_seconds: float) -> Starlette:
     console = Console(settings, overdue_seconds)
     with console.engine.connect() as conn:
         require_current(conn, settings.schema_name)
+        role = store.console_overreach(conn, settings.schema_name)
+    if role is not None:
+        log.warning("the console runs as %s, which may delete the outbox's rows: run it as a "
+                    "member of %s_console (`outbox db upgrade --create-roles`)", role,
+                    settings.schema_name)
     routes = [
         Route("/", console.page, methods=["GET"]),
         Route("/resume", console.resume, methods=["POST"]),

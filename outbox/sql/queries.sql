@@ -399,6 +399,13 @@ WHERE resolution = 'UNKNOWN' AND status IN ('PENDING', 'DELAYED')
 GROUP BY producer_group
 ORDER BY producer_group;
 
+-- name: console_overreach
+-- Whether the console's role may do more than <schema>_console grants (delete messages or
+-- pending rows, as an owner or superuser can): the console then warns at start.
+SELECT current_user AS role,
+       has_table_privilege('{schema}.message', 'DELETE')
+           OR has_table_privilege('{schema}.pending', 'DELETE') AS overreaches;
+
 -- name: begin_snapshot
 -- The console reads its whole page from one read-only snapshot, so its numbers agree.
 SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY;

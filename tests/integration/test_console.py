@@ -39,8 +39,10 @@ SCRIPT_KEY = "<script>alert('key')</script>"
 
 
 @contextlib.contextmanager
-def running_console(settings: Settings, *args: str, **env: str) -> Iterator[str]:
-    """``outbox console`` on a free loopback port until the block ends; yields its URL."""
+def running_console(settings: Settings, *args: str, logs: list[str] | None = None,
+                    **env: str) -> Iterator[str]:
+    """``outbox console`` on a free loopback port until the block ends; yields its URL (and
+    appends what it printed to ``logs``)."""
     port = devservices.free_port()
     process = start_outbox(settings, "console", "--port", str(port), *args, **env)
     url = f"http://127.0.0.1:{port}"
@@ -51,6 +53,8 @@ def running_console(settings: Settings, *args: str, **env: str) -> Iterator[str]
     finally:
         process.send_signal(signal.SIGTERM)
         output, _ = process.communicate(timeout=30)
+    if logs is not None:
+        logs.append(output)
     assert process.returncode == 0, output
     assert f"Uvicorn running on {url}" in output, "binds the loopback address by default"
 
@@ -63,8 +67,10 @@ def _healthy(url: str) -> bool:
 
 
 @contextlib.contextmanager
-def with_actions(settings: Settings, **env: str) -> Iterator[str]:
-    with running_console(settings, "--allow-actions", OUTBOX_CONSOLE_TOKEN=TOKEN, **env) as url:
+def with_actions(settings: Settings, logs: list[str] | None = None, **env: str
+                 ) -> Iterator[str]:
+    with running_console(settings, "--allow-actions", logs=logs, OUTBOX_CONSOLE_TOKEN=TOKEN,
+                         **env) as url:
         yield url
 
 
@@ -139,7 +145,8 @@ def test_payloads_and_keys_render_as_text(settings: Settings, parked: list[int])
 def test_a_read_only_console_offers_no_action_and_refuses_one(
     engine: Engine, settings: Settings, schema: str, parked: list[int]
 ) -> None:
-    with running_console(settings, OUTBOX_CONSOLE_TOKEN=TOKEN) as url:
+    logs: list[str] = []
+    with running_console(settings, logs=logs, OUTBOX_CONSOLE_TOKEN=TOKEN) as url:
         page = httpx.get(url).text
         refused = httpx.post(f"{url}/resume", data={"one": str(parked[0]), "token": TOKEN,
                                                      "operator": "alice", "csrf": "x"},
@@ -149,6 +156,7 @@ def test_a_read_only_console_offers_no_action_and_refuses_one(
     assert "<form class=\"resume\"" not in page and 'name="token"' not in page
     assert refused.status_code == 403 and "read-only" in refused.text
     assert count_status(engine, schema, "PARKED") == 2
+    assert f"may delete the outbox's rows: run it as a member of {schema}_console" in logs[0]
 
 
 @pytest.mark.parametrize("token", ["wrong", ""])
@@ -222,10 +230,12 @@ def test_the_console_role_reads_and_resumes_and_nothing_more(
         f"{devservices.DB_USER}:{devservices.DB_PASSWORD}@", f"{login}:pw@")
     try:
         as_console = settings.model_copy(update={"database_url": url})
-        with with_actions(as_console) as console, httpx.Client(base_url=console) as client:
+        logs: list[str] = []
+        with with_actions(as_console, logs) as console, httpx.Client(base_url=console) as client:
             page = client.get("/").text
             reply = client.post("/resume", data=form_of(client, one=str(parked[0])))
         assert totals(page)["parked"] == 2
+        assert "may delete" not in logs[0], "its own role is not warned about"
         assert reply.status_code == 200 and f"message {parked[0]} (was PARKED)" in reply.text
         assert_refused(url, [
             f"DELETE FROM {schema}.pending",
