@@ -12,6 +12,8 @@ from selenium.common.exceptions import NoAlertPresentException
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
+from selenium.webdriver.support import expected_conditions
+from selenium.webdriver.support.wait import WebDriverWait
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
@@ -49,6 +51,14 @@ def browser() -> Iterator[WebDriver]:
 
 def cell(browser: WebDriver, css: str) -> str:
     return str(browser.find_element(By.CSS_SELECTOR, css).text)
+
+
+def after_submit(browser: WebDriver, css: str) -> str:
+    """The text of ``css`` on the page a form submission leads to (a click does not wait
+    for the next page)."""
+    WebDriverWait(browser, 30).until(
+        expected_conditions.presence_of_element_located((By.CSS_SELECTOR, css)))
+    return cell(browser, css)
 
 
 def test_the_numbers_on_the_page_are_the_databases(
@@ -112,7 +122,7 @@ def test_resume_a_parked_message_through_the_page_and_see_it_delivered(
         browser.find_element(By.NAME, "operator").send_keys("alice")
         browser.find_element(By.NAME, "token").send_keys(TOKEN)
         browser.find_element(By.CSS_SELECTOR, f'button[name="one"][value="{parked[1]}"]').click()
-        outcome = cell(browser, "#outcome")
+        outcome = after_submit(browser, "#outcome")
         wait_until(lambda: count_status(engine, schema, "DELIVERED") == 1, 30,
                    "the resumed message delivered")
 
@@ -135,7 +145,7 @@ def test_a_wrong_token_typed_in_the_page_is_refused(
         browser.find_element(By.NAME, "operator").send_keys("mallory")
         browser.find_element(By.NAME, "token").send_keys("guess")
         browser.find_element(By.ID, "resume-selected").click()
-        refused = cell(browser, "#refused")
+        refused = after_submit(browser, "#refused")
 
     assert refused == "refused: wrong or missing token"
     assert count_status(engine, schema, "PARKED") == 2
