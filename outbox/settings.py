@@ -428,7 +428,26 @@ class ReconcileSettings(DatabaseSettings, KafkaSettings):
     )
 
 
-class Settings(PublishSettings, RelaySettings, SweepSettings, ReconcileSettings):
+class ConsoleSettings(DatabaseSettings):
+    """The operator console (``outbox console``, the ``console`` extra)."""
+
+    console_host: str = Field(
+        default="127.0.0.1", min_length=1,
+        description="address the console listens on (loopback unless you put it behind auth)")
+    console_port: int = Field(default=8089, ge=0, le=65535, description="the console's port")
+    console_actions: bool = Field(
+        default=False, description="offer resume actions (they also need console_token)")
+    console_token: SecretStr = Field(
+        default=SecretStr(""), description="the token an operator types to resume messages")
+    console_metrics_urls: list[str] = Field(
+        default_factory=list,
+        description="the relays' and sweepers' /metrics URLs the console shows (JSON list)")
+    console_refresh_seconds: float = Field(
+        default=5.0, ge=1, le=3600, description="seconds between the page's refreshes")
+
+
+class Settings(PublishSettings, RelaySettings, SweepSettings, ReconcileSettings,
+               ConsoleSettings):
     """Every setting at once: what ``outbox config`` prints; valid wherever a part is wanted."""
 
 
