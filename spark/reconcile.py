@@ -262,13 +262,15 @@ def _read_topics(spark: SparkSession, settings: ReconcileSettings, engine: Any, 
         conn.rollback()
     topics = {r.topic for r in messages.select("topic").distinct().collect()}
     topics |= set(mark.kafka_offsets or {})
-    client = settings.kafka_security()
-    ends = high_watermarks(settings.kafka_bootstrap, sorted(topics), client)
+    ends = high_watermarks(settings.kafka_bootstrap, sorted(topics), settings.kafka_security())
     plan = sources.plan_topics(ends, first_ops, mark.kafka_offsets, window.since is None)
-    log.info("reading %d offset ranges of %d topics (%d records)", len(plan.ranges),
-             len(topics), sum(r.end - r.start for r in plan.ranges))
-    return _cache(cached, sources.read_topics(spark, settings.kafka_bootstrap, plan, client)), \
-        plan.read_to
+    log.info("reading %d offset ranges of %d topics (%d records) with %s", len(plan.ranges),
+             len(topics), sum(r.end - r.start for r in plan.ranges), settings.kafka_client)
+    client = settings.kafka_security(
+        "librdkafka" if settings.kafka_client == "confluent" else "kafka-python")
+    records = sources.read_topics(spark, settings.kafka_bootstrap, plan, client,
+                                  library=settings.kafka_client)
+    return _cache(cached, records), plan.read_to
 
 
 def _claims(spark: SparkSession, engine: Any, schema: str, several: DataFrame) -> DataFrame:

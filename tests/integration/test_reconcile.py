@@ -27,8 +27,10 @@ from outbox.dev import services as devservices
 from outbox.dev.topics import create_topic, read_topic
 from outbox.settings import Settings
 from outbox.spark import reconcile as job
+from outbox.spark import sources
+from outbox.spark.kafka_source import high_watermarks
 from outbox.spark.runs import RunOutcome
-from tests.conftest import publish_orders, running_relay, wait_delivered
+from tests.conftest import TRANSPORTS, publish_orders, running_relay, wait_delivered
 
 INTEGRITY = {
     "undelivered_after_sla", "delivered_although_rolled_back", "op_record_without_message",
@@ -151,6 +153,7 @@ class Defects:
     """The ids of the messages each defect was injected on."""
 
     settings: Settings
+    topic: str
     undelivered: int = 0
     duplicated: int = 0
     rolled_back_but_delivered: int = 0
@@ -171,7 +174,7 @@ def defects(services: devservices.Services, engine: Engine,
     migrate.upgrade(services.database_url, schema)
     create_topic(services.kafka_bootstrap, topic, partitions=3)
     settings = reconcile_settings(services, schema, tmp_path_factory.mktemp("reconcile"))
-    d = Defects(settings)
+    d = Defects(settings, topic)
     with running_relay(settings):
         d.clean = set(publish_clean_flow(engine, Outbox(settings=settings), topic, 60))
         wait_delivered(engine, schema, 60)
@@ -345,6 +348,36 @@ def test_tables_only_run_finds_what_the_tables_show(
     assert ids["delivered_although_rolled_back"] == {defects.rolled_back_but_delivered}
     assert ids["key_order_broken"] == {defects.order_swapped}
     assert "delivered_more_than_once" not in ids
+
+
+def test_both_kafka_clients_read_the_same_records(
+    spark: SparkSession, defects: Defects
+) -> None:
+    """kafka-python and confluent-kafka, each from offset 0 in pieces of 7 records (so most
+    pieces start mid-partition), stray records without an outbox-id included."""
+    bootstrap = defects.settings.kafka_bootstrap
+    plan = sources.plan_topics(high_watermarks(bootstrap, [defects.topic]), {}, None, True)
+    read = {
+        client: sorted(tuple(r) for r in sources.read_topics(
+            spark, bootstrap, plan, library=client, max_records_per_split=7).collect())
+        for client in TRANSPORTS
+    }
+    assert len(read["kafka-python"]) == 60 + 5
+    assert read["confluent"] == read["kafka-python"]
+
+
+def test_a_run_finds_the_same_with_either_kafka_client(
+    spark: SparkSession, defects: Defects, defect_run: job.Result
+) -> None:
+    found_with = {}
+    for client in TRANSPORTS:
+        settings = defects.settings.model_copy(update={"kafka_client": client})
+        found_with[client] = found(spark, job.run(
+            spark, settings, since=datetime(2000, 1, 1, tzinfo=UTC),
+            until=defect_run.window.until))
+    assert found_with["confluent"] == found_with["kafka-python"]
+    assert found_with["confluent"]["op_record_position_mismatch"] == {defects.misplaced_op}
+    assert found_with["confluent"]["key_order_broken"] == {defects.order_swapped}
 
 
 # --- incremental runs and the command line -----------------------------------------------------
