@@ -135,7 +135,8 @@ def test_the_real_flow_reconciles_clean(
 
     assert result.counts == dict.fromkeys(result.counts, 0)
     assert result.outcome is RunOutcome.CLEAN and result.exit_code == 0
-    assert result.summary["counts"] == {"messages": 33, "op_records": 32, "kafka_records": 31}
+    assert result.summary["counts"] == {"messages": 33, "op_records": 32, "kafka_records": 31,
+                                        "carried_in": 0, "carried_out": 1}  # the delayed one
     by_state = {(c["resolution"], c["status"]): c["count"]
                 for c in result.summary["stats"]["counts"]}
     assert by_state == {("COMMIT", "DELIVERED"): 31, ("COMMIT", "DELAYED"): 1,
@@ -398,8 +399,10 @@ def test_next_run_covers_only_what_is_new_since_the_last(
 
     second = job.run(spark, settings, until=datetime.now(UTC))
 
-    assert first.summary["counts"] == {"messages": 12, "op_records": 12, "kafka_records": 12}
-    assert second.summary["counts"] == {"messages": 5, "op_records": 5, "kafka_records": 5}
+    assert first.summary["counts"] == {"messages": 12, "op_records": 12, "kafka_records": 12,
+                                       "carried_in": 0, "carried_out": 0}
+    assert second.summary["counts"] == {"messages": 5, "op_records": 5, "kafka_records": 5,
+                                        "carried_in": 0, "carried_out": 0}
     assert second.window.since == first.window.until
     assert second.outcome is RunOutcome.CLEAN
 
