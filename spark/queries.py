@@ -296,8 +296,9 @@ def watermark(conn: Connection, schema: str) -> Watermark:
         sa.select(run.c.window_until, run.c.output_path)
         .order_by(run.c.window_until.desc(), run.c.id.desc()).limit(1)
     ).one_or_none()
+    # Runs that read no topic store JSON null: they say nothing about where Kafka was read.
     offsets = conn.execute(
-        sa.select(run.c.kafka_offsets).where(run.c.kafka_offsets.is_not(None))
+        sa.select(run.c.kafka_offsets).where(run.c.read_topics)
         .order_by(run.c.id.desc()).limit(1)
     ).scalar_one_or_none()
     if last is None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from pyspark.sql import SparkSession
-from sqlalchemy import Engine, text
+from sqlalchemy import Connection, Engine, text
 
 from outbox.dev import services as devservices
 from outbox.spark import reconcile as job
@@ -66,10 +66,7 @@ def test_a_reorder_across_two_windows_is_found(
         later = insert_message(conn, schema, topic, key=b"k", status="DELIVERED")
         for message_id in (later, earlier):  # the later message lands first
             offset = produce(services.kafka_bootstrap, topic, 0, b"k", message_id)
-            conn.execute(text(
-                f"INSERT INTO {schema}.op_record (message_id, action, actor, kafka_partition, "
-                f"kafka_offset) VALUES (:id, 'DELIVERED', 'relay', 0, :offset)"),
-                {"id": message_id, "offset": offset})
+            record_delivery(conn, schema, message_id, offset)
 
     first = job.run(spark, settings, until=datetime.now(UTC) - timedelta(minutes=30))
     second = job.run(spark, settings, until=datetime.now(UTC))
@@ -77,3 +74,39 @@ def test_a_reorder_across_two_windows_is_found(
     assert first.summary["counts"]["messages"] == 1 and first.counts["key_order_broken"] == 0
     assert second.summary["counts"]["messages"] == 1
     assert found(spark, second).get("key_order_broken") == {later}
+
+
+def test_a_tables_only_run_between_two_topic_runs_hides_no_stray_record(
+    spark: SparkSession, services: devservices.Services, engine: Engine, schema: str,
+    topic: str, tmp_path: Path
+) -> None:
+    settings = reconcile_settings(services, schema, tmp_path)
+    tables_only = settings.model_copy(update={"reconcile_read_topics": False})
+    deliver(engine, services, schema, topic, age="2 hours")
+    first = job.run(spark, settings, until=datetime.now(UTC))
+    produce(services.kafka_bootstrap, topic, 0, b"a", None)  # after the first run read
+    job.run(spark, tables_only, until=datetime.now(UTC))
+    deliver(engine, services, schema, topic, age="0 seconds")
+
+    third = job.run(spark, settings, until=datetime.now(UTC))
+
+    assert first.counts["kafka_record_without_op_record"] == 0
+    assert found(spark, third).get("kafka_record_without_op_record") == {None}
+
+
+def deliver(engine: Engine, services: devservices.Services, schema: str, topic: str,
+            age: str) -> int:
+    """A message of key ``a`` delivered to partition 0 with its op record, as the relay
+    would."""
+    with engine.begin() as conn:
+        message_id = insert_message(conn, schema, topic, key=b"a", status="DELIVERED", age=age)
+        offset = produce(services.kafka_bootstrap, topic, 0, b"a", message_id)
+        record_delivery(conn, schema, message_id, offset)
+    return message_id
+
+
+def record_delivery(conn: Connection, schema: str, message_id: int, offset: int) -> None:
+    conn.execute(text(
+        f"INSERT INTO {schema}.op_record (message_id, action, actor, kafka_partition, "
+        f"kafka_offset) VALUES (:id, 'DELIVERED', 'relay', 0, :offset)"),
+        {"id": message_id, "offset": offset})
