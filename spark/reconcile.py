@@ -164,7 +164,7 @@ def _run(spark: SparkSession, settings: ReconcileSettings, engine: Engine,
         with _phase(timings, "match"):
             spark.sparkContext.setJobDescription("outbox reconcile: matching the records")
             everything = findings.joined(inputs)
-            facts = _cache(cached, findings.facts(everything))
+            facts = findings.facts(everything)
             if records is not None:
                 everything = _cache(cached, everything)
                 unknown = _unknown(spark, engine, schema, findings.foreign(everything))
