@@ -4,11 +4,13 @@ same CLI (``outbox/__main__.py reconcile``, same options; pass the JDBC driver w
 
 A run covers a window of prepare rows by created_at: from the last run's end (or
 ``--since``) to ``--until`` (default: now minus the SLA, never past the oldest open
-transaction). It reads the window's rows and op records over partitioned JDBC and, with
-``read_topics``, the topics from where the last run stopped to their high-watermark; finds
-what contradicts "every committed message is in Kafka exactly where its op record says";
-writes Parquet and a short report under the output directory; records a summary row. Its
-cost follows the window, not the history.
+transaction). It reads the window's rows and op records over partitioned JDBC, with the
+messages the last run left open (spark/carry.py) and, with ``read_topics``, the topics from
+where the last run stopped to their high-watermark; finds what contradicts "every committed
+message is in Kafka exactly where its op record says" (per-key order starting from each
+key's last position in earlier runs); writes Parquet, what it carries over and a short
+report under the output directory; records a summary row. Its cost follows the window and
+what is still open, not the history.
 """
 
 from __future__ import annotations
