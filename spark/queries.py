@@ -248,7 +248,11 @@ def op_record_bounds(conn: Connection, schema: str, window: Window) -> tuple[int
 
 
 def orphan_op_records(schema: str, window: Window, ids: tuple[int, int]) -> str:
-    """Op records written in the window, with ids in ``ids``, whose prepare row is missing."""
+    """Op records written in the window, with ids in ``ids``, whose prepare row is missing.
+
+    ``OFFSET 0`` keeps the NOT EXISTS a primary-key probe per op record: pulled up into an
+    anti-join, PostgreSQL hashes every message id of the history for a large window.
+    """
     t = tables(schema)
     o, m = t.op_record, t.message
     return as_subquery(
@@ -257,7 +261,7 @@ def orphan_op_records(schema: str, window: Window, ids: tuple[int, int]) -> str:
             o.c.kafka_offset, o.c.created_at,
         ).where(
             _in_window(o.c.created_at, window), o.c.id.between(*ids),
-            ~sa.exists().where(m.c.id == o.c.message_id),
+            ~sa.exists(sa.select(sa.literal(1)).where(m.c.id == o.c.message_id).offset(0)),
         ),
         "orphan",
     )

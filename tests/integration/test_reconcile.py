@@ -26,8 +26,8 @@ from outbox.cli import main
 from outbox.dev import services as devservices
 from outbox.dev.topics import create_topic, read_topic
 from outbox.settings import Settings
+from outbox.spark import queries, sources
 from outbox.spark import reconcile as job
-from outbox.spark import sources
 from outbox.spark.kafka_source import high_watermarks
 from outbox.spark.runs import RunOutcome
 from tests.conftest import TRANSPORTS, publish_orders, running_relay, wait_delivered
@@ -425,3 +425,27 @@ def test_command_exits_1_over_a_threshold_and_0_when_that_finding_only_reports(
     assert "FAIL  undelivered_after_sla" in failing.output
     assert passing.exit_code == 0, passing.output
     assert "note  undelivered_after_sla" in passing.output
+
+
+def test_the_orphan_check_probes_the_primary_key_rather_than_reading_every_message(
+    engine: Engine, schema: str
+) -> None:
+    """Its cost must follow the window's op records, not the message history: hashing every
+    message id (the planner's choice for a large window) grows with the table."""
+    n = 200_000
+    with engine.begin() as conn:
+        conn.execute(text(
+            f"INSERT INTO {schema}.message (id, topic, key, payload, content_type, shard) "
+            f"SELECT g, 't', NULL, '\\x7b7d'::bytea, 'application/json', 0 "
+            f"FROM generate_series(1, :n) AS g"), {"n": n})
+        conn.execute(text(
+            f"INSERT INTO {schema}.op_record (id, message_id, action, actor) "
+            f"SELECT g, g, 'DELIVERED', 'test' FROM generate_series(1, :n) AS g"), {"n": n})
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(text(f"VACUUM ANALYZE {schema}.message, {schema}.op_record"))
+        window = queries.Window(None, datetime.now(UTC) + timedelta(hours=1))
+        plan = [row[0] for row in conn.execute(text(
+            "EXPLAIN SELECT * FROM " + queries.orphan_op_records(schema, window, (1, n // 8))))]
+
+    on_message = [line for line in plan if " on message " in line]
+    assert on_message and all("using message_pkey" in line for line in on_message), plan
