@@ -77,9 +77,9 @@ def last_by_key(facts: DataFrame, anchors: DataFrame | None) -> DataFrame:
     ).select("topic", "key", "last.id", "last.op_at", "last.copy_at")
 
 
-def write(output: Path, facts: DataFrame, anchors: DataFrame | None) -> int:
+def write(spark: SparkSession, output: Path, facts: DataFrame, anchors: DataFrame | None
+          ) -> int:
     """Write this run's carry; returns how many messages it carries over."""
-    opened = still_open(facts)
-    opened.coalesce(1).write.mode("error").parquet(str(output / OPEN))
+    still_open(facts).coalesce(1).write.mode("error").parquet(str(output / OPEN))
     last_by_key(facts, anchors).write.mode("error").parquet(str(output / KEYS))
-    return opened.count()
+    return spark.read.schema(OPEN_SCHEMA).parquet(str(output / OPEN)).count()

@@ -184,7 +184,7 @@ def _run(spark: SparkSession, settings: ReconcileSettings, engine: Engine,
             time.monotonic() - clock_start)
         with _phase(timings, "carry over"):
             spark.sparkContext.setJobDescription("outbox reconcile: carrying over")
-            carrying = carry.write(output, facts, handed.keys)
+            carrying = carry.write(spark, output, facts, handed.keys)
         with _phase(timings, "statistics"):
             spark.sparkContext.setJobDescription("outbox reconcile: statistics")
             stats = findings.stats(messages.where(~F.col("carried")))
