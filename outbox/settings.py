@@ -233,7 +233,8 @@ class KafkaSettings(_Base):
     kafka_bootstrap: str = Field(default="", description="Kafka bootstrap servers, host:port,...")
     kafka_client: Literal["kafka-python", "confluent"] = Field(
         default="kafka-python",
-        description="the relay's Kafka client: kafka-python, or confluent (librdkafka, faster; "
+        description="the Kafka client of the relay and of reconciliation's topic reader: "
+        "kafka-python, or confluent (librdkafka, faster; "
         "pip install 'transactional-outbox[confluent]')",
     )
     kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = (
