@@ -252,6 +252,9 @@ def status(shared: Shared, as_json: bool) -> None:
         click.echo(f"  relay {relay_row['worker_id']}: {relay_row['shards']} shards, "
                    f"{relay_row['in_flight']} in flight")
     _print_topics(topics)
+    for held in (t for t in topics if t["held"]):
+        click.echo(f"topic {held['topic']} held: {held['held']} messages wait until Kafka "
+                   "knows the topic (create it; OUTBOX_TOPIC_HOLD_PARK_AFTER parks them)")
     for group in check_backs:
         overdue = (f", {group['overdue']} overdue: is a sweeper with a checker for this group "
                    "running?" if group["overdue"] else "")

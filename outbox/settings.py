@@ -336,6 +336,11 @@ class RelaySettings(DatabaseSettings, KafkaSettings):
     relay_max_attempts: int = Field(
         default=5, gt=0, description="permanent rejections before a message is parked"
     )
+    topic_hold_park_after: float | None = Field(
+        default=None, gt=0, le=3650 * 86400,
+        description="seconds a topic Kafka does not know is held before its messages are "
+        "parked (unset: held until the topic appears)"
+    )
     relay_metrics_port: int | None = Field(
         default=None, ge=0, le=65535, description="serve Prometheus metrics on this port"
     )

@@ -117,12 +117,13 @@ def fetch_deliverable(
     limit: int,
     in_flight: Sequence[int] = (),
     max_bytes: int = RELAY_BATCH_BYTES,
+    held: Iterable[str] = (),
 ) -> list[Deliverable]:
     """The relay's next batch: at most ``limit`` rows and ``max_bytes`` of payload (at least
     one row). Runs on the driver with binary results: payloads arrive as raw bytes instead
     of hex text, which more than halves the cost of the hot fetch."""
     params = {"shards": list(shards), "limit": limit, "in_flight": list(in_flight),
-              "max_bytes": max_bytes}
+              "max_bytes": max_bytes, "held": list(held)}
     driver = conn.connection.driver_connection
     assert driver is not None
     with driver.cursor(binary=True) as cursor:
@@ -207,6 +208,21 @@ def record_failures(
         },
     )
     return [(row.id, row.topic) for row in rows if row.status == "PARKED"]
+
+
+def mark_held(conn: Connection, schema: str, topic: str, shards: Iterable[int],
+              reason: str) -> None:
+    """Note ``reason`` (starting with ``held: ``) on a held topic's waiting rows."""
+    conn.execute(query("mark_held", schema),
+                 {"topic": topic, "shards": list(shards), "reason": reason})
+
+
+def park_topic(conn: Connection, schema: str, actor: str, topic: str, shards: Iterable[int],
+               reason: str) -> int:
+    """Park a held topic's waiting rows with ``reason``; returns how many."""
+    rows = conn.execute(query("park_topic", schema), {
+        "topic": topic, "shards": list(shards), "reason": reason, "actor": actor})
+    return len(rows.all())
 
 
 def lock_migrations(conn: Connection, schema: str) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import kafka.errors
@@ -105,6 +105,19 @@ class ConfluentTransport:
             except KafkaException as exc:  # refused before sending: size, unknown topic, ...
                 delivery.failed(translate(exc.args[0]))
                 return delivery
+
+    def available(self, topics: Collection[str], timeout: float) -> set[str]:
+        """One metadata request per topic (the relay asks only about topics it has not
+        seen yet, and about held ones with back-off)."""
+        found = set()
+        for topic in topics:
+            try:
+                listed = self.producer.list_topics(topic, timeout=timeout).topics.get(topic)
+            except KafkaException:  # no answer within the timeout
+                continue
+            if listed is not None and listed.error is None and listed.partitions:
+                found.add(topic)
+        return found
 
     def flush(self, timeout: float) -> None:
         self.producer.flush(timeout)

@@ -38,7 +38,7 @@ RETURNING message_id AS id,
 -- name: fetch_deliverable
 -- The relay's next batch: committed, undelivered rows of the shards it owns, in id order,
 -- skipping rows held back by an earlier row of their key that is still DELAYED or UNKNOWN,
--- and the rows of the batch it has in flight; at most :limit rows, and no more payload bytes
+-- the rows of the batch it has in flight and those of topics it holds (relay/holds.py); at most :limit rows, and no more payload bytes
 -- than :max_bytes (but always the first row). Walks the pending table's partial index, so
 -- its cost follows the backlog, not the history; the message rows are read by primary key.
 SELECT id, topic, key, header_keys, header_values, payload, content_type
@@ -55,6 +55,7 @@ FROM (
             AND h.key IS NOT NULL
             AND (h.status = 'DELAYED' OR (h.status = 'PENDING' AND h.resolution = 'UNKNOWN')))
       AND p.message_id <> ALL(CAST(:in_flight AS bigint[]))
+      AND p.topic <> ALL(CAST(:held AS text[]))
     ORDER BY p.message_id
     LIMIT :limit
 ) AS batch
@@ -109,6 +110,26 @@ WITH failed AS (
     SELECT id, 'PARKED', :actor, error FROM failed WHERE status = 'PARKED'
 )
 SELECT id, topic, status FROM failed;
+
+-- name: mark_held
+-- A held topic's waiting rows say so (last_error starting with 'held: '), for `outbox status`;
+-- rows already marked are not written again.
+UPDATE {schema}.pending SET last_error = :reason
+WHERE topic = :topic AND status = 'PENDING' AND resolution = 'COMMIT'
+  AND shard = ANY(CAST(:shards AS smallint[])) AND last_error IS DISTINCT FROM :reason;
+
+-- name: park_topic
+-- A topic held longer than OUTBOX_TOPIC_HOLD_PARK_AFTER: its waiting rows are PARKED with the
+-- reason and an op record each, like a permanently rejected message; returns their ids.
+WITH parked AS (
+    UPDATE {schema}.pending SET status = 'PARKED', last_error = :reason
+    WHERE topic = :topic AND status = 'PENDING' AND resolution = 'COMMIT'
+      AND shard = ANY(CAST(:shards AS smallint[]))
+    RETURNING message_id
+)
+INSERT INTO {schema}.op_record (message_id, action, actor, detail)
+SELECT message_id, 'PARKED', :actor, :reason FROM parked
+RETURNING message_id;
 
 -- name: lock_migrations
 -- Migrations of one schema take turns: held until the migrating transaction ends.
@@ -219,6 +240,7 @@ WITH counts AS (
            count(*) FILTER (WHERE status = 'DELAYED' AND resolution <> 'UNKNOWN') AS delayed,
            count(*) FILTER (WHERE status = 'PARKED') AS parked,
            count(*) FILTER (WHERE status = 'DISCARDED') AS discarded,
+           count(*) FILTER (WHERE status = 'PENDING' AND last_error LIKE 'held: %') AS held,
            extract(epoch FROM now() - min(created_at) FILTER (
                WHERE status IN ('PENDING', 'DELAYED'))) AS oldest_undelivered_seconds
     FROM {schema}.pending GROUP BY topic
@@ -231,7 +253,7 @@ WITH counts AS (
 SELECT coalesce(c.topic, r.topic) AS topic,
        coalesce(c.pending, 0) AS pending, coalesce(c.unresolved, 0) AS unresolved,
        coalesce(c.delayed, 0) AS delayed, coalesce(c.parked, 0) AS parked,
-       coalesce(c.discarded, 0) AS discarded,
+       coalesce(c.discarded, 0) AS discarded, coalesce(c.held, 0) AS held,
        coalesce(r.delivered_last_minute, 0) AS delivered_last_minute,
        c.oldest_undelivered_seconds
 FROM counts AS c FULL JOIN recent AS r ON r.topic = c.topic
