@@ -17,9 +17,9 @@ from typing import Any
 import kafka.errors
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
-from outbox.exceptions import ConfigurationError, ServiceUnavailable
+from outbox.exceptions import ConfigurationError
 from outbox.relay.producer import PRODUCER_DEFAULTS
-from outbox.relay.transport import Delivery, Headers
+from outbox.relay.transport import Delivery, Headers, unreachable
 from outbox.settings import RelaySettings
 
 log = logging.getLogger("outbox.relay.librdkafka")
@@ -77,9 +77,7 @@ class ConfluentTransport:
         try:
             self.producer.list_topics(timeout=PRODUCER_DEFAULTS["bootstrap_timeout_ms"] / 1000)
         except KafkaException:
-            raise ServiceUnavailable(
-                f"no Kafka broker answers at {settings.kafka_bootstrap}: check "
-                "OUTBOX_KAFKA_BOOTSTRAP") from None
+            raise unreachable(settings) from None
         self._closing = threading.Event()
         self._reporter = threading.Thread(target=self._report, daemon=True,
                                           name=f"kafka-reports-{settings.worker_id}")

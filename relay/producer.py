@@ -8,8 +8,7 @@ from typing import Any
 from kafka import KafkaProducer
 from kafka.errors import KafkaError, KafkaTimeoutError
 
-from outbox.exceptions import ServiceUnavailable
-from outbox.relay.transport import Delivery, Headers
+from outbox.relay.transport import Delivery, Headers, unreachable
 from outbox.settings import RelaySettings
 
 PRODUCER_DEFAULTS: dict[str, Any] = {
@@ -40,9 +39,7 @@ def make_producer(settings: RelaySettings, **overrides: Any) -> KafkaProducer:
     try:
         return KafkaProducer(**producer_config(settings, **overrides))
     except KafkaTimeoutError:
-        raise ServiceUnavailable(
-            f"no Kafka broker answers at {settings.kafka_bootstrap}: check OUTBOX_KAFKA_BOOTSTRAP"
-        ) from None
+        raise unreachable(settings) from None
 
 
 class KafkaPythonTransport:

