@@ -89,7 +89,8 @@ class ConfluentTransport:
 
         def reported(error: KafkaError | None, message: Message) -> None:
             if error is None:
-                delivery.landed(message.partition() or 0, message.offset() or 0)
+                offset = message.offset()
+                delivery.landed(message.partition() or 0, -1 if offset is None else offset)
             else:
                 delivery.failed(translate(error))
 

@@ -8,6 +8,7 @@ tests/integration/test_broker_modes.py), so an object store is its only durable 
 from __future__ import annotations
 
 import contextlib
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -36,8 +37,10 @@ class ObjectStore:
 
 
 @contextlib.contextmanager
-def object_store(bucket: str = "tansu") -> Iterator[ObjectStore]:
-    """A fresh store with one empty bucket, stopped when the block ends."""
+def object_store() -> Iterator[ObjectStore]:
+    """A fresh store with one empty bucket, stopped when the block ends (moto keeps its
+    buckets per Python process, so each store's bucket has a new name)."""
+    bucket = f"tansu-{uuid.uuid4().hex[:12]}"
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
