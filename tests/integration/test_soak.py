@@ -1,6 +1,6 @@
-"""The long haul (issue 12 §6): a steady publish rate for ``OUTBOX_SOAK_MINUTES`` (3 by
+"""The long haul (issue 12 §6): a steady publish rate for ``SOAK_MINUTES`` (3 by
 default; BENCHMARKS.md records a 15-minute run), two relays restarted in turn every
-``OUTBOX_SOAK_RESTART_SECONDS`` (SIGTERM and kill -9 alternating) and retention of one minute.
+``SOAK_RESTART_SECONDS`` (SIGTERM and kill -9 alternating) and retention of one minute.
 
 Asserted: nothing lost or doubled in the books (every id has exactly one DELIVERED op record,
 audited by a trigger since retention deletes the op records themselves) and every id is on the
@@ -35,9 +35,9 @@ from soak import write_load
 
 pytestmark = pytest.mark.slow
 
-MINUTES = float(os.environ.get("OUTBOX_SOAK_MINUTES", "3"))
-RESTART_SECONDS = float(os.environ.get("OUTBOX_SOAK_RESTART_SECONDS", "60"))
-RATE = float(os.environ.get("OUTBOX_SOAK_RATE", "300"))
+MINUTES = float(os.environ.get("SOAK_MINUTES", "3"))
+RESTART_SECONDS = float(os.environ.get("SOAK_RESTART_SECONDS", "60"))
+RATE = float(os.environ.get("SOAK_RATE", "300"))
 RELAYS = 2
 SAMPLE_SECONDS = 5.0
 #: A relay's resident memory may not grow by more than this over its life (after its first
