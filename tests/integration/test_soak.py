@@ -33,11 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from relay_bench import start_relays
 from soak import write_load
 
-pytestmark = pytest.mark.slow
-
 MINUTES = float(os.environ.get("SOAK_MINUTES", "3"))
 RESTART_SECONDS = float(os.environ.get("SOAK_RESTART_SECONDS", "60"))
 RATE = float(os.environ.get("SOAK_RATE", "300"))
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(MINUTES * 60 + 360)]
 RELAYS = 2
 SAMPLE_SECONDS = 5.0
 #: A relay's resident memory may not grow by more than this over its life (after its first
