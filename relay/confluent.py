@@ -19,7 +19,7 @@ from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from outbox.exceptions import ConfigurationError
 from outbox.relay.producer import PRODUCER_DEFAULTS
-from outbox.relay.transport import Delivery, Headers, unreachable
+from outbox.relay.transport import Delivery, Headers
 from outbox.settings import RelaySettings
 
 log = logging.getLogger("outbox.relay.librdkafka")
@@ -77,7 +77,7 @@ class ConfluentTransport:
         try:
             self.producer.list_topics(timeout=PRODUCER_DEFAULTS["bootstrap_timeout_ms"] / 1000)
         except KafkaException:
-            raise unreachable(settings) from None
+            raise settings.kafka_unreachable() from None
         self._closing = threading.Event()
         self._reporter = threading.Thread(target=self._report, daemon=True,
                                           name=f"kafka-reports-{settings.worker_id}")

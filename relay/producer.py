@@ -8,7 +8,7 @@ from typing import Any
 from kafka import KafkaProducer
 from kafka.errors import KafkaError, KafkaTimeoutError
 
-from outbox.relay.transport import Delivery, Headers, unreachable
+from outbox.relay.transport import Delivery, Headers
 from outbox.settings import RelaySettings
 
 PRODUCER_DEFAULTS: dict[str, Any] = {
@@ -39,7 +39,7 @@ def make_producer(settings: RelaySettings, **overrides: Any) -> KafkaProducer:
     try:
         return KafkaProducer(**producer_config(settings, **overrides))
     except KafkaTimeoutError:
-        raise unreachable(settings) from None
+        raise settings.kafka_unreachable() from None
 
 
 class KafkaPythonTransport:

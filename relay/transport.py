@@ -15,7 +15,7 @@ from typing import Protocol
 
 from kafka.errors import KafkaError
 
-from outbox.exceptions import ConfigurationError, ServiceUnavailable
+from outbox.exceptions import ConfigurationError
 from outbox.settings import RelaySettings
 
 Headers = Sequence[tuple[str, bytes]]
@@ -75,27 +75,6 @@ def is_permanent(error: BaseException | None) -> bool:
     """Kafka's non-retriable errors (record too large, invalid or unauthorised topic, ...):
     retrying the same record cannot help, so it is parked after a few attempts."""
     return isinstance(error, KafkaError) and not error.retriable
-
-
-def unreachable(settings: RelaySettings) -> ServiceUnavailable:
-    """The one line for a relay that no broker lets in. A refused login or a TLS mismatch
-    looks like silence to the clients, so it names every setting that can cause it (the
-    password only as ``***``)."""
-    protocol = settings.kafka_security_protocol
-    check = ["OUTBOX_KAFKA_BOOTSTRAP", "OUTBOX_KAFKA_SECURITY_PROTOCOL"]
-    login = ""
-    if protocol.startswith("SASL"):
-        login = f" as {settings.kafka_sasl_username!r} ({settings.kafka_sasl_mechanism})"
-        check += ["OUTBOX_KAFKA_SASL_MECHANISM", "OUTBOX_KAFKA_SASL_USERNAME",
-                  "OUTBOX_KAFKA_SASL_PASSWORD (***)"]
-    if protocol.endswith("SSL"):
-        check += [f"{name} ({value})" for name, value in (
-            ("OUTBOX_KAFKA_SSL_CAFILE", settings.kafka_ssl_cafile),
-            ("OUTBOX_KAFKA_SSL_CERTFILE", settings.kafka_ssl_certfile),
-            ("OUTBOX_KAFKA_SSL_KEYFILE", settings.kafka_ssl_keyfile)) if value]
-    return ServiceUnavailable(
-        f"no Kafka broker answers at {settings.kafka_bootstrap} over {protocol}{login}: "
-        f"check {', '.join(check[:-1])} and {check[-1]}")
 
 
 def make_transport(settings: RelaySettings) -> Transport:

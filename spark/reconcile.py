@@ -25,6 +25,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from kafka.errors import KafkaTimeoutError
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from sqlalchemy import Engine, create_engine
@@ -263,7 +264,10 @@ def _read_topics(spark: SparkSession, settings: ReconcileSettings, engine: Any, 
     topics = {r.topic for r in messages.select("topic").distinct().collect()}
     topics |= set(mark.kafka_offsets or {})
     client = settings.kafka_security()
-    ends = high_watermarks(settings.kafka_bootstrap, sorted(topics), client)
+    try:
+        ends = high_watermarks(settings.kafka_bootstrap, sorted(topics), client)
+    except KafkaTimeoutError:
+        raise settings.kafka_unreachable() from None
     plan = sources.plan_topics(ends, first_ops, mark.kafka_offsets, window.since is None)
     log.info("reading %d offset ranges of %d topics (%d records)", len(plan.ranges),
              len(topics), sum(r.end - r.start for r in plan.ranges))

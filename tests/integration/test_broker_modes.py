@@ -182,21 +182,43 @@ def test_reconciliation_reads_the_topic_over_tls(
 # --- SASL ---------------------------------------------------------------------------------------
 
 
+PASSWORD = "hunter2-do-not-print"
+
+
+def wrong_login(settings: Settings, bootstrap: str) -> dict[str, str]:
+    return outbox_env(settings_for(settings, bootstrap),
+                      OUTBOX_KAFKA_SECURITY_PROTOCOL="SASL_PLAINTEXT",
+                      OUTBOX_KAFKA_SASL_MECHANISM="SCRAM-SHA-512",
+                      OUTBOX_KAFKA_SASL_USERNAME="alice", OUTBOX_KAFKA_SASL_PASSWORD=PASSWORD)
+
+
 @both_transports
 def test_wrong_sasl_credentials_get_one_line_with_the_password_masked(
     settings: Settings, tmp_path: Path
 ) -> None:
-    password = "hunter2-do-not-print"
     with broker(tmp_path, authentication=True) as tansu:
-        env = outbox_env(settings_for(settings, tansu.bootstrap),
-                         OUTBOX_KAFKA_SECURITY_PROTOCOL="SASL_PLAINTEXT",
-                         OUTBOX_KAFKA_SASL_MECHANISM="SCRAM-SHA-512",
-                         OUTBOX_KAFKA_SASL_USERNAME="alice",
-                         OUTBOX_KAFKA_SASL_PASSWORD=password)
-        result = run_outbox(None, "relay", env=env)
+        result = run_outbox(None, "relay", env=wrong_login(settings, tansu.bootstrap))
     assert_one_line_error(result, tansu.bootstrap, "OUTBOX_KAFKA_SASL_USERNAME",
                           "OUTBOX_KAFKA_SASL_PASSWORD")
-    assert password not in result.stdout + result.stderr
+    assert PASSWORD not in result.stdout + result.stderr
+
+
+@pytest.mark.slow
+def test_reconciliation_with_wrong_sasl_credentials_gets_one_line(
+    engine: Engine, outbox: Outbox, settings: Settings, topic: str, tmp_path: Path
+) -> None:
+    publish_orders(engine, outbox, topic, [("k", 1)])  # a topic to read in the window
+    until = (datetime.now(UTC) + timedelta(seconds=1)).isoformat()
+    with broker(tmp_path, authentication=True) as tansu:
+        result = run_outbox(None, "reconcile", "--read-topics", "--until", until, "--master",
+                            "local[1]", "--output-dir", str(tmp_path),
+                            env=wrong_login(settings, tansu.bootstrap))
+    last = result.stderr.strip().splitlines()[-1]  # Spark's JVM may warn on stderr before it
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert last.startswith("outbox: error: no Kafka broker answers at " + tansu.bootstrap)
+    assert "OUTBOX_KAFKA_SASL_PASSWORD (***)" in last
+    assert PASSWORD not in result.stdout + result.stderr
 
 
 # --- stopping while the broker is frozen --------------------------------------------------------
