@@ -145,7 +145,8 @@ def test_soak(tmp_path: Path) -> None:
                 f"SELECT message_id, count(*) FROM {schema}.soak_audit "
                 "WHERE action = 'DELIVERED' GROUP BY 1")).all()
 
-    print(f"\nsoak: {MINUTES:g} min at {RATE:g} msg/s, {last_id} messages; "
+    print(f"\nsoak: {MINUTES:g} min at {RATE:g} msg/s, {last_id} messages, "
+          f"{len(records) - len({r.message_id for r in records})} duplicates on the topic; "
           f"events: {'; '.join(events)}\n{report}")
     every = set(range(1, last_id + 1))
     assert last_id >= RATE * MINUTES * 60 * 0.5, "the load was written"
