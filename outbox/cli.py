@@ -285,13 +285,12 @@ def _overdue(settings: SweepSettings) -> float:
 @click.option("--retention-hours", type=float, help="[env OUTBOX_RETENTION_HOURS; 72]")
 @pass_shared
 def prune(shared: Shared, retention_hours: float | None) -> None:
-    """Delete delivered and rolled-back rows and op records older than the retention."""
+    """Drop partitions of delivered and rolled-back rows and op records older than the
+    retention (one pass of the relay's retention)."""
     from outbox.relay.retention import prune as prune_all
 
     settings = shared.settings(RelaySettings, retention_hours=retention_hours)
-    messages, op_records = prune_all(settings)
-    click.echo(f"pruned {messages} messages and {op_records} op records older than "
-               f"{settings.retention_hours:g} h")
+    click.echo(prune_all(settings).summary(settings.retention_hours))
 
 
 @main.group()

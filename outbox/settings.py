@@ -330,6 +330,8 @@ class PublishSettings(DatabaseSettings):
     )
 
 
+#: Message ids per partition of ``message`` and ``op_record`` (revision 0006) by default.
+PARTITION_SIZE = 1_000_000
 #: Payload bytes one relay batch may hold by default.
 RELAY_BATCH_BYTES = 16 * 1024 * 1024
 
@@ -358,12 +360,18 @@ class RelaySettings(DatabaseSettings, KafkaSettings):
     )
     retention_hours: float = Field(
         default=72.0, gt=0, le=24 * 3650,
-        description="delivered and rolled-back rows are pruned after this"
+        description="partitions of delivered and rolled-back rows are dropped after this"
     )
     prune_interval: float = Field(
         default=60.0, ge=1, le=86400, description="seconds between the relay's retention passes"
     )
-    prune_batch_size: int = Field(default=5000, gt=0, description="rows deleted per statement")
+    prune_batch_size: int = Field(
+        default=5000, gt=0, description="default-partition rows deleted per statement"
+    )
+    partition_size: int = Field(
+        default=PARTITION_SIZE, gt=0,
+        description="message ids per new partition; retention drops whole partitions"
+    )
 
 
 class SweepSettings(DatabaseSettings):

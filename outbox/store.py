@@ -32,6 +32,8 @@ MIGRATION_LOCK_CLASS = 0x0B0E
 #: The NOTIFY payload of a commit whose row is due later (the relay then re-reads when the
 #: next delayed row is due); other commits notify with an empty payload.
 DELAYED_NOTE = "delayed"
+#: Range partitions of ``message`` and ``op_record`` kept ready beyond the id sequence.
+PARTITIONS_AHEAD = 2
 _BLOCK = re.compile(r"^-- name: (\w+)\n", re.MULTILINE)
 
 
@@ -276,11 +278,36 @@ def relays(conn: Connection, schema: str, lease_seconds: float) -> list[dict[str
     return [dict(row._mapping) for row in rows]
 
 
-def prune(conn: Connection, schema: str, retention_seconds: float, limit: int) -> tuple[int, int]:
-    """Delete one bounded batch of expired messages with their op records; returns how many
-    (messages, op records) went."""
+class DroppedPartition(NamedTuple):
+    """A range of message ids retention dropped, and how many unfinished messages it kept."""
+
+    name: str
+    low: int | None
+    high: int
+    kept: int
+
+
+def ensure_partitions(conn: Connection, schema: str, size: int,
+                      ahead: int = PARTITIONS_AHEAD) -> int:
+    """Create the range partitions the next ids need; returns how many were made."""
+    return int(conn.execute(query("ensure_partitions", schema),
+                            {"size": size, "ahead": ahead}).scalar_one())
+
+
+def drop_expired_partition(conn: Connection, schema: str, retention_seconds: float
+                           ) -> DroppedPartition | None:
+    """Drop the oldest partition past the window (None when none is)."""
+    row = conn.execute(query("drop_expired_partition", schema),
+                       {"retention_seconds": retention_seconds}).one_or_none()
+    return None if row is None else DroppedPartition(*row)
+
+
+def prune_default(conn: Connection, schema: str, retention_seconds: float, limit: int
+                  ) -> tuple[int, int]:
+    """Delete one bounded batch of the default partition's expired finished messages with
+    their op records; returns how many (messages, op records) went."""
     params = {"retention_seconds": retention_seconds, "limit": limit}
-    row = conn.execute(query("prune_messages", schema), params).one()
+    row = conn.execute(query("prune_default", schema), params).one()
     return int(row.messages), int(row.op_records)
 
 

@@ -246,26 +246,27 @@ FROM {schema}.relay_member AS r
 WHERE r.seen_at > now() - make_interval(secs => :lease_seconds)
 ORDER BY r.worker_id;
 
--- name: prune_messages
--- Retention: delete up to :limit finished messages (no pending row: delivered or rolled
--- back) older than the window, oldest first through the BRIN index on created_at, with their
--- op records, so a message and its history go together. PARKED and DISCARDED rows are kept
--- for an operator. Short, bounded statements, so the relay is never blocked for long.
-WITH expired AS (
-    DELETE FROM {schema}.message
-    WHERE id IN (
-        SELECT m.id FROM {schema}.message AS m
-        WHERE m.created_at < now() - make_interval(secs => :retention_seconds)
-          AND NOT EXISTS (SELECT FROM {schema}.pending AS p WHERE p.message_id = m.id)
-        LIMIT :limit
-        FOR UPDATE SKIP LOCKED
-    )
-    RETURNING id
-), history AS (
-    DELETE FROM {schema}.op_record WHERE message_id IN (SELECT id FROM expired)
-    RETURNING 1
-)
-SELECT (SELECT count(*) FROM expired) AS messages, (SELECT count(*) FROM history) AS op_records;
+-- name: ensure_partitions
+-- Retention, step 1: ``message`` and ``op_record`` are partitioned by ranges of message id
+-- (revision 0006); create the next :ahead ranges of :size ids beyond the sequence, so
+-- publishes land in a range partition (the default partition takes them otherwise). Runs
+-- the owner's SECURITY DEFINER function: the relay's role needs no rights on partitions. It
+-- attaches new, empty tables (no lock that stops publishers) and gives up after 500 ms of
+-- waiting for a lock, until the next pass. Returns how many ranges it made.
+SELECT {schema}.ensure_partitions(:size, :ahead) AS made;
+
+-- name: drop_expired_partition
+-- Retention, step 2: drop the oldest range partition of ``message`` (with its op records'
+-- partition) whose every id is handed out and whose every row is older than the window: a
+-- catalog change, whatever the rows. Its unfinished messages (a pending row) and their op
+-- records first move to the default partitions. Returns the partition dropped, or no row.
+SELECT name, low, high, kept FROM {schema}.drop_expired_partition(:retention_seconds);
+
+-- name: prune_default
+-- Retention, step 3: delete up to :limit finished messages (no pending row) of the default
+-- partition older than the window, with their op records (the default partition holds only
+-- moved unfinished messages and rows published while no range partition covered them).
+SELECT messages, op_records FROM {schema}.prune_default(:retention_seconds, :limit);
 
 -- name: table_exists
 SELECT to_regclass(:table) IS NOT NULL;
@@ -403,7 +404,8 @@ ORDER BY producer_group;
 --   {schema}_app      writes prepare rows (the columns the publish statement sets; the rest
 --                     is checked by revision 0005's constraints and trigger) and decides
 --                     through decide_message(); reads no payloads, updates and deletes nothing;
---   {schema}_relay    delivers (delivery columns of pending only), keeps leases and prunes;
+--   {schema}_relay    delivers (delivery columns of pending only), keeps leases, and prunes
+--                     through revision 0006's partition functions (no rights on partitions);
 --   {schema}_sweeper  checks back (check columns of pending only; grant it SELECT on the
 --                     tables your SQL checkers read).
 DO $roles$
@@ -432,10 +434,14 @@ GRANT INSERT (message_id, shard, topic, key, producer_group, status, resolution,
       SELECT (message_id, status)
     ON {schema}.pending TO {schema}_app;
 GRANT EXECUTE ON FUNCTION {schema}.decide_message(bigint, text, text, text) TO {schema}_app;
-GRANT SELECT, DELETE ON {schema}.message TO {schema}_relay;
+GRANT SELECT ON {schema}.message TO {schema}_relay;
 GRANT SELECT, DELETE, UPDATE (status, attempts, last_error, check_count, next_check_at)
     ON {schema}.pending TO {schema}_relay;
-GRANT SELECT, INSERT, DELETE ON {schema}.op_record TO {schema}_relay;
+GRANT SELECT, INSERT ON {schema}.op_record TO {schema}_relay;
+GRANT EXECUTE ON FUNCTION {schema}.ensure_partitions(bigint, integer),
+                          {schema}.drop_expired_partition(double precision),
+                          {schema}.prune_default(double precision, integer)
+    TO {schema}_relay;
 GRANT SELECT, UPDATE ON {schema}.relay_lease TO {schema}_relay;
 GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.relay_member TO {schema}_relay;
 GRANT SELECT ON {schema}.message TO {schema}_sweeper;
