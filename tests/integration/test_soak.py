@@ -1,6 +1,7 @@
 """The long haul (issue 12 §6): a steady publish rate for ``SOAK_MINUTES`` (3 by
 default; BENCHMARKS.md records a 15-minute run), two relays restarted in turn every
-``SOAK_RESTART_SECONDS`` (SIGTERM and kill -9 alternating) and retention of one minute.
+``SOAK_RESTART_SECONDS`` (SIGTERM and kill -9 alternating) and retention of one minute over
+history partitions of about 20 s of load each.
 
 Asserted: nothing lost or doubled in the books (every id has exactly one DELIVERED op record,
 audited by a trigger since retention deletes the op records themselves) and every id is on the
@@ -38,6 +39,9 @@ RESTART_SECONDS = float(os.environ.get("SOAK_RESTART_SECONDS", "60"))
 RATE = float(os.environ.get("SOAK_RATE", "300"))
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(MINUTES * 60 + 360)]
 RELAYS = 2
+#: Message ids per history partition: about 20 s of load, so retention (one minute) drops
+#: partitions throughout the run.
+PARTITION_SIZE = int(RATE * 20)
 SAMPLE_SECONDS = 5.0
 #: A relay's resident memory may not grow by more than this over its life (after its first
 #: 20 seconds), nor exceed RSS_CEILING_MB at any time.
@@ -91,11 +95,12 @@ def connections(engine: Engine) -> int:
 
 
 def test_soak(tmp_path: Path) -> None:
-    with isolated_services(partitions=6) as iso:
+    with isolated_services(partitions=6, partition_size=PARTITION_SIZE) as iso:
         schema = "outbox"
         audit(iso.engine, schema)
         env = {**os.environ, **iso.services.env(),
                "OUTBOX_RETENTION_HOURS": str(60 / 3600), "OUTBOX_PRUNE_INTERVAL": "10",
+               "OUTBOX_PARTITION_SIZE": str(PARTITION_SIZE),
                "OUTBOX_RELAY_LEASE_SECONDS": "3", "OUTBOX_RELAY_POLL_INTERVAL": "0.2"}
         slots = [Slot(p) for p in start_relays(env, schema, RELAYS)]
         started = time.monotonic()
@@ -144,14 +149,17 @@ def test_soak(tmp_path: Path) -> None:
             per_id = conn.execute(text(
                 f"SELECT message_id, count(*) FROM {schema}.soak_audit "
                 "WHERE action = 'DELIVERED' GROUP BY 1")).all()
+            kept = int(conn.execute(text(f"SELECT count(*) FROM {schema}.op_record")).scalar_one())
 
     print(f"\nsoak: {MINUTES:g} min at {RATE:g} msg/s, {last_id} messages, "
-          f"{len(records) - len({r.message_id for r in records})} duplicates on the topic; "
+          f"{len(records) - len({r.message_id for r in records})} duplicates on the topic, "
+          f"{last_id - kept} op records pruned by retention; "
           f"events: {'; '.join(events)}\n{report}")
     every = set(range(1, last_id + 1))
     assert last_id >= RATE * MINUTES * 60 * 0.5, "the load was written"
     assert {m for m, _ in per_id} == every, "every message got a DELIVERED op record"
     assert not [m for m, n in per_id if n != 1], "exactly one DELIVERED op record each"
+    assert kept < last_id, "retention pruned the oldest op records"
     assert {r.message_id for r in records} == every, "every message is on the topic"
     assert not grown, f"relay memory grew: {grown}"
     peaks = [max(rss for name, rss in row if name != "connections") for row in samples.values()]
