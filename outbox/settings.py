@@ -31,7 +31,7 @@ from pydantic_settings import (
 from sqlalchemy.engine import make_url
 
 from outbox.encoding import DEFAULT_MAX_DELAY
-from outbox.exceptions import ConfigurationError
+from outbox.exceptions import ConfigurationError, ServiceUnavailable
 
 #: Environment variable naming the TOML config file (also set by ``outbox --config``).
 CONFIG_ENV = "OUTBOX_CONFIG"
@@ -267,6 +267,26 @@ class KafkaSettings(_Base):
         }
         names = _SECURITY_NAMES[client]
         return {names[field]: value for field, value in values.items() if value is not None}
+
+    def kafka_unreachable(self) -> ServiceUnavailable:
+        """The one line for a relay or a reconciliation that no broker lets in. A refused login
+        or a TLS mismatch looks like silence to the clients, so it names every setting that
+        can cause it (the password only as ``***``)."""
+        protocol = self.kafka_security_protocol
+        check = ["OUTBOX_KAFKA_BOOTSTRAP", "OUTBOX_KAFKA_SECURITY_PROTOCOL"]
+        login = ""
+        if protocol.startswith("SASL"):
+            login = f" as {self.kafka_sasl_username!r} ({self.kafka_sasl_mechanism})"
+            check += ["OUTBOX_KAFKA_SASL_MECHANISM", "OUTBOX_KAFKA_SASL_USERNAME",
+                      "OUTBOX_KAFKA_SASL_PASSWORD (***)"]
+        if protocol.endswith("SSL"):
+            check += [f"{name} ({value})" for name, value in (
+                ("OUTBOX_KAFKA_SSL_CAFILE", self.kafka_ssl_cafile),
+                ("OUTBOX_KAFKA_SSL_CERTFILE", self.kafka_ssl_certfile),
+                ("OUTBOX_KAFKA_SSL_KEYFILE", self.kafka_ssl_keyfile)) if value]
+        return ServiceUnavailable(
+            f"no Kafka broker answers at {self.kafka_bootstrap} over {protocol}{login}: "
+            f"check {', '.join(check[:-1])} and {check[-1]}")
 
 
 #: Each security setting's name in the Kafka clients' own configurations.

@@ -27,6 +27,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from kafka.errors import KafkaTimeoutError
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from sqlalchemy import Engine, create_engine
@@ -281,7 +282,11 @@ def _read_topics(spark: SparkSession, settings: ReconcileSettings, engine: Any, 
         conn.rollback()
     topics = {r.topic for r in messages.select("topic").distinct().collect()}
     topics |= set(mark.kafka_offsets or {})
-    ends = high_watermarks(settings.kafka_bootstrap, sorted(topics), settings.kafka_security())
+    try:
+        ends = high_watermarks(settings.kafka_bootstrap, sorted(topics),
+                               settings.kafka_security())
+    except KafkaTimeoutError:
+        raise settings.kafka_unreachable() from None
     plan = sources.plan_topics(ends, first_ops, mark.kafka_offsets, window.since is None)
     log.info("reading %d offset ranges of %d topics (%d records) with %s", len(plan.ranges),
              len(topics), sum(r.end - r.start for r in plan.ranges), settings.kafka_client)
