@@ -17,7 +17,7 @@ from typing import Any
 import kafka.errors
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
-from outbox.exceptions import ConfigurationError, ServiceUnavailable
+from outbox.exceptions import ConfigurationError
 from outbox.relay.producer import PRODUCER_DEFAULTS
 from outbox.relay.transport import Delivery, Headers
 from outbox.settings import RelaySettings
@@ -77,9 +77,7 @@ class ConfluentTransport:
         try:
             self.producer.list_topics(timeout=PRODUCER_DEFAULTS["bootstrap_timeout_ms"] / 1000)
         except KafkaException:
-            raise ServiceUnavailable(
-                f"no Kafka broker answers at {settings.kafka_bootstrap}: check "
-                "OUTBOX_KAFKA_BOOTSTRAP") from None
+            raise settings.kafka_unreachable() from None
         self._closing = threading.Event()
         self._reporter = threading.Thread(target=self._report, daemon=True,
                                           name=f"kafka-reports-{settings.worker_id}")
@@ -91,7 +89,8 @@ class ConfluentTransport:
 
         def reported(error: KafkaError | None, message: Message) -> None:
             if error is None:
-                delivery.landed(message.partition() or 0, message.offset() or 0)
+                offset = message.offset()
+                delivery.landed(message.partition() or 0, -1 if offset is None else offset)
             else:
                 delivery.failed(translate(error))
 

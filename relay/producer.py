@@ -9,7 +9,6 @@ from typing import Any
 from kafka import KafkaProducer
 from kafka.errors import KafkaError, KafkaTimeoutError
 
-from outbox.exceptions import ServiceUnavailable
 from outbox.relay.transport import Delivery, Headers
 from outbox.settings import RelaySettings
 
@@ -41,9 +40,7 @@ def make_producer(settings: RelaySettings, **overrides: Any) -> KafkaProducer:
     try:
         return KafkaProducer(**producer_config(settings, **overrides))
     except KafkaTimeoutError:
-        raise ServiceUnavailable(
-            f"no Kafka broker answers at {settings.kafka_bootstrap}: check OUTBOX_KAFKA_BOOTSTRAP"
-        ) from None
+        raise settings.kafka_unreachable() from None
 
 
 class KafkaPythonTransport:

@@ -21,6 +21,16 @@ from outbox.settings import RelaySettings
 Headers = Sequence[tuple[str, bytes]]
 
 
+class UnknownOffset(KafkaError):  # type: ignore[misc]  # kafka-python is untyped
+    """An acknowledgement without an offset. Both clients report a DUPLICATE_SEQUENCE_NUMBER
+    answer so (the broker says it holds the record already); a broker that lost its log but
+    kept its producer state answers the same. Sending again risks a duplicate; recording it
+    would lose the message and its position, so the relay retries it."""
+
+    retriable = True
+    description = "the broker acknowledged the record without its offset"
+
+
 class Delivery:
     """Where one record landed, or why it did not; filled in once, from any thread, which
     then calls the ``done`` the relay passed to :meth:`Transport.send`."""
@@ -34,6 +44,9 @@ class Delivery:
         self.error: BaseException | None = None
 
     def landed(self, partition: int, offset: int) -> None:
+        if offset < 0:
+            self.failed(UnknownOffset(f"partition {partition}"))
+            return
         self.partition, self.offset = partition, offset
         self._done()
 

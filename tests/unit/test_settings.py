@@ -12,6 +12,7 @@ import pytest
 from outbox.exceptions import ConfigurationError
 from outbox.relay.producer import producer_config
 from outbox.settings import (
+    ConsoleSettings,
     DatabaseSettings,
     PublishSettings,
     ReconcileSettings,
@@ -103,7 +104,8 @@ def test_outbox_arguments_override_the_settings_it_is_given() -> None:
 
 # In process: the component classes, their sources and the helpers ----------------------------
 
-COMPONENTS = (PublishSettings, RelaySettings, SweepSettings, ReconcileSettings)
+COMPONENTS = (PublishSettings, RelaySettings, SweepSettings, ReconcileSettings,
+              ConsoleSettings)
 
 
 def test_each_component_takes_only_its_own_settings() -> None:
