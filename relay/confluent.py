@@ -17,7 +17,7 @@ from typing import Any
 import kafka.errors
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
-from outbox.exceptions import ConfigurationError
+from outbox.exceptions import ConfigurationError, ServiceUnavailable
 from outbox.relay.producer import PRODUCER_DEFAULTS
 from outbox.relay.transport import Delivery, Headers
 from outbox.settings import RelaySettings

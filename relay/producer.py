@@ -9,6 +9,7 @@ from typing import Any
 from kafka import KafkaProducer
 from kafka.errors import KafkaError, KafkaTimeoutError
 
+from outbox.exceptions import ServiceUnavailable
 from outbox.relay.transport import Delivery, Headers
 from outbox.settings import RelaySettings
 
