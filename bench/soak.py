@@ -169,7 +169,8 @@ def megabytes(engine: Engine, schema: str, tables: tuple[str, ...] = TABLES) -> 
     """Tables and indexes, every partition included (a partitioned table has no storage)."""
     with engine.connect() as conn:
         return sum(int(conn.execute(text(
-            "SELECT coalesce(sum(pg_total_relation_size(relid)), 0) FROM pg_partition_tree(:t)"),
+            "SELECT coalesce(sum(pg_total_relation_size(relid)), pg_total_relation_size(:t)) "
+            "FROM pg_partition_tree(:t)"),  # no rows for a table that is not partitioned
             {"t": f"{schema}.{table}"}).scalar_one()) for table in tables) / 1e6
 
 
@@ -368,6 +369,8 @@ def main() -> None:
         f"{'met' if latency_ok else 'not met'}")
     say(f"retention: sizes grew {grew:+.1%} over the last 3 minutes (target ≤ +5%): "
         f"{'met' if grew <= 0.05 else 'not met'}; backlog bounded: {bounded}")
+    tail = [s.megabytes for s in samples if s.minute > args.minutes - 3]
+    before = [s.megabytes for s in samples if args.minutes - 6 < s.minute <= args.minutes - 3]
     table = [
         "| minute | delivered/s | backlog | tables + indexes | of which pending | partitions |",
         "|---|---|---|---|---|---|",
@@ -381,14 +384,16 @@ def main() -> None:
         f"{RETENTION_SECONDS} s, pruning every 10 s, partitions of {size:,} message ids"
         + (f", pending table ({args.pending_storage})" if args.pending_storage else "") + ". "
         f"message + pending + op_record with indexes grew **{grew:+.1%}** over the last 3 "
-        f"minutes (target ≤ +5%); backlog bounded: **{bounded}**.")
+        f"minutes (target ≤ +5%); backlog bounded: **{bounded}**. Over the last 3 minutes "
+        f"the samples stayed between {min(tail):,.1f} and {max(tail):,.1f} MB; over the 3 "
+        f"minutes before, between {min(before):,.1f} and {max(before):,.1f} MB.")
     if args.no_write:
         return
     if args.retention_only:
         name = f"soak retention {args.fraction:.0%}" + (" pending" if args.pending_storage
                                                          else "")
         block = "\n".join([
-            f"`python bench/soak.py --retention-only --fraction {args.fraction:g}`. Run of "
+            f"`python bench/soak.py {' '.join(sys.argv[1:])}`. Run of "
             f"{datetime.date.today().isoformat()} on {platform.node() or 'this machine'}: "
             f"nproc {os.cpu_count()}, load average {load[0]:.1f} at the start; fresh durable "
             "embedded PostgreSQL and Tansu, 1 relay (kafka-python transport), 1 KiB payloads.",

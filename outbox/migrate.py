@@ -114,7 +114,8 @@ def create_roles(url: str, schema: str) -> list[str]:
     with _serialised(url, schema) as conn:
         for block in ("create_roles", "create_reconcile_role", "create_checker_role"):
             conn.exec_driver_sql(str(store.query(block, schema)))
-    return [f"{schema}_{kind}" for kind in ("app", "relay", "sweeper", "reconcile", "checker")]
+    return [f"{schema}_{kind}"
+            for kind in ("app", "relay", "sweeper", "reconcile", "checker", "console")]
 
 
 @contextlib.contextmanager

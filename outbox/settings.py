@@ -233,7 +233,8 @@ class KafkaSettings(_Base):
     kafka_bootstrap: str = Field(default="", description="Kafka bootstrap servers, host:port,...")
     kafka_client: Literal["kafka-python", "confluent"] = Field(
         default="kafka-python",
-        description="the relay's Kafka client: kafka-python, or confluent (librdkafka, faster; "
+        description="the Kafka client of the relay and of reconciliation's topic reader: "
+        "kafka-python, or confluent (librdkafka, faster; "
         "pip install 'transactional-outbox[confluent]')",
     )
     kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = (
@@ -355,6 +356,11 @@ class RelaySettings(DatabaseSettings, KafkaSettings):
     relay_max_attempts: int = Field(
         default=5, gt=0, description="permanent rejections before a message is parked"
     )
+    topic_hold_park_after: float | None = Field(
+        default=None, gt=0, le=3650 * 86400,
+        description="seconds a topic Kafka does not know is held before its messages are "
+        "parked (unset: held until the topic appears)"
+    )
     relay_metrics_port: int | None = Field(
         default=None, ge=0, le=65535, description="serve Prometheus metrics on this port"
     )
@@ -448,7 +454,26 @@ class ReconcileSettings(DatabaseSettings, KafkaSettings):
     )
 
 
-class Settings(PublishSettings, RelaySettings, SweepSettings, ReconcileSettings):
+class ConsoleSettings(DatabaseSettings):
+    """The operator console (``outbox console``, the ``console`` extra)."""
+
+    console_host: str = Field(
+        default="127.0.0.1", min_length=1,
+        description="address the console listens on (loopback unless you put it behind auth)")
+    console_port: int = Field(default=8089, ge=0, le=65535, description="the console's port")
+    console_actions: bool = Field(
+        default=False, description="offer resume actions (they also need console_token)")
+    console_token: SecretStr = Field(
+        default=SecretStr(""), description="the token an operator types to resume messages")
+    console_metrics_urls: list[str] = Field(
+        default_factory=list,
+        description="the relays' and sweepers' /metrics URLs the console shows (JSON list)")
+    console_refresh_seconds: float = Field(
+        default=5.0, ge=1, le=3600, description="seconds between the page's refreshes")
+
+
+class Settings(PublishSettings, RelaySettings, SweepSettings, ReconcileSettings,
+               ConsoleSettings):
     """Every setting at once: what ``outbox config`` prints; valid wherever a part is wanted."""
 
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import kafka.errors
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
-from outbox.exceptions import ConfigurationError
+from outbox.exceptions import ConfigurationError, ServiceUnavailable
 from outbox.relay.producer import PRODUCER_DEFAULTS
 from outbox.relay.transport import Delivery, Headers
 from outbox.settings import RelaySettings
@@ -104,6 +104,20 @@ class ConfluentTransport:
             except KafkaException as exc:  # refused before sending: size, unknown topic, ...
                 delivery.failed(translate(exc.args[0]))
                 return delivery
+
+    def available(self, topics: Collection[str], timeout: float) -> set[str]:
+        """One metadata request per topic (the relay asks only about topics it has not
+        seen yet, and about held ones with back-off)."""
+        found = set()
+        for topic in topics:
+            try:
+                listed = self.producer.list_topics(topic, timeout=timeout).topics.get(topic)
+            except KafkaException as exc:
+                raise ServiceUnavailable(f"Kafka did not answer a metadata request within "
+                                         f"{timeout:g}s: {exc.args[0].str()}") from None
+            if listed is not None and listed.error is None and listed.partitions:
+                found.add(topic)
+        return found
 
     def flush(self, timeout: float) -> None:
         self.producer.flush(timeout)

@@ -10,7 +10,7 @@ so one function (:func:`is_permanent`) decides which records are parked.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Protocol
 
 from kafka.errors import KafkaError
@@ -60,6 +60,12 @@ class Transport(Protocol):
              done: Callable[[], None]) -> Delivery:
         """Hand one record over; a record refused before sending (too large, ...) comes back
         already failed."""
+        ...
+
+    def available(self, topics: Collection[str], timeout: float) -> set[str]:
+        """Which of ``topics`` Kafka has metadata (partitions) for, asking it for at most
+        ``timeout`` seconds; the others are unknown to it. Raises ServiceUnavailable if no
+        broker answered: that is an outage, not a missing topic."""
         ...
 
     def flush(self, timeout: float) -> None:

@@ -203,6 +203,14 @@ BEGIN
             RETURN;
         END IF;
         ops := 'op_record_' || substring(candidate.name FROM 9);
+        -- The partitions first, without waiting: while autovacuum works on one, waiting
+        -- for it here would hold publishers up behind the parent's lock.
+        BEGIN
+            EXECUTE format('LOCK TABLE {schema}.%I, {schema}.%I IN ACCESS EXCLUSIVE MODE '
+                           'NOWAIT', candidate.name, ops);
+        EXCEPTION WHEN lock_not_available THEN
+            RETURN;
+        END;
         EXECUTE format('ALTER TABLE {schema}.message DETACH PARTITION {schema}.%I',
                        candidate.name);
         EXECUTE format('ALTER TABLE {schema}.op_record DETACH PARTITION {schema}.%I', ops);

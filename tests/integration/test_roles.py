@@ -32,7 +32,7 @@ def logins(engine: Engine, settings: Settings, schema: str) -> Iterator[dict[str
     result = run_outbox(settings, "db", "upgrade", "--create-roles")
     assert result.returncode == 0, result.stderr
     assert (f"roles {schema}_app, {schema}_relay, {schema}_sweeper, {schema}_reconcile, "
-            f"{schema}_checker granted" in result.stdout)
+            f"{schema}_checker, {schema}_console granted" in result.stdout)
     urls = {}
     with engine.begin() as conn:
         for kind in ("app", "relay", "sweeper"):
@@ -46,8 +46,9 @@ def logins(engine: Engine, settings: Settings, schema: str) -> Iterator[dict[str
             for role in (f"{schema}_{kind}_login", f"{schema}_{kind}"):
                 conn.execute(text(f"DROP OWNED BY {role}"))
                 conn.execute(text(f"DROP ROLE {role}"))
-        conn.execute(text(f"DROP OWNED BY {schema}_checker"))
-        conn.execute(text(f"DROP ROLE {schema}_checker"))
+        for role in (f"{schema}_checker", f"{schema}_console"):
+            conn.execute(text(f"DROP OWNED BY {role}"))
+            conn.execute(text(f"DROP ROLE {role}"))
 
 
 def test_relay_and_sweeper_work_under_their_roles(
