@@ -333,6 +333,11 @@ class RelaySettings(DatabaseSettings, KafkaSettings):
     relay_max_attempts: int = Field(
         default=5, gt=0, description="permanent rejections before a message is parked"
     )
+    relay_tail_max_records: int = Field(
+        default=1_000_000, gt=0,
+        description="records read at most from partition tails before delivering shards a "
+        "dead relay held (beyond it: send anyway, duplicates possible)"
+    )
     relay_metrics_port: int | None = Field(
         default=None, ge=0, le=65535, description="serve Prometheus metrics on this port"
     )
