@@ -188,8 +188,7 @@ relay_lease = Table(
     Column("owner", Text),
     Column("expires_at", DateTime(timezone=True)),
     Column("clean", Boolean, nullable=False, server_default=true()),
-    Column("settled_at", DateTime(timezone=True), nullable=False,
-           server_default=text("'-infinity'")),
+    Column("settled_at", DateTime(timezone=True)),
 )
 
 #: Live relays announce themselves here so each can take a fair share of the shards.

@@ -5,8 +5,9 @@ be unrecorded, so a new owner knows when it must read the topic's tail before se
   recorded (a graceful stop or a rebalance). A claim sets it false; a relay killed with -9
   leaves it false, and the next owner reads the tail (relay/recovery.py).
 * ``relay_lease.settled_at``: every message of the shard sent before this moment has its op
-  record. Set when a clean shard is claimed and after a tail has been read; a message can
-  only have landed unrecorded after it (and after its own commit).
+  record (NULL: not known, from the beginning). Set when a clean shard is claimed and after
+  a tail has been read; a message can only have landed unrecorded after it (and after its
+  own commit).
 
 Revision ID: 0006
 Revises: 0005
@@ -28,8 +29,7 @@ def upgrade() -> None:
     schema = target_schema()
     op.add_column("relay_lease", sa.Column("clean", sa.Boolean, nullable=False,
                                            server_default=sa.true()), schema=schema)
-    op.add_column("relay_lease", sa.Column("settled_at", sa.DateTime(timezone=True),
-                                           nullable=False, server_default="-infinity"),
+    op.add_column("relay_lease", sa.Column("settled_at", sa.DateTime(timezone=True)),
                   schema=schema)
     # A shard owned right now may have sends in flight that are not recorded yet.
     op.execute(f"UPDATE {schema}.relay_lease SET clean = false WHERE owner IS NOT NULL")
