@@ -4,6 +4,7 @@ several messages, some delayed; it records each message's outcome as JSON lines.
 from __future__ import annotations
 
 import argparse
+import sys
 import json
 import random
 import time
@@ -23,14 +24,17 @@ def main() -> None:
         parser.add_argument(name, required=True)
     parser.add_argument("--seconds", type=float, required=True)
     parser.add_argument("--seed", type=int, required=True)
+    parser.add_argument("--sizes", default="1,1,2,3",
+                        help="messages per transaction, one of these at random")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     engine = create_engine(sqlalchemy_url(args.url), pool_pre_ping=True)
     outbox = Outbox(schema=args.schema)
+    sizes = [int(size) for size in args.sizes.split(",")]
     end = time.monotonic() + args.seconds
     with open(args.out, "w") as out:
         while time.monotonic() < end:
-            tags = [uuid.uuid4().hex for _ in range(rng.choice((1, 1, 2, 3)))]
+            tags = [uuid.uuid4().hex for _ in range(rng.choice(sizes))]
             rollback = rng.random() < 0.25
             outcome = "rollback" if rollback else "commit"
             try:
@@ -45,7 +49,8 @@ def main() -> None:
                         session.rollback()
                     else:
                         session.commit()
-            except Exception:  # PostgreSQL restarting: the outcome is not known here
+            except Exception as exc:  # PostgreSQL restarting: the outcome is not known here
+                print("WRITER", type(exc).__name__, str(exc)[:300], file=sys.stderr)
                 outcome = "uncertain"
                 time.sleep(0.2)
             for tag in tags:
