@@ -4,9 +4,9 @@ several messages, some delayed; it records each message's outcome as JSON lines.
 from __future__ import annotations
 
 import argparse
-import sys
 import json
 import random
+import sys
 import time
 import uuid
 from datetime import timedelta
@@ -50,7 +50,8 @@ def main() -> None:
                     else:
                         session.commit()
             except Exception as exc:  # PostgreSQL restarting: the outcome is not known here
-                print("WRITER", type(exc).__name__, str(exc)[:300], file=sys.stderr)
+                print(f"chaos writer: {type(exc).__name__}: {str(exc).splitlines()[0]}",
+                      file=sys.stderr)
                 outcome = "uncertain"
                 time.sleep(0.2)
             for tag in tags:
