@@ -51,11 +51,10 @@ def partition_of(key: bytes, partitions: int) -> int:
 class Recovery:
     """Settles this relay's unsettled shards (see the module's docstring)."""
 
-    def __init__(self, settings: RelaySettings, reader: TailReader | None = None) -> None:
+    def __init__(self, settings: RelaySettings) -> None:
         self.settings = settings
         self.schema = settings.schema_name
         self.actor = f"{settings.worker_id} (recovered)"
-        self._reader = reader
 
     def settle(self, conn: Connection, leases: Leases) -> None:
         """Read the tails of ``leases.unsettled`` and record what they hold, then mark the
@@ -64,7 +63,7 @@ class Recovery:
         if not shards:
             return
         started = time.monotonic()
-        reader = self._reader or make_tail_reader(self.settings)
+        reader = make_tail_reader(self.settings)
         tail = Tail()
         for topic, (partitions, sent_after) in self._affected(conn, reader, shards).items():
             starts = self._starts(conn, topic, partitions, sent_after)
