@@ -74,6 +74,7 @@ def consumer_config(settings: RelaySettings) -> dict[str, Any]:
         "group.id": f"outbox-recovery-{settings.worker_id}",  # required; never joined
         "enable.auto.commit": False,
         "enable.partition.eof": True,
+        "fetch.wait.max.ms": 10,  # an empty tail ends after one short fetch
         "auto.offset.reset": "earliest",
         "logger": log,
         **settings.kafka_security("librdkafka"),

@@ -81,6 +81,7 @@ class KafkaPythonTailReader:
             "group_id": None,
             "enable_auto_commit": False,
             "auto_offset_reset": "earliest",
+            "fetch_max_wait_ms": 10,  # an empty tail ends after one short fetch
             **settings.kafka_security(),
         }
 
