@@ -196,7 +196,21 @@ class ConfluentTailReader:
                     else:
                         raise ServiceUnavailable(f"could not read topic {topic}'s tail "
                                                  f"({error.str()})")
+                ended |= _beyond_end(consumer, topic, starts)
             return tail
         finally:
             consumer.close()
 
+
+
+def _beyond_end(consumer: Consumer, topic: str, starts: dict[int, int | None]) -> set[int]:
+    """Partitions whose start is past the high-watermark of their last fetch (the topic was
+    recreated): librdkafka reports no end for them, and they have no tail to read."""
+    beyond = set()
+    for partition, start in starts.items():
+        if start is not None:
+            _, high = consumer.get_watermark_offsets(TopicPartition(topic, partition),
+                                                     cached=True)
+            if 0 <= high < start:
+                beyond.add(partition)
+    return beyond
