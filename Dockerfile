@@ -1,5 +1,6 @@
-# The outbox CLI as images, used by docker-compose.yml. Two targets:
+# The outbox CLI as images, used by docker-compose.yml. Three targets:
 #   outbox     relay, sweeper, migrations, status (small: no Java, no Spark);
+#   console    the same plus the console extra, for `outbox console`;
 #   reconcile  the same plus Java 17, the PostgreSQL JDBC driver and the spark extra, for
 #              `outbox reconcile` (local[*] inside the container, or --master of a cluster).
 FROM python:3.11-slim-bookworm AS outbox
@@ -13,6 +14,13 @@ RUN pip install --no-cache-dir . && useradd --system --uid 10001 outbox
 USER outbox
 ENTRYPOINT ["outbox"]
 CMD ["--help"]
+
+FROM outbox AS console
+USER root
+RUN pip install --no-cache-dir '.[console]'
+USER outbox
+EXPOSE 8089
+CMD ["console", "--help"]
 
 FROM outbox AS reconcile
 USER root

@@ -23,6 +23,12 @@ bench:
 	@scripts/bootstrap.sh dev,spark
 	$(VENV)/bin/python bench/run_all.py $(BENCH_ARGS)
 
+# Issue 10's long figures: commit → ack latency per minute, retention under load (about 25 min;
+# `make soak SOAK_ARGS="--minutes 3 --client confluent"`).
+soak:
+	@scripts/bootstrap.sh dev,spark
+	$(VENV)/bin/python bench/soak.py $(SOAK_ARGS)
+
 lint:
 	@scripts/bootstrap.sh dev,spark
 	$(VENV)/bin/ruff check .

@@ -1,13 +1,15 @@
 """Reconciliation throughput on local Spark against the embedded services.
 
     python bench/reconcile_bench.py [--messages 5000000] [--master local[2]]
+        [--kafka-client both] [--update BENCHMARKS.md]
 
 Generates delivered messages and their op records with generate_series, produces the
 matching Kafka records (key, outbox-id header, the offsets the op records name) with
 kafka-python from one process per partition, then times `spark.reconcile.run` over the whole
-window: tables only, and with the topic read (``--repeat`` times each, alternating). Reports
-messages per second of each run (the SparkSession start is reported apart) and checks every
-run comes out CLEAN.
+window: tables only, and with the topic read by each ``--kafka-client`` (``--repeat`` times
+each, alternating). Reports messages per second of each run (the SparkSession start is
+reported apart) with where its time went (the run summary's seconds_by_phase), checks every
+run comes out CLEAN, and with ``--update`` writes the table into that file (bench/report.py).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from kafka import KafkaProducer
+from report import Figure, markdown_table, replace_block, text_table
 from sqlalchemy import Engine, create_engine, text
 
 from outbox import migrate
@@ -114,7 +117,27 @@ def timed_run(spark: Any, settings: Settings) -> dict[str, Any]:
         raise SystemExit(f"expected a clean run:\n{result.report}")
     return {"seconds": round(seconds, 1), "messages": messages,
             "kafka_records": result.summary["counts"]["kafka_records"],
-            "messages_per_second": round(messages / seconds)}
+            "messages_per_second": round(messages / seconds),
+            "seconds_by_phase": result.summary["seconds_by_phase"]}
+
+
+#: The issue 15 targets, in messages per second, per kind of run.
+TARGETS = {"tables_only": 200_000, "with_topic": 80_000}
+
+
+def figures(results: dict[str, Any]) -> list[Figure]:
+    """The best run of each kind against its target (the first run pays the JVM warm-up)."""
+    out = []
+    for kind, runs in results.items():
+        if not isinstance(runs, list):
+            continue
+        best = max(runs, key=lambda r: r["messages_per_second"])
+        target = TARGETS["tables_only" if kind == "tables_only" else "with_topic"]
+        phases = ", ".join(f"{name} {seconds:.1f}s"
+                           for name, seconds in best["seconds_by_phase"].items())
+        out.append(Figure(f"{kind.replace('_', ' ')} ({phases})", best["messages_per_second"],
+                          "msg/s", target, "target", (">=", 1.0)))
+    return out
 
 
 def main() -> None:
@@ -128,7 +151,10 @@ def main() -> None:
     parser.add_argument("--skip-topic", action="store_true", help="time tables only")
     parser.add_argument("--repeat", type=int, default=1,
                         help="runs of each kind in one session (the first pays the JIT warm-up)")
+    parser.add_argument("--kafka-client", choices=["kafka-python", "confluent", "both"],
+                        default="both", help="the topic reader(s) to time")
     parser.add_argument("--results", type=Path, default=Path("bench/results/reconcile.json"))
+    parser.add_argument("--update", type=Path, help="write the table into this Markdown file")
     args = parser.parse_args()
     if args.keys % args.partitions:
         parser.error("--keys must be a multiple of --partitions")
@@ -161,9 +187,12 @@ def main() -> None:
         results["session_start_seconds"] = round(time.perf_counter() - started, 1)
         try:
             kinds = [("tables_only", settings)]
+            clients = (["kafka-python", "confluent"] if args.kafka_client == "both"
+                       else [args.kafka_client])
             if not args.skip_topic:
-                kinds.append(("with_topic",
-                              settings.model_copy(update={"reconcile_read_topics": True})))
+                kinds += [(f"with_topic_{client.replace('-', '_')}", settings.model_copy(
+                    update={"reconcile_read_topics": True, "kafka_client": client}))
+                    for client in clients]
             for _ in range(args.repeat):
                 for kind, kind_settings in kinds:
                     results.setdefault(kind, []).append(timed_run(spark, kind_settings))
@@ -176,6 +205,14 @@ def main() -> None:
     args.results.parent.mkdir(parents=True, exist_ok=True)
     args.results.write_text(json.dumps(results, indent=2) + "\n")
     say(json.dumps(results, indent=2))
+    table = figures(results)
+    say(text_table(table))
+    if args.update:
+        block = (f"{args.messages:,} messages, {args.master}, best of {args.repeat} per kind; "
+                 f"phases in seconds:\n\n{markdown_table(table)}")
+        args.update.write_text(replace_block(
+            args.update.read_text(), block, name="reconcile bench",
+            title="Spark reconciliation: the issue 15 targets"))
 
 
 if __name__ == "__main__":

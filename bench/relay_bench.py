@@ -148,11 +148,13 @@ def stop(relays: list[subprocess.Popen[bytes]]) -> None:
 
 
 def relay_throughput(services: devservices.Services, engine: Engine, env: dict[str, str],
-                     relays: int, n: int, history: int = 0, client: str = "kafka-python"
-                     ) -> float:
-    suffix = "" if client == "kafka-python" else "_librdkafka"
+                     relays: int, n: int, history: int = 0, client: str = "kafka-python",
+                     tag: str = "") -> float:
+    """Messages per second that ``relays`` relays deliver, draining ``n`` committed rows
+    (``tag`` keeps repeated runs in schemas and topics of their own)."""
+    suffix = ("" if client == "kafka-python" else "_librdkafka") + (f"_{tag}" if tag else "")
     schema = f"bench_{relays}_{history}{suffix}"
-    topic = f"bench-{relays}-{history}{suffix}"
+    topic = f"bench-{relays}-{history}{suffix}".replace("_", "-")
     env = {**env, "OUTBOX_KAFKA_CLIENT": client}
     migrate.upgrade(services.database_url, schema)
     create_topic(services.kafka_bootstrap, topic, partitions=6)

@@ -1,17 +1,24 @@
 """Issue 10's two long figures, one minute at a time, on fresh embedded services.
 
     python bench/soak.py [--minutes 10] [--rate 1000] [--no-write]      (or `make soak`)
+    python bench/soak.py --retention-only [--fraction 0.5] [--partition-seconds 10]
+    python bench/soak.py --pass-cost 10000 1000000
 
 1. Latency: applications publish ``--rate`` messages a second (one per transaction, 4
-   threads, durable commits) for ``--minutes``; one `outbox relay` delivers them. Printed per
-   minute: p50, p99 and max of commit → recorded ack (the op record's time minus the prepare
-   row's created_at, both the database's clock).
+   threads, durable commits) for ``--minutes``; one `outbox relay` (``--client`` transport)
+   delivers them. Printed per minute: p50, p99 and max of commit → recorded ack: the op
+   record's time (taken after Kafka acknowledged) minus the moment the application's COMMIT
+   returned (one clock: the machine's). For comparison, p50 from the transaction's start
+   (the prepare row's created_at) to the op record, which also counts the publishing
+   transaction itself.
 2. Retention: the maximum drain rate of one relay is measured first (a backlog drained); then
    publishing at 70% of it runs for ``--minutes`` with retention set to 2 minutes (pruning every
    10 s). The load is written by SQL in the database (the publish statement's shape, 100
    statements a second), as many application processes would: a Python publisher could not
    reach these rates next to the relay on 2 cores. Printed per minute: delivered/s, backlog,
-   and the size of message + pending + op_record with their indexes.
+   the size of message + pending + op_record with their indexes (every partition), and the
+   number of partitions.
+3. ``--pass-cost``: the time one retention pass takes to remove a partition of N old rows.
 """
 
 from __future__ import annotations
@@ -31,8 +38,10 @@ from relay_bench import (
     PAYLOAD,
     bulk_publish,
     delivered,
+    preload,
     relay_throughput,
     say,
+    settle_database,
     start_relays,
     stop,
 )
@@ -40,10 +49,11 @@ from report import replace_block
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.orm import Session
 
-from outbox import Outbox, migrate
+from outbox import Outbox, migrate, store
 from outbox.dev import services as devservices
 from outbox.dev.topics import create_topic
-from outbox.settings import sqlalchemy_url
+from outbox.relay import retention
+from outbox.settings import RelaySettings, sqlalchemy_url
 
 ROOT = Path(__file__).resolve().parent.parent
 RETENTION_SECONDS = 120
@@ -57,6 +67,8 @@ class LatencyMinute:
     p50: float
     p99: float
     worst: float
+    #: p50 from the publishing transaction's start instead of its commit
+    p50_from_begin: float
 
 
 def latency_soak(services: devservices.Services, engine: Engine, env: dict[str, str],
@@ -71,6 +83,7 @@ def latency_soak(services: devservices.Services, engine: Engine, env: dict[str, 
         started_at = conn.execute(text("SELECT now()")).scalar_one()
     end = time.perf_counter() + minutes * 60
     sent = [0] * threads
+    committed: list[list[tuple[int, float]]] = [[] for _ in range(threads)]
 
     def publisher(slot: int) -> None:
         interval, next_at = threads / rate, time.perf_counter() + slot / rate
@@ -78,7 +91,8 @@ def latency_soak(services: devservices.Services, engine: Engine, env: dict[str, 
             while next_at < end:
                 with session.begin():
                     key = f"key-{(sent[slot] * threads + slot) % KEYS}"
-                    outbox.publish(session, topic, PAYLOAD, key=key)
+                    message_id = outbox.publish(session, topic, PAYLOAD, key=key)
+                committed[slot].append((message_id, time.time()))
                 sent[slot] += 1
                 next_at += interval
                 pause = next_at - time.perf_counter()
@@ -101,20 +115,27 @@ def latency_soak(services: devservices.Services, engine: Engine, env: dict[str, 
     finally:
         sys.setswitchinterval(switch_interval)
         stop(relays)
+    ids, times = zip(*(pair for slot in committed for pair in slot), strict=True)
     with engine.connect() as conn:
         rows = conn.execute(text(f"""
-            SELECT floor(extract(epoch FROM m.created_at - :t0) / 60)::int AS minute,
-                   count(*) AS n,
-                   percentile_cont(0.5) WITHIN GROUP (ORDER BY o.created_at - m.created_at)
-                       AS p50,
-                   percentile_cont(0.99) WITHIN GROUP (ORDER BY o.created_at - m.created_at)
-                       AS p99,
-                   max(o.created_at - m.created_at) AS worst
-            FROM {schema}.op_record AS o JOIN {schema}.message AS m ON m.id = o.message_id
-            WHERE o.action = 'DELIVERED'
-            GROUP BY 1 ORDER BY 1"""), {"t0": started_at}).all()
-    return [LatencyMinute(r.minute + 1, r.n, *(x.total_seconds() * 1000
-                                                for x in (r.p50, r.p99, r.worst)))
+            WITH c AS (SELECT * FROM unnest(CAST(:ids AS bigint[]),
+                                            CAST(:times AS float8[])) AS c(id, at)),
+                 l AS (SELECT floor((c.at - extract(epoch FROM CAST(:t0 AS timestamptz))) / 60)
+                                  ::int AS minute,
+                              extract(epoch FROM o.created_at) - c.at AS latency,
+                              extract(epoch FROM o.created_at - m.created_at) AS from_begin
+                       FROM c JOIN {schema}.op_record AS o ON o.message_id = c.id
+                              JOIN {schema}.message AS m ON m.id = c.id
+                       WHERE o.action = 'DELIVERED')
+            SELECT minute, count(*) AS n,
+                   percentile_cont(0.5) WITHIN GROUP (ORDER BY latency) AS p50,
+                   percentile_cont(0.99) WITHIN GROUP (ORDER BY latency) AS p99,
+                   max(latency) AS worst,
+                   percentile_cont(0.5) WITHIN GROUP (ORDER BY from_begin) AS p50_from_begin
+            FROM l GROUP BY 1 ORDER BY 1"""),
+            {"ids": list(ids), "times": list(times), "t0": started_at}).all()
+    return [LatencyMinute(r.minute + 1, r.n, *(x * 1000 for x in (r.p50, r.p99, r.worst,
+                                                                   r.p50_from_begin)))
             for r in rows if r.minute < minutes]
 
 
@@ -124,6 +145,8 @@ class RetentionSample:
     delivered_per_second: float
     backlog: int
     megabytes: float
+    pending_megabytes: float
+    partitions: int
 
 
 def write_load(engine: Engine, schema: str, topic: str, rate: float, stop_at: float) -> None:
@@ -142,20 +165,28 @@ def write_load(engine: Engine, schema: str, topic: str, rate: float, stop_at: fl
                 time.sleep(pause)
 
 
-def megabytes(engine: Engine, schema: str) -> float:
+def megabytes(engine: Engine, schema: str, tables: tuple[str, ...] = TABLES) -> float:
+    """Tables and indexes, every partition included (a partitioned table has no storage)."""
     with engine.connect() as conn:
-        return sum(conn.execute(text("SELECT pg_total_relation_size(:t)"),
-                                {"t": f"{schema}.{table}"}).scalar_one()
-                   for table in TABLES) / 1e6
+        return sum(int(conn.execute(text(
+            "SELECT coalesce(sum(pg_total_relation_size(relid)), pg_total_relation_size(:t)) "
+            "FROM pg_partition_tree(:t)"),  # no rows for a table that is not partitioned
+            {"t": f"{schema}.{table}"}).scalar_one()) for table in tables) / 1e6
+
+
+def partitions(engine: Engine, schema: str) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(text(
+            "SELECT count(*) FROM pg_partition_tree(:t) WHERE isleaf"),
+            {"t": f"{schema}.message"}).scalar_one())
 
 
 def recorded(engine: Engine, schema: str) -> int:
-    """Op records ever inserted (only DELIVERED ones in this run): unlike a count of the
-    table, it does not fall when retention deletes old ones."""
+    """Op records ever inserted (only DELIVERED ones in this run): their id sequence, which
+    neither retention's drops nor its deletes take back."""
     with engine.connect() as conn:
         return int(conn.execute(text(
-            "SELECT n_tup_ins FROM pg_stat_user_tables WHERE schemaname = :schema "
-            "AND relname = 'op_record'"), {"schema": schema}).scalar_one())
+            f"SELECT last_value FROM {schema}.op_record_id_seq")).scalar_one())
 
 
 def backlog(engine: Engine, schema: str) -> int:
@@ -164,12 +195,17 @@ def backlog(engine: Engine, schema: str) -> int:
 
 
 def retention_soak(services: devservices.Services, engine: Engine, env: dict[str, str],
-                   rate: float, minutes: float, every: float = 30.0) -> list[RetentionSample]:
+                   rate: float, minutes: float, partition_size: int,
+                   pending_storage: str | None = None, every: float = 30.0
+                   ) -> list[RetentionSample]:
     schema, topic = "soak_retention", "soak-retention"
-    migrate.upgrade(services.database_url, schema)
+    migrate.upgrade(services.database_url, schema, partition_size=partition_size)
+    if pending_storage:
+        with engine.begin() as conn:
+            conn.execute(text(f"ALTER TABLE {schema}.pending SET ({pending_storage})"))
     create_topic(services.kafka_bootstrap, topic, partitions=6)
     env = {**env, "OUTBOX_RETENTION_HOURS": str(RETENTION_SECONDS / 3600),
-           "OUTBOX_PRUNE_INTERVAL": "10"}
+           "OUTBOX_PRUNE_INTERVAL": "10", "OUTBOX_PARTITION_SIZE": str(partition_size)}
     relays = start_relays(env, schema, 1)
     time.sleep(3)
     started = time.perf_counter()
@@ -184,21 +220,89 @@ def retention_soak(services: devservices.Services, engine: Engine, env: dict[str
             count, at = recorded(engine, schema), time.perf_counter()
             samples.append(RetentionSample(
                 (at - started) / 60, (count - last_count) / (at - last_at),
-                backlog(engine, schema), megabytes(engine, schema)))
+                backlog(engine, schema), megabytes(engine, schema),
+                megabytes(engine, schema, ("pending",)), partitions(engine, schema)))
             last_count, last_at = count, at
             s = samples[-1]
             say(f"   {s.minute:4.1f} min: {s.delivered_per_second:8,.0f} delivered/s, backlog "
-                f"{s.backlog:7,}, tables + indexes {s.megabytes:7.1f} MB")
+                f"{s.backlog:7,}, tables + indexes {s.megabytes:7.1f} MB (pending "
+                f"{s.pending_megabytes:.1f} MB), {s.partitions} partitions")
         load.join()
     finally:
         stop(relays)
     return samples
 
 
+def retention_pass_cost(services: devservices.Services, engine: Engine, rows: int
+                        ) -> tuple[float, float, int]:
+    """Seconds one retention pass (``outbox prune``) takes to remove ``rows`` expired,
+    delivered 1 KiB messages with their op records, held in one partition, and of those the
+    transaction that drops the partition (the one holding the lock); and how many messages
+    went."""
+    schema = f"soak_pass_{rows}"
+    migrate.upgrade(services.database_url, schema, partition_size=rows)
+    preload(engine, schema, "pass", rows, status="DELIVERED")
+    settle_database(engine, schema)
+    with engine.connect() as conn:  # the ranges ahead exist already, as in a running relay
+        with conn.begin():
+            store.ensure_partitions(conn, schema, rows)
+        with conn.begin():  # the empty range before the first id
+            store.drop_expired_partition(conn, schema, 0.001)
+        started = time.perf_counter()
+        with conn.begin():
+            dropped = store.drop_expired_partition(conn, schema, 0.001)
+        drop = time.perf_counter() - started
+        assert dropped is not None and dropped.low == 1, dropped
+    settings = RelaySettings(database_url=services.database_url, schema_name=schema,
+                             retention_hours=1e-6, partition_size=rows)
+    started = time.perf_counter()
+    retention.prune(settings)  # what is left of a pass: nothing more to drop
+    rest = time.perf_counter() - started
+    with engine.connect() as conn:
+        left = int(conn.execute(text(f"SELECT count(*) FROM {schema}.message")).scalar_one())
+    return drop, drop + rest, rows - left
+
+
 def growth(samples: list[RetentionSample], minutes: float, tail: float = 3.0) -> float:
     """Relative size growth over the last ``tail`` minutes (from the sample nearest their start)."""
     start = min(samples, key=lambda s: abs(s.minute - (minutes - tail)))
     return samples[-1].megabytes / start.megabytes - 1
+
+
+def pass_cost(sizes: list[int], file: Path | None) -> None:
+    """Time one retention pass per size, each on its own schema, and write the table."""
+    say("starting fresh embedded PostgreSQL (durable: fsync on) and Kafka broker ...")
+    services = devservices.start(durable=True)
+    engine = create_engine(sqlalchemy_url(services.database_url), pool_size=2)
+    costs = []
+    try:
+        for rows in sizes:
+            drop, seconds, removed = retention_pass_cost(services, engine, rows)
+            say(f"   {rows:,} old rows: {removed:,} messages removed; dropping the partition "
+                f"{drop * 1000:.1f} ms, the whole pass {seconds * 1000:.1f} ms")
+            costs.append((rows, removed, drop, seconds))
+    finally:
+        engine.dispose()
+        devservices.stop(services)
+    if file is None:
+        return
+    block = "\n".join([
+        f"`python bench/soak.py --pass-cost {' '.join(map(str, sizes))}`. Run of "
+        f"{datetime.date.today().isoformat()} on {platform.node() or 'this machine'}: fresh "
+        "durable embedded PostgreSQL; each size is one partition of delivered 1 KiB messages "
+        "with their op records (VACUUM ANALYZE and CHECKPOINT first). The drop is timed on "
+        "its own (one transaction: the age check, detach, drop); the whole pass adds what "
+        "`outbox prune` does besides (its connection, the ranges ahead, the default "
+        "partition).",
+        "",
+        "| old rows | messages removed | the transaction dropping them | the whole pass |",
+        "|---|---|---|---|",
+        *(f"| {rows:,} | {removed:,} | {drop * 1000:.1f} ms | {seconds * 1000:.1f} ms |"
+          for rows, removed, drop, seconds in costs),
+    ])
+    file.write_text(replace_block(file.read_text(), block, "retention pass",
+                                  "Retention: the cost of one pass"))
+    say(f"updated {file}")
 
 
 def main() -> None:
@@ -212,14 +316,27 @@ def main() -> None:
                         help="only the latency run (implies --no-write)")
     parser.add_argument("--retention-only", action="store_true",
                         help="only the retention run (implies --no-write)")
+    parser.add_argument("--client", choices=("kafka-python", "confluent"),
+                        default="kafka-python", help="the relay's Kafka transport")
     parser.add_argument("--fraction", type=float, default=0.7,
                         help="publish rate of the retention run, of the maximum drain rate")
+    parser.add_argument("--partition-seconds", type=float, default=10.0,
+                        help="message ids per partition in the retention run: this many "
+                             "seconds of its publish rate")
+    parser.add_argument("--pending-storage", metavar="PARAMS",
+                        help="storage parameters for the pending table in the retention run, "
+                             "e.g. 'autovacuum_vacuum_scale_factor = 0'")
+    parser.add_argument("--pass-cost", type=int, nargs="*", metavar="ROWS",
+                        help="only time one retention pass removing each number of old rows")
     args = parser.parse_args()
+    if args.pass_cost:
+        pass_cost(args.pass_cost, None if args.no_write else args.file)
+        return
 
     load = os.getloadavg()
     say("starting fresh embedded PostgreSQL (durable: fsync on) and Kafka broker ...")
     services = devservices.start(durable=True)
-    env = {**os.environ, **services.env()}
+    env = {**os.environ, **services.env(), "OUTBOX_KAFKA_CLIENT": args.client}
     engine = create_engine(sqlalchemy_url(services.database_url), pool_size=10)
     try:
         minutes = []
@@ -228,7 +345,8 @@ def main() -> None:
             minutes = latency_soak(services, engine, env, args.rate, args.minutes)
             for m in minutes:
                 say(f"   minute {m.minute:2}: {m.messages:6,} messages, p50 {m.p50:6.1f} ms, "
-                    f"p99 {m.p99:6.1f} ms, max {m.worst:7.1f} ms")
+                    f"p99 {m.p99:6.1f} ms, max {m.worst:7.1f} ms (p50 from the transaction's "
+                    f"start {m.p50_from_begin:6.1f} ms)")
         if args.latency_only:
             return
         say(f"2. maximum drain rate of 1 relay ({args.drain_messages:,} messages)")
@@ -236,7 +354,10 @@ def main() -> None:
         rate = args.fraction * drain
         say(f"   {drain:,.0f} msg/s; publishing at {args.fraction:.0%}: {rate:,.0f} msg/s for "
             f"{args.minutes:g} minutes, retention {RETENTION_SECONDS} s")
-        samples = retention_soak(services, engine, env, rate, args.minutes)
+        size = max(1000, round(rate * args.partition_seconds))
+        say(f"   partitions of {size:,} message ids ({args.partition_seconds:g} s of writes)")
+        samples = retention_soak(services, engine, env, rate, args.minutes, size,
+                                 args.pending_storage)
     finally:
         engine.dispose()
         devservices.stop(services)
@@ -248,34 +369,58 @@ def main() -> None:
         f"{'met' if latency_ok else 'not met'}")
     say(f"retention: sizes grew {grew:+.1%} over the last 3 minutes (target ≤ +5%): "
         f"{'met' if grew <= 0.05 else 'not met'}; backlog bounded: {bounded}")
-    if args.no_write or args.retention_only:
+    tail = [s.megabytes for s in samples if s.minute > args.minutes - 3]
+    before = [s.megabytes for s in samples if args.minutes - 6 < s.minute <= args.minutes - 3]
+    table = [
+        "| minute | delivered/s | backlog | tables + indexes | of which pending | partitions |",
+        "|---|---|---|---|---|---|",
+        *(f"| {s.minute:.1f} | {s.delivered_per_second:,.0f} | {s.backlog:,} | "
+          f"{s.megabytes:.1f} MB | {s.pending_megabytes:.1f} MB | {s.partitions} |"
+          for s in samples),
+    ]
+    retention_line = (
+        f"Retention: maximum drain rate {drain:,.0f} msg/s; {rate:,.0f} msg/s "
+        f"({args.fraction:.0%}) written for {args.minutes:g} minutes with retention "
+        f"{RETENTION_SECONDS} s, pruning every 10 s, partitions of {size:,} message ids"
+        + (f", pending table ({args.pending_storage})" if args.pending_storage else "") + ". "
+        f"message + pending + op_record with indexes grew **{grew:+.1%}** over the last 3 "
+        f"minutes (target ≤ +5%); backlog bounded: **{bounded}**. Over the last 3 minutes "
+        f"the samples stayed between {min(tail):,.1f} and {max(tail):,.1f} MB; over the 3 "
+        f"minutes before, between {min(before):,.1f} and {max(before):,.1f} MB.")
+    if args.no_write:
+        return
+    if args.retention_only:
+        name = f"soak retention {args.fraction:.0%}" + (" pending" if args.pending_storage
+                                                         else "")
+        block = "\n".join([
+            f"`python bench/soak.py {' '.join(sys.argv[1:])}`. Run of "
+            f"{datetime.date.today().isoformat()} on {platform.node() or 'this machine'}: "
+            f"nproc {os.cpu_count()}, load average {load[0]:.1f} at the start; fresh durable "
+            "embedded PostgreSQL and Tansu, 1 relay (kafka-python transport), 1 KiB payloads.",
+            "", retention_line, "", *table])
+        args.file.write_text(replace_block(args.file.read_text(), block, name,
+                                           f"Retention at {args.fraction:.0%} of the drain rate"))
+        say(f"updated {args.file}")
         return
     lines = [
         f"`make soak` ({args.minutes:g} minutes each). Run of "
         f"{datetime.date.today().isoformat()} on {platform.node() or 'this machine'}: "
         f"nproc {os.cpu_count()}, load average {load[0]:.1f} at the start; fresh durable "
-        "embedded PostgreSQL and Tansu, 1 relay (kafka-python transport), 1 KiB payloads, "
+        f"embedded PostgreSQL and Tansu, 1 relay ({args.client} transport), 1 KiB payloads, "
         "1,000 keys, 6 partitions.",
         "",
         f"Commit → recorded ack at {args.rate:,} msg/s (4 publishing threads, one message per "
         f"transaction): target p50 ≤ 5 ms and p99 ≤ 25 ms in every minute — "
         f"**{'met' if latency_ok else 'not met'}**.",
         "",
-        "| minute | messages | p50 | p99 | max |",
-        "|---|---|---|---|---|",
-        *(f"| {m.minute} | {m.messages:,} | {m.p50:.1f} ms | {m.p99:.1f} ms | {m.worst:.1f} ms |"
-          for m in minutes),
+        "| minute | messages | p50 | p99 | max | p50 from the transaction's start |",
+        "|---|---|---|---|---|---|",
+        *(f"| {m.minute} | {m.messages:,} | {m.p50:.1f} ms | {m.p99:.1f} ms | {m.worst:.1f} ms "
+          f"| {m.p50_from_begin:.1f} ms |" for m in minutes),
         "",
-        f"Retention: maximum drain rate {drain:,.0f} msg/s; {rate:,.0f} msg/s "
-        f"({args.fraction:.0%}) written for "
-        f"{args.minutes:g} minutes with retention {RETENTION_SECONDS} s, pruning every 10 s. "
-        f"message + pending + op_record with indexes grew **{grew:+.1%}** over the last 3 "
-        f"minutes (target ≤ +5%); backlog bounded: **{bounded}**.",
+        retention_line,
         "",
-        "| minute | delivered/s | backlog | tables + indexes |",
-        "|---|---|---|---|",
-        *(f"| {s.minute:.1f} | {s.delivered_per_second:,.0f} | {s.backlog:,} | "
-          f"{s.megabytes:.1f} MB |" for s in samples),
+        *table,
     ]
     args.file.write_text(replace_block(args.file.read_text(), "\n".join(lines), "make soak",
                                        "`make soak`: latency and retention over ten minutes"))

@@ -163,7 +163,7 @@ def _migrate(shared: Shared, direction: str, revision: str) -> DatabaseSettings:
 @click.option("--revision", default="head", show_default=True)
 @click.option("--create-roles", is_flag=True,
               help="also create the least-privilege roles <schema>_app, _relay, _sweeper, "
-              "_reconcile, _checker")
+              "_reconcile, _checker, _console")
 @pass_shared
 def upgrade(shared: Shared, revision: str, create_roles: bool) -> None:
     """Create or upgrade the outbox tables."""
@@ -252,6 +252,9 @@ def status(shared: Shared, as_json: bool) -> None:
         click.echo(f"  relay {relay_row['worker_id']}: {relay_row['shards']} shards, "
                    f"{relay_row['in_flight']} in flight")
     _print_topics(topics)
+    for held in (t for t in topics if t["held"]):
+        click.echo(f"topic {held['topic']} held: {held['held']} messages wait until Kafka "
+                   "knows the topic (create it; OUTBOX_TOPIC_HOLD_PARK_AFTER parks them)")
     for group in check_backs:
         overdue = (f", {group['overdue']} overdue: is a sweeper with a checker for this group "
                    "running?" if group["overdue"] else "")
@@ -285,13 +288,12 @@ def _overdue(settings: SweepSettings) -> float:
 @click.option("--retention-hours", type=float, help="[env OUTBOX_RETENTION_HOURS; 72]")
 @pass_shared
 def prune(shared: Shared, retention_hours: float | None) -> None:
-    """Delete delivered and rolled-back rows and op records older than the retention."""
+    """Drop partitions of delivered and rolled-back rows and op records older than the
+    retention (one pass of the relay's retention)."""
     from outbox.relay.retention import prune as prune_all
 
     settings = shared.settings(RelaySettings, retention_hours=retention_hours)
-    messages, op_records = prune_all(settings)
-    click.echo(f"pruned {messages} messages and {op_records} op records older than "
-               f"{settings.retention_hours:g} h")
+    click.echo(prune_all(settings).summary(settings.retention_hours))
 
 
 @main.group()
@@ -417,6 +419,35 @@ def discarded(shared: Shared, limit: int) -> None:
         click.echo(f"{row.id}\tgroup={row.producer_group}\ttopic={row.topic}\tkey={key}\t"
                    f"discarded {when}\t{row.detail or ''}")
     click.echo(f"{len(rows)} discarded; `outbox resume ID ...` checks them again", err=True)
+
+
+@main.command()
+@click.option("--host", help="address to listen on [env OUTBOX_CONSOLE_HOST; 127.0.0.1]")
+@click.option("--port", type=int, help="port [env OUTBOX_CONSOLE_PORT; 8089]")
+@click.option("--allow-actions", is_flag=True, default=None,
+              help="offer resume actions, which need OUTBOX_CONSOLE_TOKEN "
+              "[env OUTBOX_CONSOLE_ACTIONS; read-only]")
+@log_level_option
+@pass_shared
+def console(shared: Shared, host: str | None, port: int | None, allow_actions: bool | None,
+            log_level: str | None) -> None:
+    """Serve the operator console (backlog, relays, deliveries, parked and discarded
+    messages, reconciliation runs) until SIGTERM or Ctrl-C."""
+    try:
+        from outbox.console.app import serve
+    except ImportError as exc:
+        raise ConfigurationError(
+            f"console needs the console extra ({exc}): pip install "
+            "'transactional-outbox[console]'") from None
+
+    settings = shared.settings(Settings, console_host=host, console_port=port,
+                               console_actions=allow_actions, log_level=log_level)
+    if settings.console_actions and not settings.console_token.get_secret_value():
+        raise ConfigurationError(
+            "--allow-actions needs a token: set OUTBOX_CONSOLE_TOKEN to a long random string "
+            "(operators type it to resume messages)")
+    setup_logging(settings.log_level)
+    serve(settings, _overdue(settings))
 
 
 def _timestamp(_ctx: click.Context, _param: click.Parameter, value: str | None

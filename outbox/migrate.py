@@ -25,7 +25,7 @@ from sqlalchemy import Connection, create_engine
 from outbox import migrations, store
 from outbox.exceptions import SchemaNotMigrated
 from outbox.schema import VERSION_TABLE
-from outbox.settings import sqlalchemy_url, validate_identifier
+from outbox.settings import PARTITION_SIZE, sqlalchemy_url, validate_identifier
 
 
 @cache
@@ -73,10 +73,16 @@ def _keeping_callers_alembic() -> Iterator[None]:
             proxy._install_proxy()
 
 
-def upgrade(url: str, schema: str, revision: str = "head") -> None:
-    """Also safe to call from an application's own Alembic env.py."""
+def upgrade(url: str, schema: str, revision: str = "head",
+            partition_size: int = PARTITION_SIZE) -> None:
+    """Also safe to call from an application's own Alembic env.py. At head, also creates the
+    partitions the next message ids need (the relay's retention keeps doing so)."""
     with _keeping_callers_alembic(), _serialised(url, schema) as conn:
-        command.upgrade(alembic_config(url, schema, conn), revision)
+        config = alembic_config(url, schema, conn)
+        config.attributes["partition_size"] = partition_size
+        command.upgrade(config, revision)
+        if store.schema_version(conn, schema) == head():
+            store.ensure_partitions(conn, schema, partition_size)
 
 
 def downgrade(url: str, schema: str, revision: str) -> None:
@@ -108,7 +114,8 @@ def create_roles(url: str, schema: str) -> list[str]:
     with _serialised(url, schema) as conn:
         for block in ("create_roles", "create_reconcile_role", "create_checker_role"):
             conn.exec_driver_sql(str(store.query(block, schema)))
-    return [f"{schema}_{kind}" for kind in ("app", "relay", "sweeper", "reconcile", "checker")]
+    return [f"{schema}_{kind}"
+            for kind in ("app", "relay", "sweeper", "reconcile", "checker", "console")]
 
 
 @contextlib.contextmanager

@@ -85,7 +85,7 @@ metadata = MetaData(
 
 #: Prepare rows (RocketMQ's half messages), written once in the application's transaction and
 #: never updated: what a row is waiting for lives in ``pending``, what was done to it in
-#: ``op_record``.
+#: ``op_record``. Partitioned by ranges of id (revision 0006), so retention drops partitions.
 message = Table(
     "message",
     metadata,
@@ -103,6 +103,7 @@ message = Table(
     CheckConstraint(SHARD_VALID, name="shard_valid"),
     CheckConstraint(HEADERS_VALID, name="headers_valid"),
     Index("message_created_at_idx", "created_at", postgresql_using="brin"),
+    postgresql_partition_by="RANGE (id)",
 )
 
 #: The narrow, churning state of every message not yet finished: inserted by the publish
@@ -151,12 +152,13 @@ pending = Table(
     Index("pending_delayed_idx", "deliver_after", postgresql_where=text("status = 'DELAYED'")),
 )
 
-#: Op records (RocketMQ's op messages): one per thing done to a prepare row.
+#: Op records (RocketMQ's op messages): one per thing done to a prepare row, partitioned by
+#: ``message_id`` with the message's bounds, so they are dropped with their message.
 op_record = Table(
     "op_record",
     metadata,
     Column("id", BigInteger, Identity(always=False), primary_key=True),
-    Column("message_id", BigInteger, nullable=False),
+    Column("message_id", BigInteger, primary_key=True),
     Column("action", Text, nullable=False),
     Column("actor", Text, nullable=False),
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
@@ -166,6 +168,7 @@ op_record = Table(
     one_of("action", Action),
     Index("op_record_message_id_idx", "message_id"),
     Index("op_record_created_at_idx", "created_at", postgresql_using="brin"),
+    postgresql_partition_by="RANGE (message_id)",
 )
 
 #: Producer groups bound to a role: only its members may decide the group's UNKNOWN messages

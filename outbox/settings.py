@@ -31,7 +31,7 @@ from pydantic_settings import (
 from sqlalchemy.engine import make_url
 
 from outbox.encoding import DEFAULT_MAX_DELAY
-from outbox.exceptions import ConfigurationError
+from outbox.exceptions import ConfigurationError, ServiceUnavailable
 
 #: Environment variable naming the TOML config file (also set by ``outbox --config``).
 CONFIG_ENV = "OUTBOX_CONFIG"
@@ -233,7 +233,8 @@ class KafkaSettings(_Base):
     kafka_bootstrap: str = Field(default="", description="Kafka bootstrap servers, host:port,...")
     kafka_client: Literal["kafka-python", "confluent"] = Field(
         default="kafka-python",
-        description="the relay's Kafka client: kafka-python, or confluent (librdkafka, faster; "
+        description="the Kafka client of the relay and of reconciliation's topic reader: "
+        "kafka-python, or confluent (librdkafka, faster; "
         "pip install 'transactional-outbox[confluent]')",
     )
     kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = (
@@ -266,6 +267,26 @@ class KafkaSettings(_Base):
         }
         names = _SECURITY_NAMES[client]
         return {names[field]: value for field, value in values.items() if value is not None}
+
+    def kafka_unreachable(self) -> ServiceUnavailable:
+        """The one line for a relay or a reconciliation that no broker lets in. A refused login
+        or a TLS mismatch looks like silence to the clients, so it names every setting that
+        can cause it (the password only as ``***``)."""
+        protocol = self.kafka_security_protocol
+        check = ["OUTBOX_KAFKA_BOOTSTRAP", "OUTBOX_KAFKA_SECURITY_PROTOCOL"]
+        login = ""
+        if protocol.startswith("SASL"):
+            login = f" as {self.kafka_sasl_username!r} ({self.kafka_sasl_mechanism})"
+            check += ["OUTBOX_KAFKA_SASL_MECHANISM", "OUTBOX_KAFKA_SASL_USERNAME",
+                      "OUTBOX_KAFKA_SASL_PASSWORD (***)"]
+        if protocol.endswith("SSL"):
+            check += [f"{name} ({value})" for name, value in (
+                ("OUTBOX_KAFKA_SSL_CAFILE", self.kafka_ssl_cafile),
+                ("OUTBOX_KAFKA_SSL_CERTFILE", self.kafka_ssl_certfile),
+                ("OUTBOX_KAFKA_SSL_KEYFILE", self.kafka_ssl_keyfile)) if value]
+        return ServiceUnavailable(
+            f"no Kafka broker answers at {self.kafka_bootstrap} over {protocol}{login}: "
+            f"check {', '.join(check[:-1])} and {check[-1]}")
 
 
 #: Each security setting's name in the Kafka clients' own configurations.
@@ -310,6 +331,8 @@ class PublishSettings(DatabaseSettings):
     )
 
 
+#: Message ids per partition of ``message`` and ``op_record`` (revision 0006) by default.
+PARTITION_SIZE = 1_000_000
 #: Payload bytes one relay batch may hold by default.
 RELAY_BATCH_BYTES = 16 * 1024 * 1024
 
@@ -338,17 +361,28 @@ class RelaySettings(DatabaseSettings, KafkaSettings):
         description="records read at most from partition tails before delivering shards a "
         "dead relay held (beyond it: send anyway, duplicates possible)"
     )
+    topic_hold_park_after: float | None = Field(
+        default=None, gt=0, le=3650 * 86400,
+        description="seconds a topic Kafka does not know is held before its messages are "
+        "parked (unset: held until the topic appears)"
+    )
     relay_metrics_port: int | None = Field(
         default=None, ge=0, le=65535, description="serve Prometheus metrics on this port"
     )
     retention_hours: float = Field(
         default=72.0, gt=0, le=24 * 3650,
-        description="delivered and rolled-back rows are pruned after this"
+        description="partitions of delivered and rolled-back rows are dropped after this"
     )
     prune_interval: float = Field(
         default=60.0, ge=1, le=86400, description="seconds between the relay's retention passes"
     )
-    prune_batch_size: int = Field(default=5000, gt=0, description="rows deleted per statement")
+    prune_batch_size: int = Field(
+        default=5000, gt=0, description="default-partition rows deleted per statement"
+    )
+    partition_size: int = Field(
+        default=PARTITION_SIZE, gt=0,
+        description="message ids per new partition; retention drops whole partitions"
+    )
 
 
 class SweepSettings(DatabaseSettings):
@@ -425,7 +459,26 @@ class ReconcileSettings(DatabaseSettings, KafkaSettings):
     )
 
 
-class Settings(PublishSettings, RelaySettings, SweepSettings, ReconcileSettings):
+class ConsoleSettings(DatabaseSettings):
+    """The operator console (``outbox console``, the ``console`` extra)."""
+
+    console_host: str = Field(
+        default="127.0.0.1", min_length=1,
+        description="address the console listens on (loopback unless you put it behind auth)")
+    console_port: int = Field(default=8089, ge=0, le=65535, description="the console's port")
+    console_actions: bool = Field(
+        default=False, description="offer resume actions (they also need console_token)")
+    console_token: SecretStr = Field(
+        default=SecretStr(""), description="the token an operator types to resume messages")
+    console_metrics_urls: list[str] = Field(
+        default_factory=list,
+        description="the relays' and sweepers' /metrics URLs the console shows (JSON list)")
+    console_refresh_seconds: float = Field(
+        default=5.0, ge=1, le=3600, description="seconds between the page's refreshes")
+
+
+class Settings(PublishSettings, RelaySettings, SweepSettings, ReconcileSettings,
+               ConsoleSettings):
     """Every setting at once: what ``outbox config`` prints; valid wherever a part is wanted."""
 
 

@@ -32,6 +32,8 @@ MIGRATION_LOCK_CLASS = 0x0B0E
 #: The NOTIFY payload of a commit whose row is due later (the relay then re-reads when the
 #: next delayed row is due); other commits notify with an empty payload.
 DELAYED_NOTE = "delayed"
+#: Range partitions of ``message`` and ``op_record`` kept ready beyond the id sequence.
+PARTITIONS_AHEAD = 2
 _BLOCK = re.compile(r"^-- name: (\w+)\n", re.MULTILINE)
 
 
@@ -115,12 +117,13 @@ def fetch_deliverable(
     limit: int,
     in_flight: Sequence[int] = (),
     max_bytes: int = RELAY_BATCH_BYTES,
+    held: Iterable[str] = (),
 ) -> list[Deliverable]:
     """The relay's next batch: at most ``limit`` rows and ``max_bytes`` of payload (at least
     one row). Runs on the driver with binary results: payloads arrive as raw bytes instead
     of hex text, which more than halves the cost of the hot fetch."""
     params = {"shards": list(shards), "limit": limit, "in_flight": list(in_flight),
-              "max_bytes": max_bytes}
+              "max_bytes": max_bytes, "held": list(held)}
     driver = conn.connection.driver_connection
     assert driver is not None
     with driver.cursor(binary=True) as cursor:
@@ -205,6 +208,21 @@ def record_failures(
         },
     )
     return [(row.id, row.topic) for row in rows if row.status == "PARKED"]
+
+
+def mark_held(conn: Connection, schema: str, topic: str, shards: Iterable[int],
+              reason: str) -> None:
+    """Note ``reason`` (starting with ``held: ``) on a held topic's waiting rows."""
+    conn.execute(query("mark_held", schema),
+                 {"topic": topic, "shards": list(shards), "reason": reason})
+
+
+def park_topic(conn: Connection, schema: str, actor: str, topic: str, shards: Iterable[int],
+               reason: str) -> int:
+    """Park a held topic's waiting rows with ``reason``; returns how many."""
+    rows = conn.execute(query("park_topic", schema), {
+        "topic": topic, "shards": list(shards), "reason": reason, "actor": actor})
+    return len(rows.all())
 
 
 def lock_migrations(conn: Connection, schema: str) -> None:
@@ -310,11 +328,36 @@ def relays(conn: Connection, schema: str, lease_seconds: float) -> list[dict[str
     return [dict(row._mapping) for row in rows]
 
 
-def prune(conn: Connection, schema: str, retention_seconds: float, limit: int) -> tuple[int, int]:
-    """Delete one bounded batch of expired messages with their op records; returns how many
-    (messages, op records) went."""
+class DroppedPartition(NamedTuple):
+    """A range of message ids retention dropped, and how many unfinished messages it kept."""
+
+    name: str
+    low: int | None
+    high: int
+    kept: int
+
+
+def ensure_partitions(conn: Connection, schema: str, size: int,
+                      ahead: int = PARTITIONS_AHEAD) -> int:
+    """Create the range partitions the next ids need; returns how many were made."""
+    return int(conn.execute(query("ensure_partitions", schema),
+                            {"size": size, "ahead": ahead}).scalar_one())
+
+
+def drop_expired_partition(conn: Connection, schema: str, retention_seconds: float
+                           ) -> DroppedPartition | None:
+    """Drop the oldest partition past the window (None when none is)."""
+    row = conn.execute(query("drop_expired_partition", schema),
+                       {"retention_seconds": retention_seconds}).one_or_none()
+    return None if row is None else DroppedPartition(*row)
+
+
+def prune_default(conn: Connection, schema: str, retention_seconds: float, limit: int
+                  ) -> tuple[int, int]:
+    """Delete one bounded batch of the default partition's expired finished messages with
+    their op records; returns how many (messages, op records) went."""
     params = {"retention_seconds": retention_seconds, "limit": limit}
-    row = conn.execute(query("prune_messages", schema), params).one()
+    row = conn.execute(query("prune_default", schema), params).one()
     return int(row.messages), int(row.op_records)
 
 
@@ -540,4 +583,46 @@ def discarded(conn: Connection, schema: str, limit: int) -> list[Discarded]:
 def check_backlog(conn: Connection, schema: str, overdue_seconds: float) -> list[dict[str, Any]]:
     """Per producer group: UNKNOWN messages, and those overdue for their check-back."""
     rows = conn.execute(query("check_backlog", schema), {"overdue_seconds": overdue_seconds})
+    return [dict(row._mapping) for row in rows]
+
+
+def console_overreach(conn: Connection, schema: str) -> str | None:
+    """The current role's name if it may delete messages or pending rows, else None."""
+    row = conn.execute(query("console_overreach", schema)).one()
+    return str(row.role) if row.overreaches else None
+
+
+def begin_snapshot(conn: Connection, schema: str) -> None:
+    """Make the transaction just begun read-only, on one snapshot for all its statements."""
+    conn.execute(query("begin_snapshot", schema))
+
+
+def held_messages(conn: Connection, schema: str, *, topic: str | None = None,
+                  key: bytes | None = None, limit: int = 200,
+                  preview_bytes: int = 200) -> list[dict[str, Any]]:
+    """PARKED and DISCARDED messages, newest first, optionally of one topic and key: why
+    (``reason``), ``check_count``, ``attempts``, ``payload_bytes`` and a ``preview``."""
+    rows = conn.execute(query("held_messages", schema), {
+        "topic": topic, "key": key, "limit": limit, "preview_bytes": preview_bytes})
+    return [dict(row._mapping) for row in rows]
+
+
+def delivery_history(conn: Connection, schema: str, window_seconds: float
+                     ) -> list[dict[str, Any]]:
+    """Per minute since the start of the minute ``window_seconds`` ago (and first, with
+    ``minute`` None, all of them): ``delivered`` and ``latency``, the commit-to-ack p50, p95
+    and p99 in seconds."""
+    rows = conn.execute(query("delivery_history", schema), {"window_seconds": window_seconds})
+    return [dict(row._mapping) for row in rows]
+
+
+def lease_owners(conn: Connection, schema: str) -> list[dict[str, Any]]:
+    """Per live owner (and None for free or expired leases): its shards, first expiry."""
+    return [dict(row._mapping) for row in conn.execute(query("lease_owners", schema))]
+
+
+def reconcile_runs(conn: Connection, schema: str, limit: int, run_id: int | None = None
+                   ) -> list[dict[str, Any]]:
+    """The newest ``limit`` reconciliation runs, or only run ``run_id``."""
+    rows = conn.execute(query("reconcile_runs", schema), {"limit": limit, "id": run_id})
     return [dict(row._mapping) for row in rows]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import kafka.errors
@@ -102,9 +102,7 @@ class ConfluentTransport:
         try:
             self.producer.list_topics(timeout=PRODUCER_DEFAULTS["bootstrap_timeout_ms"] / 1000)
         except KafkaException:
-            raise ServiceUnavailable(
-                f"no Kafka broker answers at {settings.kafka_bootstrap}: check "
-                "OUTBOX_KAFKA_BOOTSTRAP") from None
+            raise settings.kafka_unreachable() from None
         self._closing = threading.Event()
         self._reporter = threading.Thread(target=self._report, daemon=True,
                                           name=f"kafka-reports-{settings.worker_id}")
@@ -116,7 +114,8 @@ class ConfluentTransport:
 
         def reported(error: KafkaError | None, message: Message) -> None:
             if error is None:
-                delivery.landed(message.partition() or 0, message.offset() or 0)
+                offset = message.offset()
+                delivery.landed(message.partition() or 0, -1 if offset is None else offset)
             else:
                 delivery.failed(translate(error))
 
@@ -130,6 +129,20 @@ class ConfluentTransport:
             except KafkaException as exc:  # refused before sending: size, unknown topic, ...
                 delivery.failed(translate(exc.args[0]))
                 return delivery
+
+    def available(self, topics: Collection[str], timeout: float) -> set[str]:
+        """One metadata request per topic (the relay asks only about topics it has not
+        seen yet, and about held ones with back-off)."""
+        found = set()
+        for topic in topics:
+            try:
+                listed = self.producer.list_topics(topic, timeout=timeout).topics.get(topic)
+            except KafkaException as exc:
+                raise ServiceUnavailable(f"Kafka did not answer a metadata request within "
+                                         f"{timeout:g}s: {exc.args[0].str()}") from None
+            if listed is not None and listed.error is None and listed.partitions:
+                found.add(topic)
+        return found
 
     def flush(self, timeout: float) -> None:
         self.producer.flush(timeout)

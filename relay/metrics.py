@@ -47,6 +47,11 @@ OLDEST_PENDING = Gauge(
     "How long the oldest committed, undelivered message has waited (0 when none waits)",
 )
 
+TOPIC_HELD = Gauge(
+    "outbox_topic_held",
+    "1 while the relay holds a topic's messages because Kafka has no metadata for it",
+    ["topic"],
+)
 
 _topics_seen: set[str] = set()
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Collection
 from typing import Any
 
 from kafka import KafkaProducer
@@ -40,9 +41,7 @@ def make_producer(settings: RelaySettings, **overrides: Any) -> KafkaProducer:
     try:
         return KafkaProducer(**producer_config(settings, **overrides))
     except KafkaTimeoutError:
-        raise ServiceUnavailable(
-            f"no Kafka broker answers at {settings.kafka_bootstrap}: check OUTBOX_KAFKA_BOOTSTRAP"
-        ) from None
+        raise settings.kafka_unreachable() from None
 
 
 class KafkaPythonTransport:
@@ -61,6 +60,31 @@ class KafkaPythonTransport:
         else:
             future.add_callback(_landed, delivery).add_errback(delivery.failed)
         return delivery
+
+    def available(self, topics: Collection[str], timeout: float) -> set[str]:
+        """Known topics answer from the producer's cache; for the others, one metadata
+        request is awaited (kafka-python has no public call that does not block for
+        ``max_block_ms``). A topic still unknown is then dropped from the producer's
+        metadata, or kafka-python would re-request it, logging an error, ten times a second."""
+        metadata = self.producer._metadata
+        found = {topic for topic in topics if metadata.partitions_for_topic(topic) is not None}
+        asked = set(topics) - found
+        if not asked:
+            return found
+        answered = threading.Event()
+        before = metadata._last_successful_refresh_ms
+        for topic in asked:
+            future = metadata.add_topic(topic)
+        future.add_both(lambda *_: answered.set())
+        self.producer._sender.wakeup()
+        answered.wait(timeout)
+        found |= {topic for topic in asked if metadata.partitions_for_topic(topic) is not None}
+        for topic in asked - found:
+            metadata._topics.discard(topic)
+        if found < set(topics) and metadata._last_successful_refresh_ms == before:
+            raise ServiceUnavailable(f"Kafka did not answer a metadata request within "
+                                     f"{timeout:g}s")
+        return found
 
     def flush(self, timeout: float) -> None:
         self.producer.flush(timeout)

@@ -9,7 +9,8 @@ lost. Leases (relay/leases.py) decide which shards — and so which keys — thi
 Faults: a broker that stops acknowledging, or a lost database connection, ends the current
 pass; the lifecycle (relay/daemon.py) backs off and starts again from what the database says,
 logging the outage once and the recovery once. A record the broker rejects permanently is
-retried a bounded number of times, then parked.
+retried a bounded number of times, then parked. A topic Kafka does not know is held on its
+own while the others flow (relay/holds.py).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from outbox.exceptions import ServiceUnavailable, describe
 from outbox.migrate import require_current
 from outbox.relay import metrics
 from outbox.relay.daemon import Lifecycle
+from outbox.relay.holds import TopicHolds
 from outbox.relay.leases import LeaseKeeper, Leases, WorkerIdentity
 from outbox.relay.recovery import Recovery
 from outbox.relay.retention import Pruner
@@ -116,6 +118,7 @@ class Relay:
 
     def _run(self) -> None:
         transport = self._transport or make_transport(self.settings)
+        self._holds = TopicHolds(self.settings, transport)
         pruner = Pruner(self.settings)
         log.info("relay %s started: database %s, schema %s, Kafka %s (%s)", self.worker_id,
                  mask_url(self.settings.database_url), self.schema,
@@ -191,6 +194,8 @@ class Relay:
                 self._recovery.settle(conn, self._leases)
             shards = self._leases.deliverable if self._leases.valid else frozenset()
             batch: list[store.Deliverable] = []
+            if shards:
+                self._holds.revisit(conn, shards)
             if shards and recorder.wait_for_room(PIPELINE_DEPTH):
                 with conn.begin():
                     if time.monotonic() >= promote_at:
@@ -198,7 +203,8 @@ class Relay:
                         promote_at = time.monotonic() + min(poll, next_due_in or poll)
                     batch = store.fetch_deliverable(
                         conn, self.schema, shards, limit, in_flight=recorder.in_flight_ids(),
-                        max_bytes=self.settings.relay_batch_bytes)
+                        max_bytes=self.settings.relay_batch_bytes, held=self._holds.topics)
+                batch = self._holds.admit(conn, shards, batch)
             if woken:
                 wakeup.found_work(bool(batch))
                 woken = False

@@ -1,15 +1,21 @@
-"""Retention: prune delivered and rolled-back rows, and op records, past the window.
+"""Retention: drop whole partitions of history past the window, so a pass costs the same
+however many rows it removes.
 
-Deletes run in bounded batches, each its own short transaction, on a thread and a
-connection of their own, so the relay's loop never waits for them.
+``message`` and ``op_record`` are partitioned by ranges of message id (revision 0006). A
+pass (the relay's pruner thread and ``outbox prune`` run the same one) first creates the
+ranges the next ids need, then drops the oldest ranges whose rows are all past the window
+(their unfinished messages move to the default partition first), then deletes the default
+partition's expired finished rows in bounded batches. Every step is its own short
+transaction, on a thread and a connection of its own, so the relay's loop never waits.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass, field
 
-from sqlalchemy import create_engine
+from sqlalchemy import Connection, create_engine
 from sqlalchemy.exc import DBAPIError
 
 from outbox import store
@@ -19,31 +25,71 @@ from outbox.settings import RelaySettings
 log = logging.getLogger("outbox.retention")
 
 
-def prune(settings: RelaySettings, stop: threading.Event | None = None) -> tuple[int, int]:
-    """Delete everything past the retention window, batch by batch; returns the totals."""
+@dataclass
+class Pruned:
+    """What one retention pass did."""
+
+    partitions: list[store.DroppedPartition] = field(default_factory=list)
+    #: Finished messages and op records deleted row by row from the default partitions.
+    messages: int = 0
+    op_records: int = 0
+
+    @property
+    def kept(self) -> int:
+        """Unfinished messages moved out of dropped partitions into the default partition."""
+        return sum(partition.kept for partition in self.partitions)
+
+    def summary(self, retention_hours: float) -> str:
+        return (f"dropped {len(self.partitions)} partitions older than {retention_hours:g} h "
+                f"(kept {self.kept} unfinished messages); pruned {self.messages} messages and "
+                f"{self.op_records} op records of the default partition")
+
+
+def prune(settings: RelaySettings, stop: threading.Event | None = None) -> Pruned:
+    """One retention pass over ``settings.schema_name``."""
     engine = create_engine(settings.sqlalchemy_url, pool_size=1, max_overflow=0)
-    totals = [0, 0]
     try:
         with engine.connect() as conn:
-            while stop is None or not stop.is_set():
-                with conn.begin():
-                    batch = store.prune(conn, settings.schema_name,
-                                        settings.retention_hours * 3600,
-                                        settings.prune_batch_size)
-                totals[0] += batch[0]
-                totals[1] += batch[1]
-                if batch[0] < settings.prune_batch_size:
-                    break
+            with conn.begin():
+                store.ensure_partitions(conn, settings.schema_name, settings.partition_size)
+            pruned = _drop_partitions(conn, settings, stop)
+            _prune_default(conn, settings, pruned, stop)
     finally:
         engine.dispose()
-    if any(totals):
-        log.info("pruned %d messages and %d op records older than %.0f h", *totals,
-                 settings.retention_hours)
-    return totals[0], totals[1]
+    if pruned.partitions or pruned.messages:
+        log.info("%s", pruned.summary(settings.retention_hours))
+    return pruned
+
+
+def _drop_partitions(conn: Connection, settings: RelaySettings,
+                     stop: threading.Event | None) -> Pruned:
+    pruned = Pruned()
+    while stop is None or not stop.is_set():
+        with conn.begin():
+            dropped = store.drop_expired_partition(conn, settings.schema_name,
+                                                   settings.retention_hours * 3600)
+        if dropped is None:
+            break
+        pruned.partitions.append(dropped)
+    return pruned
+
+
+def _prune_default(conn: Connection, settings: RelaySettings, pruned: Pruned,
+                   stop: threading.Event | None) -> None:
+    while stop is None or not stop.is_set():
+        with conn.begin():
+            messages, op_records = store.prune_default(
+                conn, settings.schema_name, settings.retention_hours * 3600,
+                settings.prune_batch_size)
+        pruned.messages += messages
+        pruned.op_records += op_records
+        if messages < settings.prune_batch_size:
+            break
 
 
 class Pruner(threading.Thread):
-    """Runs :func:`prune` every ``prune_interval`` seconds inside the relay."""
+    """Runs :func:`prune` inside the relay: at start (so the partitions ahead exist), then
+    every ``prune_interval`` seconds."""
 
     def __init__(self, settings: RelaySettings) -> None:
         super().__init__(name="pruner", daemon=True)
@@ -54,9 +100,10 @@ class Pruner(threading.Thread):
         self._halt.set()
 
     def run(self) -> None:
-        while not self._halt.wait(self._settings.prune_interval):
+        while not self._halt.is_set():
             try:
                 prune(self._settings, self._halt)
             except DBAPIError as exc:
                 log.warning("retention pass failed (%s); trying again in %.0fs",
                             first_line(exc), self._settings.prune_interval)
+            self._halt.wait(self._settings.prune_interval)

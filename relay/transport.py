@@ -10,7 +10,7 @@ so one function (:func:`is_permanent`) decides which records are parked.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Protocol
 
 from kafka.errors import KafkaError
@@ -19,6 +19,16 @@ from outbox.exceptions import ConfigurationError
 from outbox.settings import RelaySettings
 
 Headers = Sequence[tuple[str, bytes]]
+
+
+class UnknownOffset(KafkaError):  # type: ignore[misc]  # kafka-python is untyped
+    """An acknowledgement without an offset. Both clients report a DUPLICATE_SEQUENCE_NUMBER
+    answer so (the broker says it holds the record already); a broker that lost its log but
+    kept its producer state answers the same. Sending again risks a duplicate; recording it
+    would lose the message and its position, so the relay retries it."""
+
+    retriable = True
+    description = "the broker acknowledged the record without its offset"
 
 
 class Delivery:
@@ -34,6 +44,9 @@ class Delivery:
         self.error: BaseException | None = None
 
     def landed(self, partition: int, offset: int) -> None:
+        if offset < 0:
+            self.failed(UnknownOffset(f"partition {partition}"))
+            return
         self.partition, self.offset = partition, offset
         self._done()
 
@@ -47,6 +60,12 @@ class Transport(Protocol):
              done: Callable[[], None]) -> Delivery:
         """Hand one record over; a record refused before sending (too large, ...) comes back
         already failed."""
+        ...
+
+    def available(self, topics: Collection[str], timeout: float) -> set[str]:
+        """Which of ``topics`` Kafka has metadata (partitions) for, asking it for at most
+        ``timeout`` seconds; the others are unknown to it. Raises ServiceUnavailable if no
+        broker answered: that is an outage, not a missing topic."""
         ...
 
     def flush(self, timeout: float) -> None:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what the demo and the tests need on a fresh Debian machine: PostgreSQL's server
-# binaries, Java, the PostgreSQL JDBC driver and promtool (Debian packages, only if absent), a
-# virtualenv in .venv and the project.
+# binaries, Java, the PostgreSQL JDBC driver, promtool and Chromium (Debian packages, only if
+# absent), a virtualenv in .venv and the project.
 # Usage: scripts/bootstrap.sh [pip extras, e.g. dev,spark]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,6 +15,11 @@ command -v setpriv >/dev/null || need+=(util-linux)
 [ -f /usr/share/java/postgresql.jar ] || need+=(libpostgresql-jdbc-java)
 # promtool checks and unit-tests the alert rules in deploy/prometheus (tests/unit/test_alert_rules.py).
 command -v promtool >/dev/null || need+=(prometheus)
+# A headless browser for the console's tests (tests/integration/test_console_browser.py).
+command -v chromium >/dev/null || need+=(chromium)
+command -v chromedriver >/dev/null || need+=(chromium-driver)
+# openssl makes the throwaway CA and certificates of the TLS tests (tests/certificates.py).
+command -v openssl >/dev/null || need+=(openssl)
 if [ "${#need[@]}" -gt 0 ]; then
   echo "bootstrap: installing Debian packages: ${need[*]}"
   sudo_cmd=""

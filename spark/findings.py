@@ -78,6 +78,8 @@ class Inputs:
     records: DataFrame | None
     now: datetime
     sla_seconds: float
+    #: The last placed message per (topic, key) before this run (carry.last_by_key).
+    anchors: DataFrame | None = None
 
     @property
     def cutoff(self) -> datetime:
@@ -146,7 +148,8 @@ def find(inputs: Inputs, facts: DataFrame, unknown: DataFrame | None,
         delivered_more_than_once(facts),
         delivered_although_rolled_back(facts),
         op_record_without_message(inputs.orphans),
-        key_order_broken(facts, topics_read=inputs.records is not None),
+        key_order_broken(facts, topics_read=inputs.records is not None,
+                         anchors=inputs.anchors),
         stuck_unknown(facts, inputs.cutoff),
         discarded(facts),
     ]
@@ -284,15 +287,23 @@ def op_record_position_mismatch(facts: DataFrame, claims: DataFrame, records: Da
         .otherwise(F.lit("no record with an outbox-id at that position")))
 
 
-def key_order_broken(facts: DataFrame, *, topics_read: bool) -> DataFrame:
+def key_order_broken(facts: DataFrame, *, topics_read: bool,
+                     anchors: DataFrame | None = None) -> DataFrame:
     """Within a (topic, key), positions must grow with message id, all in one partition.
 
     Positions are the first copy in Kafka when the topics are read, else the op records';
-    later duplicates do not count (consumers deduplicate them on outbox-id).
+    later duplicates do not count (consumers deduplicate them on outbox-id). ``anchors``,
+    the last message of each key placed before this run, is where each key's check starts,
+    so a reorder across two windows is found (and named by the message placed out of order).
     """
-    at = "copy_at" if topics_read else "op_at"
-    placed = facts.where(F.col("key").isNotNull() & F.col(at).isNotNull()).select(
-        "id", "topic", "key", F.col(at).alias("at"))
+    at = F.col("copy_at") if topics_read else F.col("op_at")
+    placed = facts.where(F.col("key").isNotNull() & at.isNotNull()).select(
+        "id", "topic", "key", at.alias("at"))
+    if anchors is not None:
+        before = anchors.select("id", "topic", "key", (
+            F.coalesce("copy_at", "op_at") if topics_read else F.col("op_at")).alias("at"))
+        placed = placed.unionByName(
+            before.where(F.col("at").isNotNull()).join(placed.select("id"), "id", "left_anti"))
     by_key = Window.partitionBy("topic", "key").orderBy("id")
     compared = placed.select(
         "*", F.lag("id").over(by_key).alias("prev_id"), F.lag("at").over(by_key).alias("prev"))

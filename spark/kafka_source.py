@@ -1,7 +1,10 @@
-"""A PySpark Python data source that reads Kafka offset ranges with kafka-python.
+"""A PySpark Python data source that reads Kafka offset ranges with kafka-python, or with
+confluent-kafka (librdkafka, several times faster) when the ``confluent`` extra is installed
+and ``kafka_client`` is ``confluent``.
 
 No spark-sql-kafka jar is needed: each Spark partition is one offset range of one
-topic-partition, read by its own consumer with ``assign()`` (no consumer group). Ranges end
+topic-partition, read by its own consumer with ``assign()`` (no consumer group joins: a
+confluent-kafka ``subscribe()`` waits on group joins some brokers serve slowly). Ranges end
 at the high-watermark taken from fetch responses, which every Kafka-compatible broker
 reports correctly (ListOffsets "latest" is not reliable on all of them).
 """
@@ -37,6 +40,22 @@ _CONSUMER: dict[str, Any] = {
     "max_partition_fetch_bytes": 16 * 1024 * 1024,
     "request_timeout_ms": 30_000,
 }
+#: The same for librdkafka. Its consumer needs a group id even with ``assign()``; nothing is
+#: committed under it and it never joins the group.
+_RDKAFKA: dict[str, Any] = {
+    "group.id": "outbox-reconcile",
+    "enable.auto.commit": False,
+    "enable.auto.offset.store": False,
+    "enable.partition.eof": False,
+    "fetch.max.bytes": 64 * 1024 * 1024,
+    "max.partition.fetch.bytes": 16 * 1024 * 1024,
+    "queued.max.messages.kbytes": 256 * 1024,
+    "socket.timeout.ms": 30_000,
+}
+#: The Kafka clients the reader can use (settings.KafkaSettings.kafka_client).
+CLIENTS = ("kafka-python", "confluent")
+#: The option naming the SASL password in each client's settings (it travels on its own).
+PASSWORD_OPTION = {"kafka-python": "sasl_plain_password", "confluent": "sasl.password"}
 
 
 @dataclass(frozen=True)
@@ -91,11 +110,12 @@ def high_watermarks(bootstrap: str, topics: list[str], client: dict[str, Any] | 
 
 class KafkaRangeReader(DataSourceReader):
     def __init__(self, bootstrap: str, ranges: list[OffsetRange], stall_seconds: float,
-                 client: dict[str, Any] | None = None) -> None:
+                 client: dict[str, Any] | None = None, library: str = "kafka-python") -> None:
         self.bootstrap = bootstrap
         self.ranges = ranges
         self.stall_seconds = stall_seconds
         self.client = client or {}
+        self.library = library
 
     def partitions(self) -> list[OffsetRange]:
         return self.ranges
@@ -103,6 +123,11 @@ class KafkaRangeReader(DataSourceReader):
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         """Yield the range as Arrow batches; fail if the broker stops making progress."""
         assert isinstance(partition, OffsetRange)
+        if self.library == "confluent":
+            return self._read_confluent(partition)
+        return self._read_kafka_python(partition)
+
+    def _read_kafka_python(self, partition: OffsetRange) -> Iterator[pa.RecordBatch]:
         tp = TopicPartition(partition.topic, partition.partition)
         consumer = KafkaConsumer(bootstrap_servers=self.bootstrap.split(","),
                                  **{**_CONSUMER, **self.client})
@@ -114,29 +139,66 @@ class KafkaRangeReader(DataSourceReader):
                 batch = consumer.poll(timeout_ms=500, max_records=50_000).get(tp, [])
                 if batch:
                     stalled_since = time.monotonic()
-                    yield _to_arrow(partition, [m for m in batch if m.offset < partition.end])
+                    kept = [m for m in batch if m.offset < partition.end]
+                    yield _to_arrow(partition, [m.offset for m in kept],
+                                    [m.headers for m in kept])
                 elif time.monotonic() - stalled_since > self.stall_seconds:
-                    raise TimeoutError(
-                        f"reading {tp.topic}[{tp.partition}] stalled at offset "
-                        f"{consumer.position(tp)} before {partition.end}")
+                    raise TimeoutError(_stalled(partition, consumer.position(tp)))
+        finally:
+            consumer.close()
+
+    def _read_confluent(self, partition: OffsetRange) -> Iterator[pa.RecordBatch]:
+        from confluent_kafka import Consumer, KafkaException
+        from confluent_kafka import TopicPartition as RdTopicPartition
+
+        consumer = Consumer({**_RDKAFKA, "bootstrap.servers": self.bootstrap, **self.client})
+        try:
+            consumer.assign([RdTopicPartition(partition.topic, partition.partition,
+                                              partition.start)])
+            position = partition.start
+            stalled_since = time.monotonic()
+            while position < partition.end:
+                batch = consumer.consume(num_messages=50_000, timeout=0.5)
+                offsets: list[int] = []
+                headers = []
+                for m in batch:
+                    if m.error() is not None:
+                        raise KafkaException(m.error())
+                    offset = m.offset()
+                    if offset is not None and offset < partition.end:
+                        offsets.append(offset)
+                        headers.append(m.headers())
+                if offsets:
+                    stalled_since = time.monotonic()
+                    position = offsets[-1] + 1
+                    yield _to_arrow(partition, offsets, headers)
+                elif time.monotonic() - stalled_since > self.stall_seconds:
+                    raise TimeoutError(_stalled(partition, position))
         finally:
             consumer.close()
 
 
-def _to_arrow(partition: OffsetRange, messages: list[Any]) -> pa.RecordBatch:
+def _stalled(partition: OffsetRange, position: int) -> str:
+    return (f"reading {partition.topic}[{partition.partition}] stalled at offset {position} "
+            f"before {partition.end}")
+
+
+def _to_arrow(partition: OffsetRange, offsets: list[int],
+              headers: list[Any]) -> pa.RecordBatch:
+    """The records' positions and outbox-ids (headers as (name, bytes) pairs, or None)."""
     ids: list[int | None] = []
-    for m in messages:
+    for record_headers in headers:
         found = None
-        for name, value in m.headers or ():
+        for name, value in record_headers or ():
             if name == ID_HEADER:
                 found = int(value) if value and value.isdigit() else None
                 break
         ids.append(found)
-    n = len(messages)
+    n = len(offsets)
     return pa.RecordBatch.from_arrays([
         pa.array([partition.topic] * n, pa.string()),
         pa.array([partition.partition] * n, pa.int32()),
-        pa.array([m.offset for m in messages], pa.int64()),
+        pa.array(offsets, pa.int64()),
         pa.array(ids, pa.int64()),
     ], schema=SCHEMA)
 
@@ -146,8 +208,9 @@ class KafkaRangeSource(DataSource):
 
     ``ranges`` is JSON: ``[[topic, partition, start, end], ...]``; ``max_records_per_split``
     (default 1,000,000) cuts long ranges; ``stall_seconds`` (default 120) bounds a stall;
-    ``client`` (JSON) adds kafka-python settings, and ``sasl_plain_password`` travels as its
-    own option so Spark redacts it from plans and logs.
+    ``library`` is ``kafka-python`` (default) or ``confluent``; ``client`` (JSON) adds that
+    client's settings, and the SASL password (``sasl_plain_password`` or ``sasl.password``)
+    travels as its own option so Spark redacts it from plans and logs.
     """
 
     @classmethod
@@ -162,7 +225,11 @@ class KafkaRangeSource(DataSource):
                   for t, p, s, e in json.loads(self.options["ranges"])]
         per_split = int(self.options.get("max_records_per_split", 1_000_000))
         client = json.loads(self.options.get("client", "{}"))
-        if "sasl_plain_password" in self.options:
-            client["sasl_plain_password"] = self.options["sasl_plain_password"]
+        library = self.options.get("library", "kafka-python")
+        if library not in CLIENTS:
+            raise ValueError(f"library must be one of {', '.join(CLIENTS)}, not {library!r}")
+        password = PASSWORD_OPTION[library]
+        if password in self.options:
+            client[password] = self.options[password]
         return KafkaRangeReader(self.options["bootstrap"], split(ranges, per_split),
-                                float(self.options.get("stall_seconds", 120)), client)
+                                float(self.options.get("stall_seconds", 120)), client, library)

@@ -151,13 +151,30 @@ def _position(partition: sa.ColumnElement[Any], offset: sa.ColumnElement[Any]
 
 
 def message_facts(schema: str, window: Window, ids: tuple[int, int]) -> str:
-    """The window's prepare rows with ids in ``ids`` (no payloads), each with its state and
-    its op records summed up: how many, how many DELIVERED, the first DELIVERED position.
+    """The window's prepare rows with ids in ``ids`` (see :func:`_facts`)."""
+    m, o = tables(schema).message, tables(schema).op_record
+    return _facts(schema, sa.and_(_in_window(m.c.created_at, window), m.c.id.between(*ids)),
+                  o.c.message_id.between(*ids))
+
+
+def carried_facts(schema: str, window: Window, ids: list[int]) -> str:
+    """The prepare rows ``ids`` carried over from earlier runs (open when the last run read
+    them), those created before the window (later ones are the window's own)."""
+    m, o = tables(schema).message, tables(schema).op_record
+    before = m.c.created_at < window.since if window.since is not None else sa.false()
+    return _facts(schema, sa.and_(m.c.id.in_(ids), before), o.c.message_id.in_(ids))
+
+
+def _facts(schema: str, messages: sa.ColumnElement[bool], ops_of: sa.ColumnElement[bool]
+           ) -> str:
+    """Prepare rows (no payloads), each with its state and its op records summed up: how
+    many, how many DELIVERED, the first DELIVERED position.
 
     A row's state is its pending row while it has one, else its op records say how it
     ended (DELIVERED, or ROLLED_BACK); a row with neither is UNACCOUNTED, which no path of
     the outbox leaves behind. PostgreSQL merges the index range scans (message and pending by
     id, op_record by message_id), so Spark reads one row per message and joins nothing.
+    ``ops_of`` bounds the op records summed up to those of the rows ``messages`` selects.
     """
     t = tables(schema)
     m, p, o = t.message, t.pending, t.op_record
@@ -173,7 +190,7 @@ def message_facts(schema: str, window: Window, ids: tuple[int, int]) -> str:
             .label("op_at"),
             sa.func.min(o.c.created_at).filter(delivered).label("delivered_at"),
         )
-        .where(o.c.message_id.between(*ids))
+        .where(ops_of)
         .group_by(o.c.message_id)
         .subquery("ops")
     )
@@ -199,7 +216,7 @@ def message_facts(schema: str, window: Window, ids: tuple[int, int]) -> str:
         )
         .select_from(m.outerjoin(p, p.c.message_id == m.c.id)
                      .outerjoin(ops, ops.c.message_id == m.c.id))
-        .where(_in_window(m.c.created_at, window), m.c.id.between(*ids)),
+        .where(messages),
         "m",
     )
 
@@ -231,7 +248,11 @@ def op_record_bounds(conn: Connection, schema: str, window: Window) -> tuple[int
 
 
 def orphan_op_records(schema: str, window: Window, ids: tuple[int, int]) -> str:
-    """Op records written in the window, with ids in ``ids``, whose prepare row is missing."""
+    """Op records written in the window, with ids in ``ids``, whose prepare row is missing.
+
+    ``OFFSET 0`` keeps the NOT EXISTS a primary-key probe per op record: pulled up into an
+    anti-join, PostgreSQL hashes every message id of the history for a large window.
+    """
     t = tables(schema)
     o, m = t.op_record, t.message
     return as_subquery(
@@ -240,7 +261,7 @@ def orphan_op_records(schema: str, window: Window, ids: tuple[int, int]) -> str:
             o.c.kafka_offset, o.c.created_at,
         ).where(
             _in_window(o.c.created_at, window), o.c.id.between(*ids),
-            ~sa.exists().where(m.c.id == o.c.message_id),
+            ~sa.exists(sa.select(sa.literal(1)).where(m.c.id == o.c.message_id).offset(0)),
         ),
         "orphan",
     )
@@ -264,21 +285,30 @@ def message_topics(conn: Connection, schema: str, ids: Iterable[int]) -> dict[in
 
 @dataclass(frozen=True)
 class Watermark:
-    """Where the previous runs stopped: the newest window end and Kafka offsets read."""
+    """Where the previous runs stopped: the newest window end and Kafka offsets read, and
+    the output of the latest run that reached that end (it holds what it carries over)."""
 
     until: datetime | None
     kafka_offsets: dict[str, dict[str, int]] | None
+    output_path: str | None = None
 
 
 def watermark(conn: Connection, schema: str) -> Watermark:
     """The latest window end (a re-audit of an old window never moves it back)."""
     run = tables(schema).reconcile_run
-    until = conn.execute(sa.select(sa.func.max(run.c.window_until))).scalar_one()
+    last = conn.execute(
+        sa.select(run.c.window_until, run.c.output_path)
+        .order_by(run.c.window_until.desc(), run.c.id.desc()).limit(1)
+    ).one_or_none()
+    # Runs that read no topic store JSON null: they say nothing about where Kafka was read.
     offsets = conn.execute(
-        sa.select(run.c.kafka_offsets).where(run.c.kafka_offsets.is_not(None))
+        sa.select(run.c.kafka_offsets).where(run.c.read_topics)
         .order_by(run.c.id.desc()).limit(1)
     ).scalar_one_or_none()
-    return Watermark(until=until, kafka_offsets=offsets)
+    if last is None:
+        return Watermark(until=None, kafka_offsets=offsets)
+    return Watermark(until=last.window_until, kafka_offsets=offsets,
+                     output_path=last.output_path)
 
 
 def record_run(conn: Connection, schema: str, values: dict[str, Any]) -> int:

@@ -4,11 +4,13 @@ same CLI (``outbox/__main__.py reconcile``, same options; pass the JDBC driver w
 
 A run covers a window of prepare rows by created_at: from the last run's end (or
 ``--since``) to ``--until`` (default: now minus the SLA, never past the oldest open
-transaction). It reads the window's rows and op records over partitioned JDBC and, with
-``read_topics``, the topics from where the last run stopped to their high-watermark; finds
-what contradicts "every committed message is in Kafka exactly where its op record says";
-writes Parquet and a short report under the output directory; records a summary row. Its
-cost follows the window, not the history.
+transaction). It reads the window's rows and op records over partitioned JDBC, with the
+messages the last run left open (spark/carry.py) and, with ``read_topics``, the topics from
+where the last run stopped to their high-watermark; finds what contradicts "every committed
+message is in Kafka exactly where its op record says" (per-key order starting from each
+key's last position in earlier runs); writes Parquet, what it carries over and a short
+report under the output directory; records a summary row. Its cost follows the window and
+what is still open, not the history.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from kafka.errors import KafkaTimeoutError
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from sqlalchemy import Engine, create_engine
@@ -32,7 +35,7 @@ from sqlalchemy import Engine, create_engine
 from outbox.exceptions import ConfigurationError
 from outbox.migrate import require_current
 from outbox.settings import ReconcileSettings
-from outbox.spark import findings, queries, report, runs, sources
+from outbox.spark import carry, findings, queries, report, runs, sources
 from outbox.spark.kafka_source import high_watermarks
 from outbox.spark.runs import RunOutcome
 
@@ -123,59 +126,74 @@ def _run(spark: SparkSession, settings: ReconcileSettings, engine: Engine,
             mark = queries.watermark(conn, schema)
             conn.rollback()
         window, source = _window(since, mark, clock)
-        with engine.connect() as conn:
-            bounds = queries.window_bounds(conn, schema, window)
-            op_ids = queries.op_record_bounds(conn, schema, window)
-            conn.rollback()
-        log.info("window %s .. %s (%s): %d messages", _iso(window.since) or "beginning",
-                 _iso(window.until), source, bounds.count)
+        timings: dict[str, float] = {}
+        with _phase(timings, "read tables"):
+            spark.sparkContext.setJobDescription("outbox reconcile: reading the outbox tables")
+            with engine.connect() as conn:
+                bounds = queries.window_bounds(conn, schema, window)
+                op_ids = queries.op_record_bounds(conn, schema, window)
+                conn.rollback()
+            log.info("window %s .. %s (%s): %d messages", _iso(window.since) or "beginning",
+                     _iso(window.until), source, bounds.count)
+            handed = carry.read(spark, mark.output_path)
+            jdbc = sources.jdbc_options(settings.database_url)
+            parts = max(1, min(settings.reconcile_partitions, bounds.count // 50_000 + 1))
+            ranges = sources.id_ranges(bounds.min_id or 0, bounds.max_id or 0, parts)
+            own = sources.read_jdbc(
+                spark, jdbc, [queries.message_facts(schema, window, r) for r in ranges])
+            messages = _cache(cached, _with_carried(spark, jdbc, schema, window, own, handed))
+            orphans = sources.read_jdbc(spark, jdbc, [
+                queries.orphan_op_records(schema, window, r)
+                for r in sources.id_ranges(*(op_ids or (0, 0)), parts)])
+            totals = messages.groupBy("carried").agg(
+                F.count(F.lit(1)).alias("messages"),
+                F.sum("op_records").alias("op_records")).collect()
+            by_origin = {r.carried: r for r in totals}
+            own_totals = by_origin.get(False)
+            message_count = int(own_totals.messages) if own_totals else 0
+            op_count = int(own_totals.op_records or 0) if own_totals else 0
+            carried_count = int(by_origin[True].messages) if True in by_origin else 0
+        log.info("read %d messages, %d op records, %d carried over (%.1fs)", message_count,
+                 op_count, carried_count, time.monotonic() - clock_start)
 
-        spark.sparkContext.setJobDescription("outbox reconcile: reading the outbox tables")
-        jdbc = sources.jdbc_options(settings.database_url)
-        parts = max(1, min(settings.reconcile_partitions, bounds.count // 50_000 + 1))
-        ranges = sources.id_ranges(bounds.min_id or 0, bounds.max_id or 0, parts)
-        messages = _cache(cached, sources.read_jdbc(
-            spark, jdbc, [queries.message_facts(schema, window, r) for r in ranges]))
-        orphans = sources.read_jdbc(spark, jdbc, [
-            queries.orphan_op_records(schema, window, r)
-            for r in sources.id_ranges(*(op_ids or (0, 0)), parts)])
-        totals = messages.agg(F.count(F.lit(1)).alias("messages"),
-                              F.sum("op_records").alias("op_records")).collect()[0]
-        message_count, op_count = int(totals.messages), int(totals.op_records or 0)
-        log.info("read %d messages and %d op records (%.1fs)", message_count, op_count,
-                 time.monotonic() - clock_start)
-
-        records = read_to = unknown = claims = None
+        records = read_to = unknown = claims = kafka_count = None
         if settings.reconcile_read_topics:
-            records, read_to = _read_topics(spark, settings, engine, messages, mark, window,
-                                            cached)
+            with _phase(timings, "read topics"):
+                records, read_to = _read_topics(spark, settings, engine, messages, mark,
+                                                window, cached)
+                kafka_count = records.count()
         inputs = findings.Inputs(messages, orphans, records, clock.now,
-                                 settings.reconcile_sla_seconds)
-        spark.sparkContext.setJobDescription("outbox reconcile: matching the records")
-        everything = findings.joined(inputs)
-        facts = findings.facts(everything)
-        if records is not None:
-            everything = _cache(cached, everything)
-            unknown = _unknown(spark, engine, schema, findings.foreign(everything))
-            claims = _claims(spark, engine, schema, findings.several(facts))
+                                 settings.reconcile_sla_seconds, handed.keys)
+        with _phase(timings, "match"):
+            spark.sparkContext.setJobDescription("outbox reconcile: matching the records")
+            everything = findings.joined(inputs)
+            facts = findings.facts(everything)
+            if records is not None:
+                everything = _cache(cached, everything)
+                unknown = _unknown(spark, engine, schema, findings.foreign(everything))
+                claims = _claims(spark, engine, schema, findings.several(facts))
 
         output = _output_dir(Path(settings.reconcile_output_dir), started_at)
-        spark.sparkContext.setJobDescription("outbox reconcile: findings")
-        found = _cache(cached, findings.find(inputs, facts, unknown, claims))
-        found.write.mode("error").parquet(str(output / "findings"))
-        counts, samples = _count(found, checked=[
-            f.name for f in findings.FINDINGS if records is not None or not f.needs_topics])
+        with _phase(timings, "find and write"):
+            spark.sparkContext.setJobDescription("outbox reconcile: findings")
+            found = _cache(cached, findings.find(inputs, facts, unknown, claims))
+            found.write.mode("error").parquet(str(output / "findings"))
+            counts, samples = _count(found, checked=[
+                f.name for f in findings.FINDINGS if records is not None or not f.needs_topics])
         log.info("findings: %s (%.1fs)", ", ".join(
             f"{name} {n}" for name, n in counts.items() if n) or "none",
             time.monotonic() - clock_start)
-        spark.sparkContext.setJobDescription("outbox reconcile: statistics")
-        stats = findings.stats(messages)
+        with _phase(timings, "carry over"):
+            spark.sparkContext.setJobDescription("outbox reconcile: carrying over")
+            carrying = carry.write(spark, output, facts, handed.keys)
+        with _phase(timings, "statistics"):
+            spark.sparkContext.setJobDescription("outbox reconcile: statistics")
+            stats = findings.stats(messages.where(~F.col("carried")))
 
         exceeded = [name for name, n in counts.items()
                     if limits[name] is not None and n > limits[name]]  # type: ignore[operator]
         outcome = (RunOutcome.FAILED if exceeded
                    else RunOutcome.FINDINGS if any(counts.values()) else RunOutcome.CLEAN)
-        kafka_count = None if records is None else records.count()
         with engine.begin() as conn:
             run_id = queries.record_run(conn, schema, {
                 "started_at": started_at, "window_since": window.since,
@@ -194,7 +212,9 @@ def _run(spark: SparkSession, settings: ReconcileSettings, engine: Engine,
             "read_topics": records is not None,
             "sla_seconds": settings.reconcile_sla_seconds,
             "counts": {"messages": message_count, "op_records": op_count,
-                       "kafka_records": kafka_count},
+                       "kafka_records": kafka_count, "carried_in": carried_count,
+                       "carried_out": carrying},
+            "seconds_by_phase": timings,
             "findings": _findings_summary(counts, samples, limits, exceeded),
             "kafka_offsets": read_to,
             "stats": stats,
@@ -262,13 +282,19 @@ def _read_topics(spark: SparkSession, settings: ReconcileSettings, engine: Any, 
         conn.rollback()
     topics = {r.topic for r in messages.select("topic").distinct().collect()}
     topics |= set(mark.kafka_offsets or {})
-    client = settings.kafka_security()
-    ends = high_watermarks(settings.kafka_bootstrap, sorted(topics), client)
+    try:
+        ends = high_watermarks(settings.kafka_bootstrap, sorted(topics),
+                               settings.kafka_security())
+    except KafkaTimeoutError:
+        raise settings.kafka_unreachable() from None
     plan = sources.plan_topics(ends, first_ops, mark.kafka_offsets, window.since is None)
-    log.info("reading %d offset ranges of %d topics (%d records)", len(plan.ranges),
-             len(topics), sum(r.end - r.start for r in plan.ranges))
-    return _cache(cached, sources.read_topics(spark, settings.kafka_bootstrap, plan, client)), \
-        plan.read_to
+    log.info("reading %d offset ranges of %d topics (%d records) with %s", len(plan.ranges),
+             len(topics), sum(r.end - r.start for r in plan.ranges), settings.kafka_client)
+    client = settings.kafka_security(
+        "librdkafka" if settings.kafka_client == "confluent" else "kafka-python")
+    records = sources.read_topics(spark, settings.kafka_bootstrap, plan, client,
+                                  library=settings.kafka_client)
+    return _cache(cached, records), plan.read_to
 
 
 def _claims(spark: SparkSession, engine: Any, schema: str, several: DataFrame) -> DataFrame:
@@ -291,6 +317,29 @@ def _unknown(spark: SparkSession, engine: Any, schema: str, foreign: DataFrame) 
     return spark.createDataFrame(
         sorted((t, i) for t, i in candidates if topic_of.get(i) != t),
         "topic string, outbox_id long")
+
+
+def _with_carried(spark: SparkSession, jdbc: dict[str, str], schema: str,
+                  window: queries.Window, own: DataFrame, handed: carry.Carry) -> DataFrame:
+    """The window's messages and those the last run carried over, marked ``carried``."""
+    messages = own.withColumn("carried", F.lit(False))
+    ids = handed.open_ids
+    if window.since is None or not ids:
+        return messages
+    carried = sources.read_jdbc(spark, jdbc, [
+        queries.carried_facts(schema, window, ids[start:start + queries.LOOKUP_CHUNK])
+        for start in range(0, len(ids), queries.LOOKUP_CHUNK)])
+    return messages.unionByName(carried.withColumn("carried", F.lit(True)))
+
+
+@contextlib.contextmanager
+def _phase(timings: dict[str, float], name: str) -> Iterator[None]:
+    """Add the block's wall time to ``timings[name]`` (the summary's seconds_by_phase)."""
+    start = time.monotonic()
+    try:
+        yield
+    finally:
+        timings[name] = round(timings.get(name, 0.0) + time.monotonic() - start, 3)
 
 
 def _cache(cached: list[DataFrame], df: DataFrame) -> DataFrame:

@@ -20,6 +20,8 @@ def render(summary: dict[str, Any]) -> str:
         f"outbox reconciliation run {summary['run_id']}: {summary['outcome']}",
         f"window    {window['since'] or 'beginning'} .. {window['until']} ({window['source']})",
         f"read      {_n(counts['messages'])} messages, {_n(counts['op_records'])} op records, "
+        + (f"{_n(counts['carried_in'])} carried over from earlier runs, "
+           if counts.get("carried_in") else "")
         + (f"{_n(counts['kafka_records'])} Kafka records" if summary["read_topics"]
            else "topics not read (tables only)"),
         "findings  count / fail above",
@@ -51,5 +53,8 @@ def render(summary: dict[str, Any]) -> str:
               if h["check_count"]]
     if checks:
         lines.append(f"checked   check-backs per message: {'; '.join(checks)}")
+    if counts.get("carried_out"):
+        lines.append(f"carried   {_n(counts['carried_out'])} messages still open: the next run "
+                     "judges them again")
     lines.append(f"output    {summary['output_path']}")
     return "\n".join(lines) + "\n"

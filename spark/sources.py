@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -14,7 +15,14 @@ from pyspark.sql import functions as F
 from sqlalchemy.engine import make_url
 
 from outbox.exceptions import ConfigurationError
-from outbox.spark.kafka_source import FORMAT, SPARK_SCHEMA, KafkaRangeSource, OffsetRange
+from outbox.spark.kafka_source import (
+    CLIENTS,
+    FORMAT,
+    PASSWORD_OPTION,
+    SPARK_SCHEMA,
+    KafkaRangeSource,
+    OffsetRange,
+)
 
 JDBC_DRIVER = "org.postgresql.Driver"
 FETCH_SIZE = 10_000
@@ -97,22 +105,33 @@ def plan_topics(ends: Mapping[tuple[str, int], int],
 
 def read_topics(spark: SparkSession, bootstrap: str, plan: TopicPlan,
                 client: Mapping[str, Any] | None = None,
-                max_records_per_split: int = 1_000_000) -> DataFrame:
+                max_records_per_split: int = 1_000_000,
+                library: str = "kafka-python") -> DataFrame:
     """The planned offset ranges as records, each marked ``fresh`` or not.
 
-    ``client``: kafka-python security settings (relay.producer.security_config).
+    ``library``: the Kafka client the executors read with, ``kafka-python`` or ``confluent``
+    (the ``confluent`` extra, librdkafka); ``client``: its security settings
+    (settings.KafkaSettings.kafka_security, in that client's names).
     """
+    if library not in CLIENTS:
+        raise ConfigurationError(
+            f"unknown Kafka client {library!r}: use one of {', '.join(CLIENTS)}")
+    if library == "confluent" and importlib.util.find_spec("confluent_kafka") is None:
+        raise ConfigurationError(
+            "OUTBOX_KAFKA_CLIENT=confluent needs the confluent-kafka package: "
+            "pip install 'transactional-outbox[confluent]'")
     if plan.ranges:
         spark.dataSource.register(KafkaRangeSource)
         settings = dict(client or {})
-        password = settings.pop("sasl_plain_password", None)
+        password = settings.pop(PASSWORD_OPTION[library], None)
         reader = (spark.read.format(FORMAT).option("bootstrap", bootstrap)
                   .option("ranges", json.dumps([[r.topic, r.partition, r.start, r.end]
                                                 for r in plan.ranges]))
+                  .option("library", library)
                   .option("client", json.dumps(settings))
                   .option("max_records_per_split", str(max_records_per_split)))
         if password is not None:
-            reader = reader.option("sasl_plain_password", password)
+            reader = reader.option(PASSWORD_OPTION[library], password)
         records = reader.load()
     else:
         records = spark.createDataFrame([], SPARK_SCHEMA)

@@ -21,7 +21,7 @@ from alembic import command
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.orm import Session
 
-from outbox import Outbox, migrate
+from outbox import Outbox, migrate, store
 from outbox.dev import services as devservices
 from outbox.dev.topics import create_topic
 from outbox.relay.relay import Relay
@@ -206,6 +206,27 @@ def publish_orders(engine: Engine, outbox: Outbox, topic: str, orders: list[tupl
         else:
             session.rollback()
     return ids
+
+
+@pytest.fixture
+def small(engine: Engine, settings: Settings, schema: str) -> Settings:
+    """Ranges of 10 ids (three made ahead) instead of the million the migration made."""
+    with engine.begin() as conn:
+        for name in ranges(engine, schema):
+            if name != "message_p0":
+                conn.execute(text(f"DROP TABLE {schema}.{name}, {schema}.op_record_{name[8:]}"))
+        store.ensure_partitions(conn, schema, 10, ahead=3)
+    assert ranges(engine, schema) == ["message_p0", "message_p1", "message_p11", "message_p21"]
+    return settings.model_copy(update={"partition_size": 10})
+
+
+def ranges(engine: Engine, schema: str) -> list[str]:
+    """The range partitions of ``message``, lowest first."""
+    with engine.connect() as conn:
+        return list(conn.execute(text(
+            f"SELECT name FROM {schema}.partition_bounds('{schema}.message') "
+            f"ORDER BY low NULLS FIRST")).scalars())
+
 
 
 def assert_refused(url: str, statements: list[str], match: str = "permission denied") -> None:

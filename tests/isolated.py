@@ -12,7 +12,7 @@ from sqlalchemy import Engine, create_engine
 from outbox import Outbox, migrate
 from outbox.dev import services as devservices
 from outbox.dev.topics import create_topic
-from outbox.settings import Settings, sqlalchemy_url
+from outbox.settings import PARTITION_SIZE, Settings, sqlalchemy_url
 from tests.tcp_proxy import TcpProxy
 
 
@@ -27,14 +27,15 @@ class Isolated:
 
 
 @contextlib.contextmanager
-def isolated_services(partitions: int = 3, kafka_client: str = "kafka-python"
-                      ) -> Iterator[Isolated]:
+def isolated_services(partitions: int = 3, kafka_client: str = "kafka-python",
+                      partition_size: int = PARTITION_SIZE) -> Iterator[Isolated]:
+    """``partitions``: the topic's; ``partition_size``: message ids per history partition."""
     proxy_port = devservices.free_port()
     services = devservices.start(kafka_advertised_port=proxy_port)
     proxy = TcpProxy(services.kafka_port, proxy_port)
     engine = create_engine(sqlalchemy_url(services.database_url), pool_pre_ping=True)
     try:
-        migrate.upgrade(services.database_url, "outbox")
+        migrate.upgrade(services.database_url, "outbox", partition_size=partition_size)
         topic = f"faults-{uuid.uuid4().hex[:6]}"
         create_topic(services.kafka_bootstrap, topic, partitions=partitions)
         settings = Settings(database_url=services.database_url,

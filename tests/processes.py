@@ -19,6 +19,7 @@ def outbox_env(settings: Settings, **extra: str) -> dict[str, str]:
         "OUTBOX_RELAY_LEASE_SECONDS": str(settings.relay_lease_seconds),
         "OUTBOX_RELAY_POLL_INTERVAL": str(settings.relay_poll_interval),
         "OUTBOX_PRUNE_BATCH_SIZE": str(settings.prune_batch_size),
+        "OUTBOX_PARTITION_SIZE": str(settings.partition_size),
         "OUTBOX_KAFKA_MAX_REQUEST_SIZE": str(settings.kafka_max_request_size),
         **extra,
     }

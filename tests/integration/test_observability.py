@@ -1,4 +1,4 @@
-"""`outbox status`, the Prometheus metrics and retention pruning."""
+"""`outbox status` and the Prometheus metrics (retention: test_retention.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 from outbox import Outbox
 from outbox.dev import services as devservices
 from outbox.settings import Settings
-from tests.conftest import count_status, publish_orders, running_relay, wait_delivered
+from tests.conftest import publish_orders, running_relay, wait_delivered
 from tests.processes import run_outbox
 
 
@@ -88,35 +88,6 @@ def test_relay_metrics_are_served_for_prometheus(
     assert "outbox_relay_batch_size_bucket" in body
     assert "outbox_relay_owned_shards" in body
     assert 'outbox_messages{state="pending"}' in body
-
-
-def test_prune_deletes_only_expired_finished_rows(
-    engine: Engine, outbox: Outbox, settings: Settings, schema: str, topic: str
-) -> None:
-    publish_orders(engine, outbox, topic, [(f"k{i}", i) for i in range(29)])
-    with running_relay(settings):
-        wait_delivered(engine, schema, 29)
-    parked, *pending = publish_orders(engine, outbox, topic, [("q", 0), ("p", 1)])
-    with engine.begin() as conn:
-        conn.execute(text(f"UPDATE {schema}.message SET created_at = now() - interval '100 hours'"))
-        conn.execute(text(f"UPDATE {schema}.pending SET status = 'PARKED' "
-                          f"WHERE message_id = :id"), {"id": parked})
-        conn.execute(text(f"INSERT INTO {schema}.op_record (message_id, action, actor, detail) "
-                          f"VALUES (:id, 'PARKED', 'relay', 'rejected')"), {"id": parked})
-        conn.execute(text(
-            f"UPDATE {schema}.op_record SET created_at = now() - interval '100 hours'"))
-
-    small_batches = settings.model_copy(update={"prune_batch_size": 7})
-    result = run_outbox(small_batches, "prune", "--retention-hours", "72")
-    assert result.returncode == 0, result.stderr
-    assert "pruned 29 messages and 29 op records" in result.stdout
-    assert count_status(engine, schema, "DELIVERED") == 0
-    with engine.connect() as conn:
-        left = set(conn.execute(text(f"SELECT id FROM {schema}.message")).scalars())
-    assert left == {parked, *pending}, "parked and undelivered rows are kept"
-    with engine.connect() as conn:
-        kept_ops = set(conn.execute(text(f"SELECT message_id FROM {schema}.op_record")).scalars())
-    assert kept_ops == {parked}, "a kept row keeps its history"
 
 
 def test_backlog_gauges_count_pending_rows_and_the_oldest_ones_wait(

@@ -75,7 +75,8 @@ def test_the_wheel_installs_nothing_but_outbox_at_the_top(site: Path) -> None:
     assert [entry.name for entry in site.glob("*.dist-info")] == [
         "transactional_outbox-0.1.0.dist-info"]
     for part in ("relay/relay.py", "spark/reconcile.py", "migrations/env.py",
-                 "migrations/versions/0001_create_outbox_tables.py", "sql/queries.sql"):
+                 "migrations/versions/0001_create_outbox_tables.py", "sql/queries.sql",
+                 "console/templates/console.html"):
         assert (site / "outbox" / part).is_file(), part
 
 

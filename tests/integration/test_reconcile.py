@@ -26,9 +26,11 @@ from outbox.cli import main
 from outbox.dev import services as devservices
 from outbox.dev.topics import create_topic, read_topic
 from outbox.settings import Settings
+from outbox.spark import queries, sources
 from outbox.spark import reconcile as job
+from outbox.spark.kafka_source import high_watermarks
 from outbox.spark.runs import RunOutcome
-from tests.conftest import publish_orders, running_relay, wait_delivered
+from tests.conftest import TRANSPORTS, publish_orders, running_relay, wait_delivered
 
 INTEGRITY = {
     "undelivered_after_sla", "delivered_although_rolled_back", "op_record_without_message",
@@ -133,7 +135,8 @@ def test_the_real_flow_reconciles_clean(
 
     assert result.counts == dict.fromkeys(result.counts, 0)
     assert result.outcome is RunOutcome.CLEAN and result.exit_code == 0
-    assert result.summary["counts"] == {"messages": 33, "op_records": 32, "kafka_records": 31}
+    assert result.summary["counts"] == {"messages": 33, "op_records": 32, "kafka_records": 31,
+                                        "carried_in": 0, "carried_out": 1}  # the delayed one
     by_state = {(c["resolution"], c["status"]): c["count"]
                 for c in result.summary["stats"]["counts"]}
     assert by_state == {("COMMIT", "DELIVERED"): 31, ("COMMIT", "DELAYED"): 1,
@@ -151,6 +154,7 @@ class Defects:
     """The ids of the messages each defect was injected on."""
 
     settings: Settings
+    topic: str
     undelivered: int = 0
     duplicated: int = 0
     rolled_back_but_delivered: int = 0
@@ -171,7 +175,7 @@ def defects(services: devservices.Services, engine: Engine,
     migrate.upgrade(services.database_url, schema)
     create_topic(services.kafka_bootstrap, topic, partitions=3)
     settings = reconcile_settings(services, schema, tmp_path_factory.mktemp("reconcile"))
-    d = Defects(settings)
+    d = Defects(settings, topic)
     with running_relay(settings):
         d.clean = set(publish_clean_flow(engine, Outbox(settings=settings), topic, 60))
         wait_delivered(engine, schema, 60)
@@ -347,6 +351,36 @@ def test_tables_only_run_finds_what_the_tables_show(
     assert "delivered_more_than_once" not in ids
 
 
+def test_both_kafka_clients_read_the_same_records(
+    spark: SparkSession, defects: Defects
+) -> None:
+    """kafka-python and confluent-kafka, each from offset 0 in pieces of 7 records (so most
+    pieces start mid-partition), stray records without an outbox-id included."""
+    bootstrap = defects.settings.kafka_bootstrap
+    plan = sources.plan_topics(high_watermarks(bootstrap, [defects.topic]), {}, None, True)
+    read = {
+        client: sorted(tuple(r) for r in sources.read_topics(
+            spark, bootstrap, plan, library=client, max_records_per_split=7).collect())
+        for client in TRANSPORTS
+    }
+    assert len(read["kafka-python"]) == 60 + 5
+    assert read["confluent"] == read["kafka-python"]
+
+
+def test_a_run_finds_the_same_with_either_kafka_client(
+    spark: SparkSession, defects: Defects, defect_run: job.Result
+) -> None:
+    found_with = {}
+    for client in TRANSPORTS:
+        settings = defects.settings.model_copy(update={"kafka_client": client})
+        found_with[client] = found(spark, job.run(
+            spark, settings, since=datetime(2000, 1, 1, tzinfo=UTC),
+            until=defect_run.window.until))
+    assert found_with["confluent"] == found_with["kafka-python"]
+    assert found_with["confluent"]["op_record_position_mismatch"] == {defects.misplaced_op}
+    assert found_with["confluent"]["key_order_broken"] == {defects.order_swapped}
+
+
 # --- incremental runs and the command line -----------------------------------------------------
 
 
@@ -365,8 +399,10 @@ def test_next_run_covers_only_what_is_new_since_the_last(
 
     second = job.run(spark, settings, until=datetime.now(UTC))
 
-    assert first.summary["counts"] == {"messages": 12, "op_records": 12, "kafka_records": 12}
-    assert second.summary["counts"] == {"messages": 5, "op_records": 5, "kafka_records": 5}
+    assert first.summary["counts"] == {"messages": 12, "op_records": 12, "kafka_records": 12,
+                                       "carried_in": 0, "carried_out": 0}
+    assert second.summary["counts"] == {"messages": 5, "op_records": 5, "kafka_records": 5,
+                                        "carried_in": 0, "carried_out": 0}
     assert second.window.since == first.window.until
     assert second.outcome is RunOutcome.CLEAN
 
@@ -389,3 +425,27 @@ def test_command_exits_1_over_a_threshold_and_0_when_that_finding_only_reports(
     assert "FAIL  undelivered_after_sla" in failing.output
     assert passing.exit_code == 0, passing.output
     assert "note  undelivered_after_sla" in passing.output
+
+
+def test_the_orphan_check_probes_the_primary_key_rather_than_reading_every_message(
+    engine: Engine, schema: str
+) -> None:
+    """Its cost must follow the window's op records, not the message history: hashing every
+    message id (the planner's choice for a large window) grows with the table."""
+    n = 200_000
+    with engine.begin() as conn:
+        conn.execute(text(
+            f"INSERT INTO {schema}.message (id, topic, key, payload, content_type, shard) "
+            f"SELECT g, 't', NULL, '\\x7b7d'::bytea, 'application/json', 0 "
+            f"FROM generate_series(1, :n) AS g"), {"n": n})
+        conn.execute(text(
+            f"INSERT INTO {schema}.op_record (id, message_id, action, actor) "
+            f"SELECT g, g, 'DELIVERED', 'test' FROM generate_series(1, :n) AS g"), {"n": n})
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(text(f"VACUUM ANALYZE {schema}.message, {schema}.op_record"))
+        window = queries.Window(None, datetime.now(UTC) + timedelta(hours=1))
+        plan = [row[0] for row in conn.execute(text(
+            "EXPLAIN SELECT * FROM " + queries.orphan_op_records(schema, window, (1, n // 8))))]
+
+    on_message = [line for line in plan if " on message " in line]
+    assert on_message and all("using message_pkey" in line for line in on_message), plan

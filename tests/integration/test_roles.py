@@ -15,7 +15,14 @@ from outbox import Outbox
 from outbox.dev import services as devservices
 from outbox.dev.topics import read_topic
 from outbox.settings import Settings, sqlalchemy_url
-from tests.conftest import assert_refused, count_status, running_relay, wait_until
+from tests.conftest import (
+    assert_refused,
+    count_status,
+    publish_orders,
+    ranges,
+    running_relay,
+    wait_until,
+)
 from tests.processes import outbox_env, run_outbox, start_outbox
 
 
@@ -25,7 +32,7 @@ def logins(engine: Engine, settings: Settings, schema: str) -> Iterator[dict[str
     result = run_outbox(settings, "db", "upgrade", "--create-roles")
     assert result.returncode == 0, result.stderr
     assert (f"roles {schema}_app, {schema}_relay, {schema}_sweeper, {schema}_reconcile, "
-            f"{schema}_checker granted" in result.stdout)
+            f"{schema}_checker, {schema}_console granted" in result.stdout)
     urls = {}
     with engine.begin() as conn:
         for kind in ("app", "relay", "sweeper"):
@@ -39,8 +46,9 @@ def logins(engine: Engine, settings: Settings, schema: str) -> Iterator[dict[str
             for role in (f"{schema}_{kind}_login", f"{schema}_{kind}"):
                 conn.execute(text(f"DROP OWNED BY {role}"))
                 conn.execute(text(f"DROP ROLE {role}"))
-        conn.execute(text(f"DROP OWNED BY {schema}_checker"))
-        conn.execute(text(f"DROP ROLE {schema}_checker"))
+        for role in (f"{schema}_checker", f"{schema}_console"):
+            conn.execute(text(f"DROP OWNED BY {role}"))
+            conn.execute(text(f"DROP ROLE {role}"))
 
 
 def test_relay_and_sweeper_work_under_their_roles(
@@ -182,3 +190,25 @@ def test_a_producer_group_bound_to_a_role_is_decided_only_by_its_members(
         resolutions = dict(conn.execute(text(
             f"SELECT id, resolution FROM {schema}.message_state")).all())
     assert resolutions == {bound: "COMMIT", free: "COMMIT"}
+
+
+def test_relay_role_prunes_partitions_without_rights_on_them(
+    engine: Engine, outbox: Outbox, small: Settings, schema: str, topic: str,
+    logins: dict[str, str]
+) -> None:
+    publish_orders(engine, outbox, topic, [(f"k{i}", i) for i in range(12)])
+    as_relay = small.model_copy(update={"database_url": logins["relay"]})
+    with running_relay(as_relay):
+        wait_until(lambda: count_status(engine, schema, "DELIVERED") == 12, 30, "delivered")
+    with engine.begin() as conn:
+        for table in ("message", "op_record"):
+            conn.execute(text(f"UPDATE {schema}.{table} SET created_at = now() - interval '4 d'"))
+
+    result = run_outbox(as_relay, "prune")
+    assert result.returncode == 0, result.stderr
+    assert "dropped 1 partitions older than 72 h" in result.stdout
+    assert ranges(engine, schema)[0] == "message_p11"
+    assert_refused(logins["relay"], [f"SELECT FROM {schema}.message_p11",
+                                     f"DELETE FROM {schema}.message",
+                                     f"DELETE FROM {schema}.op_record"])
+    assert_refused(logins["relay"], [f"DROP TABLE {schema}.message_p11"], match="must be owner")

@@ -101,3 +101,13 @@ def test_relative_links_resolve() -> None:
                 if anchor not in anchors:
                     broken.append(f"{page.name}: {path}#{anchor}")
     assert not broken, f"broken links: {broken}"
+
+
+def test_every_make_target_the_docs_name_exists() -> None:
+    """`make soak` was documented (README, BENCHMARKS.md) with no rule in the Makefile."""
+    root = DOCS.parent
+    rules = set(re.findall(r"^([a-z][\w-]*):", (root / "Makefile").read_text(), re.MULTILINE))
+    pages = [root / "README.md", root / "BENCHMARKS.md", *sorted(DOCS.glob("*.md"))]
+    named = {(page.name, target) for page in pages
+             for target in re.findall(r"`make ([a-z][\w-]*)", page.read_text())}
+    assert named and not {(page, t) for page, t in named if t not in rules}

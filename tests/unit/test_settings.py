@@ -12,6 +12,7 @@ import pytest
 from outbox.exceptions import ConfigurationError
 from outbox.relay.producer import producer_config
 from outbox.settings import (
+    ConsoleSettings,
     DatabaseSettings,
     PublishSettings,
     ReconcileSettings,
@@ -103,7 +104,8 @@ def test_outbox_arguments_override_the_settings_it_is_given() -> None:
 
 # In process: the component classes, their sources and the helpers ----------------------------
 
-COMPONENTS = (PublishSettings, RelaySettings, SweepSettings, ReconcileSettings)
+COMPONENTS = (PublishSettings, RelaySettings, SweepSettings, ReconcileSettings,
+              ConsoleSettings)
 
 
 def test_each_component_takes_only_its_own_settings() -> None:
@@ -190,3 +192,16 @@ def test_database_urls_are_pinned_to_psycopg_3() -> None:
         sqlalchemy_url("mysql://app@db/shop")
     with pytest.raises(ConfigurationError, match="invalid database URL 'not a url'"):
         sqlalchemy_url("not a url")
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "inf", "nan", "1e12", "soon"])
+def test_the_topic_hold_bound_must_be_a_finite_positive_duration(value: str) -> None:
+    os.environ["OUTBOX_TOPIC_HOLD_PARK_AFTER"] = value
+    with pytest.raises(ConfigurationError, match="topic_hold_park_after"):
+        load_settings(RelaySettings)
+
+
+def test_the_topic_hold_bound_is_unset_by_default_and_read_from_the_environment() -> None:
+    assert load_settings(RelaySettings).topic_hold_park_after is None
+    os.environ["OUTBOX_TOPIC_HOLD_PARK_AFTER"] = "90"
+    assert load_settings(RelaySettings).topic_hold_park_after == 90

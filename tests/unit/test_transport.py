@@ -11,7 +11,7 @@ from confluent_kafka import KafkaError
 
 from outbox.exceptions import ConfigurationError
 from outbox.relay.confluent import librdkafka_config, translate
-from outbox.relay.transport import is_permanent, make_transport
+from outbox.relay.transport import Delivery, UnknownOffset, is_permanent, make_transport
 from outbox.settings import Settings
 
 
@@ -86,3 +86,15 @@ def test_choosing_confluent_without_the_package_says_what_to_install(
     message = str(raised.value)
     assert "\n" not in message
     assert "pip install 'transactional-outbox[confluent]'" in message
+
+
+def test_an_acknowledgement_without_an_offset_is_retried_not_recorded() -> None:
+    """Both clients report a DUPLICATE_SEQUENCE_NUMBER answer as success at offset -1; a broker
+    that restarted with its producer state but not its records answers so (seen on Tansu with
+    object storage, tests/integration/test_broker_modes.py's history): recording it would
+    lose the message."""
+    settled: list[Delivery] = []
+    delivery = Delivery(lambda: settled.append(delivery))
+    delivery.landed(1, -1)
+    assert settled == [delivery] and delivery.offset == -1
+    assert isinstance(delivery.error, UnknownOffset) and not is_permanent(delivery.error)

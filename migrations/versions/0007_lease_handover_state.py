@@ -9,8 +9,8 @@ be unrecorded, so a new owner knows when it must read the topic's tail before se
   a tail has been read; a message can only have landed unrecorded after it (and after its
   own commit).
 
-Revision ID: 0006
-Revises: 0005
+Revision ID: 0007
+Revises: 0006
 Create Date: 2026-11-23
 """
 
@@ -19,8 +19,8 @@ from alembic import op
 
 from outbox.migrations import target_schema
 
-revision = "0006"
-down_revision = "0005"
+revision = "0007"
+down_revision = "0006"
 branch_labels = None
 depends_on = None
 

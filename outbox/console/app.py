@@ -1,0 +1,163 @@
+"""The console's web application (Starlette, Jinja templates, served by uvicorn).
+
+GET ``/`` is the page (``?topic=&key=`` filter the held messages); POST ``/resume`` resumes
+messages when the console runs with actions on (``guard`` decides); GET ``/healthz``.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import signal
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from jinja2 import Environment, PackageLoader, select_autoescape
+from sqlalchemy import create_engine
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from outbox import store
+from outbox.console import chart, guard, scrape
+from outbox.console.overview import (
+    HELD_LIMIT,
+    WINDOW_SECONDS,
+    Deliveries,
+    HeldFilter,
+    Trend,
+    read,
+)
+from outbox.migrate import require_current
+from outbox.settings import Settings
+
+log = logging.getLogger("outbox.console")
+#: Most messages one resume form may name.
+MAX_SELECTION = 1000
+SECURITY_HEADERS = {
+    "X-Content-Type-Options": "nosniff",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "same-origin",
+    "Cache-Control": "no-store",
+}
+
+
+class Console:
+    """The page's state: settings, one small engine, the templates and the backlog trend."""
+
+    def __init__(self, settings: Settings, overdue_seconds: float) -> None:
+        self.settings, self.overdue_seconds = settings, overdue_seconds
+        self.engine = create_engine(settings.sqlalchemy_url, pool_size=2, max_overflow=2,
+                                    pool_pre_ping=True)
+        self.templates = Environment(loader=PackageLoader("outbox.console"),
+                                     autoescape=select_autoescape(default=True))
+        self.trend = Trend(settings.console_refresh_seconds)
+        self.deliveries = Deliveries()
+
+    def render(self, request: Request, name: str, status: int = 200,
+               **context: Any) -> HTMLResponse:
+        nonce = secrets.token_urlsafe(16)
+        csrf = request.cookies.get(guard.CSRF_COOKIE) or guard.new_csrf_token()
+        html = self.templates.get_template(name).render(
+            settings=self.settings, actions=self.settings.console_actions, nonce=nonce,
+            csrf=csrf, **context)
+        response = HTMLResponse(html, status_code=status, headers={
+            **SECURITY_HEADERS,
+            "Content-Security-Policy": (
+                f"default-src 'none'; style-src 'unsafe-inline'; script-src 'nonce-{nonce}'; "
+                "img-src 'self' data:; form-action 'self'; frame-ancestors 'none'; "
+                "base-uri 'none'"),
+        })
+        if self.settings.console_actions:
+            response.set_cookie(guard.CSRF_COOKIE, csrf, httponly=True, samesite="strict")
+        return response
+
+    def page(self, request: Request) -> Response:
+        held = HeldFilter(topic=request.query_params.get("topic") or None,
+                          key=request.query_params.get("key") or None)
+        with self.engine.connect() as conn:
+            view = read(conn, self.settings, held, self.overdue_seconds, self.deliveries)
+        view.trend = self.trend.add(sum(view.totals.values()))
+        return self.render(request, "console.html", view=view, held_filter=held, now=_now(),
+                           held_limit=HELD_LIMIT,
+                           endpoints=scrape.scrape_all(self.settings.console_metrics_urls),
+                           charts=chart.charts(view.minutes, view.trend, WINDOW_SECONDS))
+
+    async def resume(self, request: Request) -> Response:
+        raw = await request.form()
+        form = {key: str(raw[key]) for key in ("csrf", "token", "operator") if key in raw}
+        try:
+            operator = guard.operator_of(
+                self.settings, form, request.cookies.get(guard.CSRF_COOKIE),
+                request.headers.get("origin"), request.headers.get("host"))
+            ids = _ids([str(v) for v in raw.getlist("one") or raw.getlist("ids")])
+        except guard.Refused as refused:
+            return self.render(request, "outcome.html", status=refused.status,
+                               refused=refused.reason)
+        with self.engine.connect() as conn, conn.begin():
+            resumed = store.resume(conn, self.settings.schema_name, f"console:{operator}", ids)
+        missing = sorted(set(ids) - {message_id for message_id, _ in resumed})
+        return self.render(request, "outcome.html", resumed=resumed, missing=missing,
+                           operator=operator)
+
+
+    def report(self, request: Request) -> Response:
+        """A reconciliation run's report.txt, when its output folder is visible here."""
+        run_id = int(request.path_params["run_id"])
+        with self.engine.connect() as conn:
+            runs = store.reconcile_runs(conn, self.settings.schema_name, 1, run_id)
+        if not runs:
+            return self.render(request, "outcome.html", status=404,
+                               refused=f"no reconciliation run {run_id}")
+        path = Path(runs[0]["output_path"], "report.txt")
+        try:
+            text: str | None = path.read_text(errors="replace")
+        except OSError:
+            text = None
+        return self.render(request, "report.html", run=runs[0], path=path, report=text)
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _ids(values: list[str]) -> list[int]:
+    if not values:
+        raise guard.Refused(400, "refused: select at least one message")
+    if len(values) > MAX_SELECTION or not all(v.isdigit() and 0 < len(v) < 19 for v in values):
+        raise guard.Refused(400, f"refused: message ids are numbers (at most {MAX_SELECTION})")
+    return sorted({int(v) for v in values})
+
+
+def create_app(settings: Settings, overdue_seconds: float) -> Starlette:
+    """The console for ``settings``; refuses at once a schema that is not migrated."""
+    console = Console(settings, overdue_seconds)
+    with console.engine.connect() as conn:
+        require_current(conn, settings.schema_name)
+        role = store.console_overreach(conn, settings.schema_name)
+    if role is not None:
+        log.warning("the console runs as %s, which may delete the outbox's rows: run it as a "
+                    "member of %s_console (`outbox db upgrade --create-roles`)", role,
+                    settings.schema_name)
+    routes = [
+        Route("/", console.page, methods=["GET"]),
+        Route("/resume", console.resume, methods=["POST"]),
+        Route("/runs/{run_id:int}/report", console.report, methods=["GET"]),
+        Route("/healthz", lambda _request: PlainTextResponse("ok"), methods=["GET"]),
+    ]
+    return Starlette(routes=routes)
+
+
+def serve(settings: Settings, overdue_seconds: float) -> None:
+    """Serve the console until SIGTERM or Ctrl-C."""
+    import uvicorn
+
+    # uvicorn raises the signal that stopped it again once it has shut down, into the
+    # handlers it found: a stop asked for is then a clean exit (status 0), as for the relay.
+    for stop in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(stop, lambda _sig, _frame: None)
+    uvicorn.run(create_app(settings, overdue_seconds), host=settings.console_host,
+                port=settings.console_port, log_level=settings.log_level.lower(),
+                server_header=False)

@@ -1,0 +1,132 @@
+"""Topics Kafka has no metadata for are held on their own (issue 12 §1).
+
+A producer sending to a topic the cluster does not know (a typo, or a topic not created yet
+where auto-creation is off, the production norm) blocks or retries until it gives up, and the
+relay would take that for a broker outage and stall every topic. So before a batch goes out,
+each topic the relay has not seen yet is looked up once (:meth:`Transport.available`; no
+answer at all is a broker outage, which ends the pass as any other). A topic the broker says
+it does not know is *held*: its rows stay pending, the fetch skips them (so its keys
+keep their order and nothing later overtakes), it is logged once, the ``outbox_topic_held``
+gauge says so and `outbox status` shows it, while every other topic keeps flowing. Kafka is
+asked again with back-off; when the topic appears its messages go out, and with
+``OUTBOX_TOPIC_HOLD_PARK_AFTER`` they are parked once held that long instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Collection
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from sqlalchemy import Connection
+
+from outbox import store
+from outbox.relay import metrics
+from outbox.relay.transport import Transport
+from outbox.settings import RelaySettings
+
+log = logging.getLogger("outbox.relay")
+#: How long one look-up waits for the broker's metadata.
+PROBE_SECONDS = 1.0
+#: Back-off between look-ups of a held topic: from the first to the last, doubling.
+FIRST_RETRY_SECONDS = 1.0
+LAST_RETRY_SECONDS = 30.0
+
+
+@dataclass
+class Hold:
+    since: float  #: monotonic time the topic was first found missing
+    reason: str  #: noted on its waiting rows (``held: ...``)
+    retry_in: float = FIRST_RETRY_SECONDS
+    retry_at: float = 0.0
+    parked: int = 0
+
+
+class TopicHolds:
+    """The relay's held topics; used by its main loop only (no locking)."""
+
+    def __init__(self, settings: RelaySettings, transport: Transport) -> None:
+        self._schema = settings.schema_name
+        self._actor = settings.worker_id
+        self._park_after = settings.topic_hold_park_after
+        self._transport = transport
+        self._known: set[str] = set()
+        self._held: dict[str, Hold] = {}
+
+    @property
+    def topics(self) -> list[str]:
+        """The held topics, which the fetch skips."""
+        return list(self._held)
+
+    def admit(self, conn: Connection, shards: Collection[int],
+              batch: list[store.Deliverable]) -> list[store.Deliverable]:
+        """``batch`` without the rows of topics Kafka does not know (they are held now)."""
+        new = {row.topic for row in batch} - self._known
+        if not new:
+            return batch
+        found = self._transport.available(new, PROBE_SECONDS)
+        self._known |= found
+        for topic in new - found:
+            self._hold(conn, shards, topic)
+        return [row for row in batch if row.topic not in self._held]
+
+    def revisit(self, conn: Connection, shards: Collection[int]) -> None:
+        """Ask Kafka again about the held topics whose back-off has passed: release those
+        that appeared, note the newcomers of the others, and park them once held too long."""
+        now = time.monotonic()
+        due = [topic for topic, hold in self._held.items() if hold.retry_at <= now]
+        if not due:
+            return
+        found = self._transport.available(due, PROBE_SECONDS)
+        for topic in due:
+            hold = self._held[topic]
+            if topic in found:
+                self._release(topic, hold)
+                continue
+            hold.retry_in = min(hold.retry_in * 2, LAST_RETRY_SECONDS)
+            hold.retry_at = time.monotonic() + hold.retry_in
+            held_for = time.monotonic() - hold.since
+            if self._park_after is not None and held_for >= self._park_after:
+                self._park(conn, shards, topic, hold, held_for)
+            else:
+                self._mark(conn, shards, topic, hold)
+
+    def _hold(self, conn: Connection, shards: Collection[int], topic: str) -> None:
+        started = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+        hold = Hold(since=time.monotonic(), reason=(
+            f"held: Kafka has no metadata for topic {topic} (not created, or auto-creation "
+            f"off) since {started}"))
+        hold.retry_at = hold.since + hold.retry_in
+        self._held[topic] = hold
+        self._mark(conn, shards, topic, hold)
+        metrics.TOPIC_HELD.labels(topic).set(1)
+        bound = (f"parked after {self._park_after:g}s (OUTBOX_TOPIC_HOLD_PARK_AFTER)"
+                 if self._park_after is not None else "held until it appears")
+        log.warning("topic %s: Kafka has no metadata for it (does it exist?); holding its "
+                    "messages, other topics keep flowing; %s", topic, bound)
+
+    def _mark(self, conn: Connection, shards: Collection[int], topic: str, hold: Hold) -> None:
+        with conn.begin():
+            store.mark_held(conn, self._schema, topic, shards, hold.reason)
+
+    def _release(self, topic: str, hold: Hold) -> None:
+        del self._held[topic]
+        self._known.add(topic)
+        metrics.TOPIC_HELD.labels(topic).set(0)
+        log.warning("topic %s appeared after %.1fs: delivering its held messages", topic,
+                    time.monotonic() - hold.since)
+
+    def _park(self, conn: Connection, shards: Collection[int], topic: str, hold: Hold,
+              held_for: float) -> None:
+        reason = (f"topic {topic} unknown to Kafka for {held_for:.0f}s "
+                  f"(OUTBOX_TOPIC_HOLD_PARK_AFTER={self._park_after:g}): create the topic, "
+                  "then `outbox resume --all`")
+        with conn.begin():
+            parked = store.park_topic(conn, self._schema, self._actor, topic, shards, reason)
+        if parked:
+            metrics.PARKED.labels(topic).inc(parked)
+            if not hold.parked:
+                log.error("%d messages parked: %s", parked, reason)
+            hold.parked += parked

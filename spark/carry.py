@@ -1,0 +1,85 @@
+"""What a run hands to the next, so nothing escapes because its window passed.
+
+Each run writes two Parquet datasets under its output folder, and the next run reads those
+of the run that set the watermark (queries.watermark):
+
+* ``carry/open``: the ids of the messages it judged that were still open (a pending row:
+  PENDING, DELAYED, PARKED or DISCARDED, whatever the resolution). The next run reads them
+  again beside its own window and judges them by the SLA at its own time, until they are
+  delivered or rolled back; so a late delivery is still checked, and a message never
+  delivered is reported by every run until it is.
+* ``carry/keys``: per topic and key, the last message placed in Kafka (its id, its op record's
+  position and, when the topics were read, its first copy's). The next run's per-key order
+  check starts from it, so a reorder spanning two windows is found. Keys of earlier runs are
+  kept until a later message of the key replaces them.
+
+A run whose predecessor left no carry (a run before this existed, or an output folder
+removed) logs a warning and carries nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+
+from outbox.schema import Status
+
+log = logging.getLogger("outbox.reconcile")
+OPEN = "carry/open"
+KEYS = "carry/keys"
+OPEN_SCHEMA = "id long"
+KEYS_SCHEMA = "topic string, key binary, id long, op_at long, copy_at long"
+#: A message with one of these has reached its end; any other status is still open.
+SETTLED = (Status.DELIVERED.value, Status.ROLLED_BACK.value)
+
+
+@dataclass(frozen=True)
+class Carry:
+    """What the previous run handed over; ``keys`` is None when it handed nothing."""
+
+    open_ids: list[int]
+    keys: DataFrame | None
+
+
+def read(spark: SparkSession, previous_output: str | None) -> Carry:
+    """The carry of the run whose output is ``previous_output`` (None: the first run)."""
+    if previous_output is None:
+        return Carry([], None)
+    base = Path(previous_output)
+    if not (base / OPEN).is_dir() or not (base / KEYS).is_dir():
+        log.warning("the last run left nothing to carry over at %s: messages it left open "
+                    "are not judged again, and per-key order starts afresh", base)
+        return Carry([], None)
+    ids = [r.id for r in spark.read.schema(OPEN_SCHEMA).parquet(str(base / OPEN)).collect()]
+    return Carry(sorted(ids), spark.read.schema(KEYS_SCHEMA).parquet(str(base / KEYS)))
+
+
+def still_open(facts: DataFrame) -> DataFrame:
+    """The judged messages that have not reached their end: the next run judges them again.
+
+    UNACCOUNTED rows (state deleted by something else) never change again: not carried.
+    """
+    return facts.where(~F.col("status").isin(*SETTLED, "UNACCOUNTED")).select("id")
+
+
+def last_by_key(facts: DataFrame, anchors: DataFrame | None) -> DataFrame:
+    """Per (topic, key), the placed message with the highest id, of this run or earlier."""
+    placed = facts.where(
+        F.col("key").isNotNull() & (F.col("op_at").isNotNull() | F.col("copy_at").isNotNull())
+    ).select("topic", "key", "id", "op_at", "copy_at")
+    every = placed if anchors is None else placed.unionByName(anchors)
+    return every.groupBy("topic", "key").agg(
+        F.max_by(F.struct("id", "op_at", "copy_at"), "id").alias("last")
+    ).select("topic", "key", "last.id", "last.op_at", "last.copy_at")
+
+
+def write(spark: SparkSession, output: Path, facts: DataFrame, anchors: DataFrame | None
+          ) -> int:
+    """Write this run's carry; returns how many messages it carries over."""
+    still_open(facts).coalesce(1).write.mode("error").parquet(str(output / OPEN))
+    last_by_key(facts, anchors).write.mode("error").parquet(str(output / KEYS))
+    return spark.read.schema(OPEN_SCHEMA).parquet(str(output / OPEN)).count()

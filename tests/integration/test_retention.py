@@ -1,0 +1,121 @@
+"""Retention drops whole partitions of history; unfinished messages and publishes survive it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from sqlalchemy import Engine, text
+
+from outbox import Outbox
+from outbox.dev import services as devservices
+from outbox.dev.topics import read_topic
+from outbox.settings import Settings
+from tests.conftest import (
+    count_status,
+    publish_orders,
+    ranges,
+    running_relay,
+    wait_delivered,
+    wait_until,
+)
+from tests.processes import run_outbox
+
+
+def located(engine: Engine, schema: str, table: str, column: str = "id") -> dict[int, str]:
+    """Each row's id (or message id) and the partition holding it."""
+    with engine.connect() as conn:
+        return {row[0]: row[1] for row in conn.execute(text(
+            f"SELECT o.{column}, c.relname FROM {schema}.{table} AS o "
+            f"JOIN pg_class AS c ON c.oid = o.tableoid"))}
+
+
+def age(engine: Engine, schema: str, hours: int = 100) -> None:
+    with engine.begin() as conn:
+        for table in ("message", "op_record"):
+            conn.execute(text(f"UPDATE {schema}.{table} "
+                              f"SET created_at = now() - make_interval(hours => {hours})"))
+
+
+def exists(engine: Engine, schema: str, tables: Iterable[str]) -> dict[str, bool]:
+    with engine.connect() as conn:
+        return {table: conn.execute(text("SELECT to_regclass(:name) IS NOT NULL"),
+                                    {"name": f"{schema}.{table}"}).scalar_one()
+                for table in tables}
+
+
+def deliver(engine: Engine, outbox: Outbox, settings: Settings, topic: str, n: int) -> None:
+    """``n`` keyed messages published and delivered by a relay."""
+    publish_orders(engine, outbox, topic, [(f"k{i}", i) for i in range(n)])
+    with running_relay(settings):
+        wait_delivered(engine, settings.schema_name, n)
+
+
+def prune(settings: Settings) -> str:
+    """One `outbox prune` pass with the default window (72 h); its summary line."""
+    result = run_outbox(settings, "prune")
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_retention_drops_expired_partitions_and_keeps_unfinished_messages(
+    engine: Engine, outbox: Outbox, small: Settings, schema: str, topic: str
+) -> None:
+    deliver(engine, outbox, small, topic, 29)
+    parked, pending = publish_orders(engine, outbox, topic, [("q", 0), ("p", 1)])
+    with engine.begin() as conn:
+        conn.execute(text(f"UPDATE {schema}.pending SET status = 'PARKED' "
+                          f"WHERE message_id = :id"), {"id": parked})
+        conn.execute(text(f"INSERT INTO {schema}.op_record (message_id, action, actor, detail) "
+                          f"VALUES (:id, 'PARKED', 'relay', 'rejected')"), {"id": parked})
+    age(engine, schema)
+
+    assert ("dropped 3 partitions older than 72 h (kept 1 unfinished messages); "
+            "pruned 0 messages and 0 op records of the default partition") in prune(small)
+    dropped = [f"{table}_p{low}" for table in ("message", "op_record") for low in (1, 11, 21)]
+    assert exists(engine, schema, dropped) == dict.fromkeys(dropped, False)
+    assert located(engine, schema, "message") == {parked: "message_default",
+                                                  pending: "message_p31"}
+    assert located(engine, schema, "op_record", "message_id") == {parked: "op_record_default"}
+    assert count_status(engine, schema, "PARKED") == 1 and count_status(
+        engine, schema, "DELIVERED") == 0
+
+    resumed = run_outbox(small, "resume", str(parked))
+    assert resumed.returncode == 0, resumed.stderr
+    with running_relay(small.model_copy(update={"retention_hours": 1000})):  # it prunes too
+        wait_delivered(engine, schema, 2)
+    age(engine, schema)
+    assert "pruned 1 messages and 3 op records of the default partition" in prune(small)
+    assert located(engine, schema, "message") == {pending: "message_p31"}
+
+
+def test_retention_keeps_partitions_holding_rows_inside_the_window(
+    engine: Engine, outbox: Outbox, small: Settings, schema: str, topic: str
+) -> None:
+    deliver(engine, outbox, small, topic, 25)
+    age(engine, schema)
+    with engine.begin() as conn:  # one young row in the second range
+        conn.execute(text(f"UPDATE {schema}.message SET created_at = now() WHERE id = 15"))
+
+    assert "dropped 1 partitions" in prune(small)  # ids 1-10 (the relay dropped the empty p0)
+    assert sorted(located(engine, schema, "message")) == list(range(11, 26))
+
+
+def test_publish_beyond_every_partition_lands_in_the_default_partition_and_is_delivered(
+    services: devservices.Services, engine: Engine, outbox: Outbox, small: Settings,
+    schema: str, topic: str
+) -> None:
+    first = publish_orders(engine, outbox, topic, [(f"k{i % 3}", i) for i in range(35)])
+    assert {located(engine, schema, "message")[i] for i in first[30:]} == {"message_default"}
+
+    with running_relay(small):  # its retention pass makes ranges clear of the default's rows
+        wait_until(lambda: "message_p46" in ranges(engine, schema), what="ranges ahead")
+        wait_delivered(engine, schema, 35)
+        later = publish_orders(engine, outbox, topic, [(f"k{i % 3}", i) for i in range(20)])
+        wait_delivered(engine, schema, 55)
+    where = located(engine, schema, "message")
+    assert [where[i] for i in later] == ["message_default"] * 10 + ["message_p46"] * 10
+    records = read_topic(services.kafka_bootstrap, topic)
+    assert sorted(r.message_id for r in records) == first + later
+    for key in ("k0", "k1", "k2"):
+        ids = [r.message_id for r in records if r.key == key.encode()]
+        assert ids == sorted(ids), f"key {key} delivered in order"

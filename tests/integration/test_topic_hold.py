@@ -1,0 +1,194 @@
+"""A topic Kafka does not know is held on its own (issue 12 §1): the proxy of
+tests/kafka_proxy.py answers Metadata for it with UNKNOWN_TOPIC_OR_PARTITION, as Apache Kafka
+with auto-creation off does, while every other topic keeps flowing."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+
+import pytest
+from prometheus_client import REGISTRY
+from sqlalchemy import Engine, text
+
+from outbox import Outbox
+from outbox.dev import services as devservices
+from outbox.dev.topics import create_topic, read_topic
+from outbox.settings import Settings
+from tests.conftest import (
+    both_transports,
+    count_status,
+    publish_orders,
+    running_relay,
+    wait_delivered,
+    wait_until,
+)
+from tests.kafka_proxy import KafkaProxy
+from tests.processes import run_outbox, start_outbox
+
+pytestmark = both_transports
+
+#: Messages with three keys for the missing topic, and more for the good one.
+HELD = [(f"k{i % 3}", i) for i in range(30)]
+GOOD = [(f"g{i % 7}", i) for i in range(300)]
+
+
+@pytest.fixture
+def missing() -> str:
+    return f"missing-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def proxy(services: devservices.Services, missing: str) -> Iterator[KafkaProxy]:
+    proxy = KafkaProxy(services.kafka_port, held={missing})
+    yield proxy
+    proxy.close()
+
+
+@pytest.fixture
+def held_settings(settings: Settings, proxy: KafkaProxy) -> Settings:
+    """The relay talks to the broker through the proxy."""
+    return settings.model_copy(update={"kafka_bootstrap": proxy.bootstrap})
+
+
+def ids_per_record(services: devservices.Services, topic: str) -> Counter[int]:
+    records = read_topic(services.kafka_bootstrap, topic)
+    return Counter(r.message_id for r in records if r.message_id is not None)
+
+
+def count_topic(engine: Engine, schema: str, topic: str, status: str) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(text(
+            f"SELECT count(*) FROM {schema}.message_state WHERE topic = :t AND status = :s"),
+            {"t": topic, "s": status}).scalar_one())
+
+
+def held_gauge(topic: str) -> float | None:
+    return REGISTRY.get_sample_value("outbox_topic_held", {"topic": topic})
+
+
+def test_a_missing_topic_is_held_while_other_topics_flow_then_delivered_in_key_order(
+    engine: Engine, outbox: Outbox, schema: str, topic: str, missing: str, proxy: KafkaProxy,
+    held_settings: Settings, services: devservices.Services, caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="outbox.relay")
+    held_ids = publish_orders(engine, outbox, missing, HELD)
+    good_ids = publish_orders(engine, outbox, topic, GOOD[:100])
+    with running_relay(held_settings):
+        wait_until(lambda: count_topic(engine, schema, topic, "DELIVERED") == 100, 20,
+                   "the good topic's first messages")
+        good_ids += publish_orders(engine, outbox, topic, GOOD[100:])
+        wait_until(lambda: count_topic(engine, schema, topic, "DELIVERED") == 300, 20,
+                   "the good topic's later messages, while the other topic is held")
+        assert count_topic(engine, schema, missing, "PENDING") == len(HELD)
+        assert held_gauge(missing) == 1
+        shown = run_outbox(held_settings, "status")
+        assert shown.returncode == 0, shown.stderr
+        assert f"topic {missing} held: {len(HELD)} messages" in shown.stdout
+        proxy.release(missing)
+        wait_delivered(engine, schema, len(HELD) + len(GOOD), timeout=60)
+        assert held_gauge(missing) == 0
+    assert ids_per_record(services, topic) == Counter(good_ids), "each good message once"
+    records = read_topic(services.kafka_bootstrap, missing)
+    assert sorted(r.message_id for r in records) == held_ids
+    by_key: dict[bytes | None, list[int]] = {}
+    for record in records:
+        assert record.message_id is not None
+        by_key.setdefault(record.key, []).append(record.message_id)
+    assert all(ids == sorted(ids) for ids in by_key.values()), "held messages keep key order"
+    lines = [r.getMessage() for r in caplog.records if missing in r.getMessage()]
+    assert len([line for line in lines if "holding" in line]) == 1, lines
+
+
+def test_a_held_topic_is_parked_after_the_bound_with_its_reason(
+    engine: Engine, outbox: Outbox, schema: str, topic: str, missing: str,
+    held_settings: Settings,
+) -> None:
+    bounded = held_settings.model_copy(update={"topic_hold_park_after": 2.0})
+    publish_orders(engine, outbox, missing, HELD[:10])
+    good_ids = publish_orders(engine, outbox, topic, GOOD[:50])
+    with running_relay(bounded):
+        wait_until(lambda: count_topic(engine, schema, missing, "PARKED") == 10, 30,
+                   "the held messages to be parked")
+        wait_until(lambda: count_topic(engine, schema, topic, "DELIVERED") == len(good_ids),
+                   20, "the good topic's messages")
+    with engine.connect() as conn:
+        errors = set(conn.execute(text(
+            f"SELECT last_error FROM {schema}.pending WHERE topic = :t"), {"t": missing}
+        ).scalars())
+    assert len(errors) == 1
+    (error,) = errors
+    assert missing in error and "OUTBOX_TOPIC_HOLD_PARK_AFTER" in error, error
+
+
+def test_sigterm_during_a_hold_stops_the_relay_within_seconds(
+    engine: Engine, outbox: Outbox, schema: str, topic: str, missing: str,
+    held_settings: Settings,
+) -> None:
+    """With the producers' own time limits (60 s blocks, 120 s retries)."""
+    publish_orders(engine, outbox, missing, HELD[:5])
+    good_ids = publish_orders(engine, outbox, topic, GOOD[:20])
+    relay = start_outbox(held_settings, "relay")
+    try:
+        wait_until(lambda: count_topic(engine, schema, topic, "DELIVERED") == len(good_ids),
+                   30, "the good topic's messages")
+        relay.send_signal(signal.SIGTERM)
+        try:
+            output, _ = relay.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the relay did not stop within 15 s of SIGTERM during a hold")
+    finally:
+        if relay.poll() is None:
+            relay.kill()
+            relay.wait()
+    assert relay.returncode == 0, output
+    assert "Traceback" not in output
+    assert count_status(engine, schema, "PENDING") == 5
+
+
+def test_acks_that_arrived_are_recorded_before_a_failed_pass_sends_again(
+    engine: Engine, outbox: Outbox, schema: str, topic: str, proxy: KafkaProxy,
+    held_settings: Settings, services: devservices.Services, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The first batch holds a record the broker keeps refusing (retriable) until the
+    producer's delivery timeout ends the pass; the three batches sent after it were acked
+    meanwhile, and a new pass must not send them again."""
+    refused = f"refused-{uuid.uuid4().hex[:8]}"
+    create_topic(services.kafka_bootstrap, refused, partitions=1)
+    proxy.refuse(refused)
+    publish_orders(engine, outbox, refused, [("r", 0)])
+    good_ids = publish_orders(engine, outbox, topic, GOOD[:79])  # 4 batches of 20 with it
+    failing = held_settings.model_copy(update={"relay_batch_size": 20,
+                                               "kafka_delivery_timeout_ms": 35_000})
+    with running_relay(failing) as relay:
+        wait_until(lambda: "BrokerTrouble" in caplog.text, 60,
+                   "the refused record to end a pass")
+        wait_until(lambda: count_topic(engine, schema, topic, "DELIVERED") == len(good_ids), 30,
+                   "the good topic's messages")
+        relay.stop(abandon=True)  # the refused record stays pending
+    assert count_topic(engine, schema, refused, "PENDING") == 1
+    assert ids_per_record(services, topic) == Counter(good_ids), "each good message once"
+
+
+def test_a_topic_first_seen_while_the_broker_is_away_is_not_held(
+    engine: Engine, outbox: Outbox, schema: str, topic: str, proxy: KafkaProxy,
+    held_settings: Settings, services: devservices.Services, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """No answer at all is an outage (the pass ends and is retried), not a missing topic."""
+    caplog.set_level(logging.INFO, logger="outbox.relay")
+    later = f"later-{uuid.uuid4().hex[:8]}"
+    with running_relay(held_settings):
+        publish_orders(engine, outbox, topic, GOOD[:10])
+        wait_delivered(engine, schema, 10)
+        proxy.cut()
+        create_topic(services.kafka_bootstrap, later, partitions=1)  # unknown to the relay
+        publish_orders(engine, outbox, later, HELD[:10])
+        wait_until(lambda: "paused" in caplog.text, 30, "the outage to be logged")
+        proxy.restore()
+        wait_delivered(engine, schema, 20, timeout=60)
+    assert "holding" not in caplog.text
+    assert held_gauge(later) is None

@@ -1,0 +1,213 @@
+"""A Kafka-protocol-aware loopback proxy that makes chosen topics missing, for real.
+
+Tansu creates a topic whenever a client asks for its metadata (it ignores Metadata's
+``allow_auto_topic_creation=false``), so a missing topic (Apache Kafka with
+``auto.create.topics.enable=false``, the production norm) cannot be had from it directly.
+This proxy forwards every request and response unchanged except:
+
+* Metadata (api key 3): held topics are taken out of the request (the broker never hears of
+  them, so it does not create them) and put back into the response with
+  UNKNOWN_TOPIC_OR_PARTITION, exactly what Apache Kafka answers; the brokers listed are
+  rewritten to the proxy, so clients keep talking through it. :meth:`KafkaProxy.release`
+  makes a held topic appear (the broker then creates it on demand).
+* Produce (api key 0): records of a *refused* topic are not forwarded but answered with
+  NOT_ENOUGH_REPLICAS, a retriable error, so the producer retries them until its delivery
+  timeout while the other topics' records of the same request land.
+
+Frames are decoded with kafka-python's protocol classes, which know every version, flexible
+ones included, so kafka-python and librdkafka both work through it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import struct
+import threading
+import uuid
+from typing import Any
+
+from kafka.protocol.metadata import MetadataRequest, MetadataResponse
+from kafka.protocol.producer import ProduceRequest, ProduceResponse
+
+from outbox.dev.services import free_port
+
+PRODUCE = 0
+METADATA = 3
+UNKNOWN_TOPIC_OR_PARTITION = 3
+NOT_ENOUGH_REPLICAS = 19
+#: correlation id -> (api key, api version, topics hidden from the broker: for Metadata
+#: their names, for Produce their partitions)
+Asked = dict[int, tuple[int, int, dict[str, list[int]]]]
+
+
+class KafkaProxy:
+    def __init__(self, target_port: int, held: set[str] | None = None) -> None:
+        self.target_port = target_port
+        self.port = free_port()
+        self._held = set(held or ())
+        self._refused: set[str] = set()
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._open = threading.Event()
+        self._open.set()
+        self._sockets: list[socket.socket] = []
+        self._listener = socket.create_server(("127.0.0.1", self.port))
+        self._listener.settimeout(0.1)
+        threading.Thread(target=self._accept, daemon=True, name="kafka-proxy").start()
+
+    @property
+    def bootstrap(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def release(self, topic: str) -> None:
+        """The topic exists from now on (the broker creates it when asked for it)."""
+        with self._lock:
+            self._held.discard(topic)
+
+    def refuse(self, topic: str) -> None:
+        """Answer the topic's produce requests with a retriable error from now on."""
+        with self._lock:
+            self._refused.add(topic)
+
+    def held(self) -> frozenset[str]:
+        with self._lock:
+            return frozenset(self._held)
+
+    def cut(self) -> None:
+        """Drop every connection and refuse new ones until :meth:`restore`."""
+        self._open.clear()
+        with self._lock:
+            sockets, self._sockets = self._sockets, []
+        for sock in sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # wakes the pump blocked in recv()
+            sock.close()
+
+    def restore(self) -> None:
+        self._open.set()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._listener.close()
+        self.cut()
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                client, _ = self._listener.accept()
+                if not self._open.is_set():
+                    client.close()
+                    continue
+                upstream = socket.create_connection(("127.0.0.1", self.target_port), 2)
+            except (TimeoutError, OSError):
+                continue
+            client.settimeout(None)
+            upstream.settimeout(None)
+            with self._lock:
+                self._sockets += [client, upstream]
+            asked: Asked = {}
+            to_client = threading.Lock()  # the proxy's own answers and the broker's
+            threading.Thread(target=self._pump, args=(client, upstream, self._request, asked,
+                                                      to_client), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, self._response, asked,
+                                                      to_client), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket, rewrite: Any, asked: Asked,
+              to_client: threading.Lock) -> None:
+        client = source if rewrite == self._request else sink
+        try:
+            while True:
+                size = struct.unpack(">i", _read(source, 4))[0]
+                forward, answer = rewrite(_read(source, size), asked)
+                if forward:
+                    if sink is client:
+                        with to_client:
+                            sink.sendall(forward)
+                    else:
+                        sink.sendall(forward)
+                if answer:
+                    with to_client:
+                        client.sendall(answer)
+        except (OSError, ConnectionError, struct.error):
+            for sock in (source, sink):
+                with contextlib.suppress(OSError):
+                    sock.close()
+
+    def _request(self, body: bytes, asked: Asked) -> tuple[bytes | None, bytes | None]:
+        """What to forward to the broker, and what to answer the client at once."""
+        api_key, version, correlation_id = struct.unpack(">hhi", body[:8])
+        hidden: dict[str, list[int]] = {}
+        if api_key == METADATA:
+            request = MetadataRequest.decode(body, version=version, header=True)
+            if request.topics:
+                hidden = {t.name: [] for t in request.topics if t.name in self.held()}
+                if hidden:
+                    request.topics = [t for t in request.topics if t.name not in hidden]
+                    body = bytes(request.encode(header=True))
+        elif api_key == PRODUCE:
+            with self._lock:
+                refused = set(self._refused)
+            produce = ProduceRequest.decode(body, version=version, header=True)
+            hidden = {t.name: [p.index for p in t.partition_data]
+                      for t in produce.topic_data if t.name in refused}
+            if hidden:
+                produce.topic_data = [t for t in produce.topic_data if t.name not in hidden]
+                if not produce.topic_data:
+                    return None, _refusal(version, correlation_id, hidden)
+                body = bytes(produce.encode(header=True))
+        asked[correlation_id] = (api_key, version, hidden)
+        return _framed(body), None
+
+    def _response(self, body: bytes, asked: Asked) -> tuple[bytes, None]:
+        correlation_id = struct.unpack(">i", body[:4])[0]
+        api_key, version, hidden = asked.pop(correlation_id, (-1, -1, {}))
+        if api_key == PRODUCE and hidden:
+            produced = ProduceResponse.decode(body, version=version, header=True)
+            produced.responses += _refused_topics(version, hidden)
+            return bytes(produced.encode(header=True, framed=True)), None
+        if api_key != METADATA:
+            return _framed(body), None
+        held = frozenset(hidden)
+        response = MetadataResponse.decode(body, version=version, header=True)
+        for broker in response.brokers:
+            broker.host, broker.port = "127.0.0.1", self.port
+        hidden = held | self.held()  # an all-topics request must not list a held topic
+        response.topics = [t for t in response.topics if t.name not in hidden] + [
+            MetadataResponse.MetadataResponseTopic(
+                error_code=UNKNOWN_TOPIC_OR_PARTITION, name=name, topic_id=uuid.UUID(int=0),
+                is_internal=False, partitions=[], version=version)
+            for name in sorted(held)]
+        return bytes(response.encode(header=True, framed=True)), None
+
+
+def _refused_topics(version: int, refused: dict[str, list[int]]) -> list[Any]:
+    topic, partition = (ProduceResponse.TopicProduceResponse,
+                        ProduceResponse.TopicProduceResponse.PartitionProduceResponse)
+    return [topic(name=name, topic_id=uuid.UUID(int=0), version=version, partition_responses=[
+        partition(index=index, error_code=NOT_ENOUGH_REPLICAS, base_offset=-1,
+                  log_append_time_ms=-1, log_start_offset=-1, record_errors=[],
+                  error_message=None, version=version) for index in indexes])
+        for name, indexes in refused.items()]
+
+
+def _refusal(version: int, correlation_id: int, refused: dict[str, list[int]]) -> bytes:
+    """A produce response of our own, for a request that named refused topics only."""
+    response = ProduceResponse(responses=_refused_topics(version, refused),
+                               throttle_time_ms=0, version=version)
+    response.with_header(correlation_id=correlation_id)
+    return bytes(response.encode(header=True, framed=True))
+
+
+def _read(sock: socket.socket, size: int) -> bytes:
+    chunks = bytearray()
+    while len(chunks) < size:
+        chunk = sock.recv(size - len(chunks))
+        if not chunk:
+            raise ConnectionError("closed")
+        chunks += chunk
+    return bytes(chunks)
+
+
+def _framed(body: bytes) -> bytes:
+    return struct.pack(">i", len(body)) + body
