@@ -11,6 +11,7 @@ from enum import StrEnum
 from sqlalchemy import (
     ARRAY,
     BigInteger,
+    Boolean,
     CheckConstraint,
     Column,
     DateTime,
@@ -24,6 +25,7 @@ from sqlalchemy import (
     Text,
     func,
     text,
+    true,
 )
 
 DEFAULT_SCHEMA = "outbox"
@@ -178,13 +180,18 @@ producer_group_role = Table(
     Column("role", Text, nullable=False),
 )
 
-#: One row per virtual shard: which relay delivers that shard's messages, and until when.
+#: One row per virtual shard: which relay delivers that shard's messages, and until when;
+#: whether its last owner handed it back with every send recorded (``clean``), and since when
+#: its sends may be unrecorded (``settled_at``): what a new owner needs to skip or bound the
+#: tail read of relay/recovery.py.
 relay_lease = Table(
     "relay_lease",
     metadata,
     Column("shard", SmallInteger, primary_key=True, autoincrement=False),
     Column("owner", Text),
     Column("expires_at", DateTime(timezone=True)),
+    Column("clean", Boolean, nullable=False, server_default=true()),
+    Column("settled_at", DateTime(timezone=True)),
 )
 
 #: Live relays announce themselves here so each can take a fair share of the shards.

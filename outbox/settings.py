@@ -356,6 +356,11 @@ class RelaySettings(DatabaseSettings, KafkaSettings):
     relay_max_attempts: int = Field(
         default=5, gt=0, description="permanent rejections before a message is parked"
     )
+    relay_tail_max_records: int = Field(
+        default=1_000_000, gt=0,
+        description="records read at most from partition tails before delivering shards a "
+        "dead relay held (beyond it: send anyway, duplicates possible)"
+    )
     topic_hold_park_after: float | None = Field(
         default=None, gt=0, le=3650 * 86400,
         description="seconds a topic Kafka does not know is held before its messages are "

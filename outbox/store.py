@@ -256,25 +256,59 @@ def renew_leases(conn: Connection, schema: str, worker_id: str, lease_seconds: f
 
 def claim_leases(
     conn: Connection, schema: str, worker_id: str, lease_seconds: float, wanted: int
-) -> set[int]:
+) -> dict[int, bool]:
+    """Take up to ``wanted`` free or expired shards; returns whether each was handed back
+    clean (False: its last owner died, and sends of it may be unrecorded)."""
     rows = conn.execute(
         query("claim_leases", schema),
         {"worker_id": worker_id, "lease_seconds": lease_seconds, "wanted": wanted},
     )
-    return {row.shard for row in rows}
+    return {row.shard: row.was_clean for row in rows}
 
 
-def release_leases(conn: Connection, schema: str, worker_id: str, shards: Sequence[int]) -> None:
+def settle_leases(conn: Connection, schema: str, worker_id: str, shards: Sequence[int]) -> None:
+    conn.execute(query("settle_leases", schema), {"worker_id": worker_id, "shards": list(shards)})
+
+
+def release_leases(conn: Connection, schema: str, worker_id: str, shards: Sequence[int],
+                   unsettled: Sequence[int] = ()) -> None:
     conn.execute(
         query("release_leases", schema),
-        {"worker_id": worker_id, "shards": list(shards), "channel": notify_channel(schema)},
+        {"worker_id": worker_id, "shards": list(shards), "unsettled": list(unsettled),
+         "channel": notify_channel(schema)},
     )
 
 
-def leave(conn: Connection, schema: str, worker_id: str) -> None:
+def leave(conn: Connection, schema: str, worker_id: str, unsettled: Sequence[int] = ()) -> None:
     conn.execute(
-        query("leave", schema), {"worker_id": worker_id, "channel": notify_channel(schema)}
+        query("leave", schema),
+        {"worker_id": worker_id, "unsettled": list(unsettled), "channel": notify_channel(schema)},
     )
+
+
+def unrecorded_candidates(conn: Connection, schema: str, shards: Sequence[int]
+                          ) -> list[tuple[str, bytes | None, datetime]]:
+    """``(topic, key, sent after)`` of the pending messages of ``shards`` (see
+    relay/recovery.py)."""
+    rows = conn.execute(query("unrecorded_candidates", schema), {"shards": list(shards)})
+    return [(row.topic, None if row.key is None else bytes(row.key), row.sent_after)
+            for row in rows]
+
+
+def recorded_offsets(conn: Connection, schema: str, topic: str, partitions: Sequence[int],
+                     since: datetime, before: datetime) -> dict[int, int]:
+    """Per partition, the highest offset recorded as DELIVERED in ``[since, before)``."""
+    rows = conn.execute(query("recorded_offsets", schema), {
+        "topic": topic, "partitions": list(partitions), "since": since, "before": before})
+    return {row.partition: row.kafka_offset for row in rows if row.kafka_offset is not None}
+
+
+def pending_in_shards(conn: Connection, schema: str, worker_id: str, ids: Sequence[int],
+                      shards: Sequence[int]) -> set[int]:
+    """Which of ``ids`` are pending in ``shards`` under this relay's live leases."""
+    rows = conn.execute(query("pending_in_shards", schema),
+                        {"ids": list(ids), "shards": list(shards), "worker_id": worker_id})
+    return {row.message_id for row in rows}
 
 
 def backlog(conn: Connection, schema: str) -> tuple[dict[str, int], float]:

@@ -15,10 +15,19 @@ from collections.abc import Callable, Collection
 from typing import Any
 
 import kafka.errors
-from confluent_kafka import KafkaError, KafkaException, Message, Producer
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Message,
+    Producer,
+    TopicPartition,
+)
 
 from outbox.exceptions import ConfigurationError, ServiceUnavailable
 from outbox.relay.producer import PRODUCER_DEFAULTS
+from outbox.relay.tails import STALL_SECONDS, Stall, Tail
 from outbox.relay.transport import Delivery, Headers
 from outbox.settings import RelaySettings
 
@@ -51,6 +60,22 @@ def librdkafka_config(settings: RelaySettings) -> dict[str, Any]:
         "batch.size": min(PRODUCER_DEFAULTS["batch_size"], settings.kafka_max_request_size),
         "message.max.bytes": settings.kafka_max_request_size,
         "message.timeout.ms": settings.kafka_delivery_timeout_ms,
+        "logger": log,
+        **settings.kafka_security("librdkafka"),
+    }
+
+
+def consumer_config(settings: RelaySettings) -> dict[str, Any]:
+    """A consumer for reading tails: assigned partitions only, nothing committed; it stops
+    at each partition's end (the high-watermark of its fetch responses)."""
+    return {
+        "bootstrap.servers": settings.kafka_bootstrap,
+        "client.id": f"outbox-recovery-{settings.worker_id}",
+        "group.id": f"outbox-recovery-{settings.worker_id}",  # required; never joined
+        "enable.auto.commit": False,
+        "enable.partition.eof": True,
+        "fetch.wait.max.ms": 10,  # an empty tail ends after one short fetch
+        "auto.offset.reset": "earliest",
         "logger": log,
         **settings.kafka_security("librdkafka"),
     }
@@ -134,3 +159,71 @@ class ConfluentTransport:
         """Serve delivery reports (and librdkafka's log lines) as they come."""
         while not self._closing.is_set():
             self.producer.poll(POLL_SECONDS)
+
+
+class ConfluentTailReader:
+    """Tails read with a librdkafka consumer of their own (relay/tails.py)."""
+
+    def __init__(self, settings: RelaySettings) -> None:
+        self._bootstrap = settings.kafka_bootstrap
+        self._config = consumer_config(settings)
+
+    def _consumer(self) -> Consumer:
+        try:
+            return Consumer(self._config)
+        except KafkaException as exc:
+            raise ConfigurationError(f"invalid Kafka settings for librdkafka: {exc}") from None
+
+    def partitions(self, topic: str) -> int:
+        consumer = self._consumer()
+        try:
+            found = consumer.list_topics(topic, timeout=STALL_SECONDS).topics.get(topic)
+        except KafkaException as exc:
+            raise ServiceUnavailable(f"no metadata for topic {topic} ({exc})") from None
+        finally:
+            consumer.close()
+        return 0 if found is None or found.error is not None else len(found.partitions)
+
+    def read(self, topic: str, starts: dict[int, int | None], limit: int) -> Tail:
+        tail = Tail()
+        consumer = self._consumer()
+        try:
+            consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING if start is None
+                                            else start) for p, start in starts.items()])
+            ended: set[int] = set()
+            stall = Stall(self._bootstrap)
+            while len(ended) < len(starts):
+                if tail.records >= limit:
+                    tail.complete = False
+                    break
+                stall.check()
+                for message in consumer.consume(num_messages=10_000, timeout=0.2):
+                    stall.progressed()
+                    error = message.error()
+                    if error is None:
+                        headers = message.headers()
+                        tail.add(message.partition() or 0, message.offset() or 0,
+                                 headers.items() if isinstance(headers, dict) else headers)
+                    elif error.code() == KafkaError._PARTITION_EOF:
+                        ended.add(message.partition() or 0)
+                    else:
+                        raise ServiceUnavailable(f"could not read topic {topic}'s tail "
+                                                 f"({error.str()})")
+                ended |= _beyond_end(consumer, topic, starts)
+            return tail
+        finally:
+            consumer.close()
+
+
+
+def _beyond_end(consumer: Consumer, topic: str, starts: dict[int, int | None]) -> set[int]:
+    """Partitions whose start is past the high-watermark of their last fetch (the topic was
+    recreated): librdkafka reports no end for them, and they have no tail to read."""
+    beyond = set()
+    for partition, start in starts.items():
+        if start is not None:
+            _, high = consumer.get_watermark_offsets(TopicPartition(topic, partition),
+                                                     cached=True)
+            if 0 <= high < start:
+                beyond.add(partition)
+    return beyond

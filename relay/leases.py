@@ -4,7 +4,8 @@ Keys hash into ``SHARDS`` virtual shards. A keeper thread heartbeats and renews 
 leases every third of a lease — also while the main loop waits on a slow broker — and takes
 a fair share of free or expired shards. Surplus shards are handed back by the main loop
 between batches, never while a batch of theirs is in flight. A relay killed with -9 loses
-its shards when their leases expire.
+its shards when their leases expire; its next owner reads the topic's tail before sending
+those shards' messages (relay/recovery.py): a shard is *unsettled* until then.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ class Leases:
         self._lock = threading.Lock()
         self._owned: frozenset[int] = frozenset()
         self._surplus: frozenset[int] = frozenset()
+        #: owned shards whose sends may be unrecorded: not fetched until their tail is read
+        self._unsettled: frozenset[int] = frozenset()
         self._valid_until = 0.0
 
     @property
@@ -56,6 +59,18 @@ class Leases:
     def surplus(self) -> frozenset[int]:
         return self._surplus
 
+    @property
+    def unsettled(self) -> frozenset[int]:
+        """Active shards to read the tail of before delivering them."""
+        with self._lock:
+            return (self._owned - self._surplus) & self._unsettled
+
+    @property
+    def deliverable(self) -> frozenset[int]:
+        """Active shards whose earlier sends are all recorded: safe to fetch from."""
+        with self._lock:
+            return self._owned - self._surplus - self._unsettled
+
     def tick(self, conn: Connection, in_flight: int = 0) -> None:
         """Heartbeat, renew and claim in one transaction; note any surplus to shed."""
         started = time.monotonic()
@@ -64,19 +79,38 @@ class Leases:
                                    in_flight)
             mine = store.renew_leases(conn, self.schema, self.worker_id, self.lease_seconds)
             share = math.ceil(SHARDS / max(live, 1))
+            claimed: dict[int, bool] = {}
             if len(mine) < share:
-                mine |= store.claim_leases(
+                claimed = store.claim_leases(
                     conn, self.schema, self.worker_id, self.lease_seconds, share - len(mine)
                 )
+                mine |= set(claimed)
         with self._lock:
             before = self._owned
             self._owned = frozenset(mine)
+            # renewed but not known: a previous process with this worker id held them
+            dirty = (self._owned - before - set(claimed)) | {
+                shard for shard, clean in claimed.items() if not clean}
+            self._unsettled = (self._unsettled | dirty) & self._owned
             self._surplus = frozenset(sorted(mine)[share:])
             self._valid_until = started + self.lease_seconds * 0.8
         if before != self._owned:
-            log.info("relay %s owns %d shards (+%d -%d) of %d relays", self.worker_id,
-                     len(self._owned), len(self._owned - before), len(before - self._owned), live)
+            log.info("relay %s owns %d shards (+%d -%d, %d to settle) of %d relays",
+                     self.worker_id, len(self._owned), len(self._owned - before),
+                     len(before - self._owned), len(self._unsettled), live)
         metrics.OWNED_SHARDS.set(len(self._owned))
+
+    def unsettle_all(self) -> None:
+        """A pass failed: acks may have gone unrecorded, so every shard's tail is read again."""
+        with self._lock:
+            self._unsettled = self._owned
+
+    def settled(self, conn: Connection, shards: frozenset[int]) -> None:
+        """The tail of ``shards`` was read and what it held recorded."""
+        with conn.begin():
+            store.settle_leases(conn, self.schema, self.worker_id, sorted(shards))
+        with self._lock:
+            self._unsettled -= shards
 
     def shed(self, conn: Connection) -> None:
         """Hand the surplus shards back (call only with no batch of theirs in flight)."""
@@ -85,18 +119,20 @@ class Leases:
         if not surplus:
             return
         with conn.begin():
-            store.release_leases(conn, self.schema, self.worker_id, sorted(surplus))
+            store.release_leases(conn, self.schema, self.worker_id, sorted(surplus),
+                                 sorted(self._unsettled & surplus))
         with self._lock:
             self._owned -= surplus
+            self._unsettled -= surplus
             self._surplus = frozenset()
         log.info("relay %s handed back %d shards", self.worker_id, len(surplus))
         metrics.OWNED_SHARDS.set(len(self._owned))
 
     def leave(self, conn: Connection) -> None:
         with conn.begin():
-            store.leave(conn, self.schema, self.worker_id)
+            store.leave(conn, self.schema, self.worker_id, sorted(self._unsettled))
         with self._lock:
-            self._owned = self._surplus = frozenset()
+            self._owned = self._surplus = self._unsettled = frozenset()
             self._valid_until = 0.0
         metrics.OWNED_SHARDS.set(0)
 

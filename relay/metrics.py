@@ -29,6 +29,14 @@ BATCH_SIZE = Histogram(
     "outbox_relay_batch_size", "Messages per relay batch",
     buckets=(1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000),
 )
+TAIL_RECORDS = Counter(
+    "outbox_relay_tail_records_read",
+    "Records read from partition tails before delivering shards whose sends may be unrecorded",
+)
+RECOVERED = Counter(
+    "outbox_relay_recovered",
+    "Messages found already in Kafka by a tail read and recorded instead of sent again",
+)
 OWNED_SHARDS = Gauge("outbox_relay_owned_shards", "Shards whose lease this relay holds")
 BACKLOG = Gauge(
     "outbox_messages", "Undelivered messages by state (pending is like rocketmq_half_messages)",

@@ -35,6 +35,7 @@ from outbox.relay import metrics
 from outbox.relay.daemon import Lifecycle
 from outbox.relay.holds import TopicHolds
 from outbox.relay.leases import LeaseKeeper, Leases, WorkerIdentity
+from outbox.relay.recovery import Recovery
 from outbox.relay.retention import Pruner
 from outbox.relay.transport import Delivery, Transport, is_permanent, make_transport
 from outbox.relay.wakeup import Wakeup
@@ -91,6 +92,7 @@ class Relay:
         self._leases = Leases(self.schema, self.worker_id, settings.relay_lease_seconds)
         self._keeper = LeaseKeeper(settings, self._leases, in_flight=self.in_flight)
         self._identity = WorkerIdentity(settings)
+        self._recovery = Recovery(settings)
         self._recorder: Recorder | None = None
 
     @property
@@ -166,6 +168,9 @@ class Relay:
                 self._loop(conn, transport, wakeup, recorder)
                 recorder.drain()
                 recorder.raise_failure()
+        except BaseException:
+            self._leases.unsettle_all()  # acks may have arrived unrecorded
+            raise
         finally:
             recorder.close()
             wakeup.close()
@@ -185,7 +190,9 @@ class Relay:
                 recorder.drain()  # never hand back a shard with a batch in flight
                 recorder.raise_failure()
                 self._leases.shed(conn)
-            shards = self._leases.active if self._leases.valid else frozenset()
+            if self._leases.valid:
+                self._recovery.settle(conn, self._leases)
+            shards = self._leases.deliverable if self._leases.valid else frozenset()
             batch: list[store.Deliverable] = []
             if shards:
                 self._holds.revisit(conn, shards)

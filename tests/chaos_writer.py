@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 import time
 import uuid
 from datetime import timedelta
@@ -23,29 +24,37 @@ def main() -> None:
         parser.add_argument(name, required=True)
     parser.add_argument("--seconds", type=float, required=True)
     parser.add_argument("--seed", type=int, required=True)
+    parser.add_argument("--sizes", default="1,1,2,3",
+                        help="messages per transaction, one of these at random")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     engine = create_engine(sqlalchemy_url(args.url), pool_pre_ping=True)
     outbox = Outbox(schema=args.schema)
+    sizes = [int(size) for size in args.sizes.split(",")]
     end = time.monotonic() + args.seconds
     with open(args.out, "w") as out:
         while time.monotonic() < end:
-            tags = [uuid.uuid4().hex for _ in range(rng.choice((1, 1, 2, 3)))]
+            tags = [uuid.uuid4().hex for _ in range(rng.choice(sizes))]
+            # keys in a consistent order, as the docs advise: random orders deadlock on the
+            # key locks of big transactions
+            keys = sorted(f"key-{rng.randrange(100)}" for _ in tags)
             rollback = rng.random() < 0.25
             outcome = "rollback" if rollback else "commit"
             try:
                 with Session(engine) as session:
                     session.begin()
-                    for tag in tags:
+                    for tag, key in zip(tags, keys, strict=True):
                         delay = timedelta(seconds=rng.uniform(0.2, 2)) if rng.random() < 0.1 \
                             else None
                         outbox.publish(session, args.topic, {"tag": tag},
-                                       key=f"key-{rng.randrange(100)}", deliver_after=delay)
+                                       key=key, deliver_after=delay)
                     if rollback:
                         session.rollback()
                     else:
                         session.commit()
-            except Exception:  # PostgreSQL restarting: the outcome is not known here
+            except Exception as exc:  # PostgreSQL restarting: the outcome is not known here
+                print(f"chaos writer: {type(exc).__name__}: {str(exc).splitlines()[0]}",
+                      file=sys.stderr)
                 outcome = "uncertain"
                 time.sleep(0.2)
             for tag in tags:

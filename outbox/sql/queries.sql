@@ -93,6 +93,38 @@ WITH delivered AS (
 )
 SELECT topic, extract(epoch FROM clock_timestamp() - created_at) AS latency FROM delivered;
 
+-- name: unrecorded_candidates
+-- The messages of :shards that a previous owner (or a failed pass of this relay) may have
+-- sent without recording, per topic and key: the earliest moment one of them can have been
+-- sent (after its commit, and after its shard was last settled). Walks pending_relay_idx.
+SELECT p.topic, p.key, min(greatest(p.created_at, l.settled_at)) AS sent_after
+FROM {schema}.pending AS p
+JOIN {schema}.relay_lease AS l ON l.shard = p.shard
+WHERE p.status = 'PENDING' AND p.resolution = 'COMMIT'
+  AND p.shard = ANY(CAST(:shards AS smallint[]))
+GROUP BY p.topic, p.key;
+
+-- name: recorded_offsets
+-- Per partition of :topic, the highest offset of a DELIVERED op record written in
+-- [:since, :before): each was written after Kafka acknowledged it, so a message sent after
+-- :before landed above it. Walks op_record_created_at_idx (BRIN) over that window only.
+SELECT o.kafka_partition AS partition, max(o.kafka_offset) AS kafka_offset
+FROM {schema}.op_record AS o
+JOIN {schema}.message AS m ON m.id = o.message_id
+WHERE o.action = 'DELIVERED' AND o.created_at >= :since AND o.created_at < :before
+  AND m.topic = :topic AND o.kafka_partition = ANY(CAST(:partitions AS integer[]))
+GROUP BY o.kafka_partition;
+
+-- name: pending_in_shards
+-- Of the ids found in a topic's tail, those still pending in shards this relay holds a live
+-- lease on (another relay's messages on the same partitions are left to it).
+SELECT p.message_id
+FROM {schema}.pending AS p
+JOIN {schema}.relay_lease AS l ON l.shard = p.shard
+WHERE p.message_id = ANY(CAST(:ids AS bigint[])) AND p.status = 'PENDING'
+  AND p.shard = ANY(CAST(:shards AS smallint[]))
+  AND l.owner = :worker_id AND l.expires_at > now();
+
 -- name: record_failures
 -- Count failed attempts and keep the broker's reason; a row rejected permanently
 -- :max_attempts times is PARKED with an op record, so it never blocks the relay again.
@@ -169,30 +201,46 @@ RETURNING shard;
 
 -- name: claim_leases
 -- Take up to :wanted free or expired shards; SKIP LOCKED lets relays claim side by side.
-UPDATE {schema}.relay_lease
-SET owner = :worker_id, expires_at = now() + make_interval(secs => :lease_seconds)
-WHERE shard IN (
-    SELECT shard FROM {schema}.relay_lease
+-- Returns whether each was handed back clean; a shard taken clean is settled from now on,
+-- one taken from a dead owner keeps its settled_at (its tail is read before sending).
+WITH taken AS (
+    SELECT shard, clean FROM {schema}.relay_lease
     WHERE owner IS NULL OR expires_at < now()
     ORDER BY shard
     LIMIT :wanted
     FOR UPDATE SKIP LOCKED
 )
-RETURNING shard;
+UPDATE {schema}.relay_lease AS l
+SET owner = :worker_id, expires_at = now() + make_interval(secs => :lease_seconds),
+    clean = false, settled_at = CASE WHEN t.clean THEN now() ELSE l.settled_at END
+FROM taken AS t
+WHERE l.shard = t.shard
+RETURNING l.shard, t.clean AS was_clean;
+
+-- name: settle_leases
+-- After its tail was read: every message of these shards sent so far is recorded.
+UPDATE {schema}.relay_lease SET settled_at = now()
+WHERE owner = :worker_id AND shard = ANY(CAST(:shards AS smallint[]));
 
 -- name: release_leases
--- Hand shards back and tell the other relays, so one claims them at once.
+-- Hand shards back and tell the other relays, so one claims them at once. Clean unless
+-- :unsettled names the shard (a send of it may be unrecorded: the next owner reads the tail).
 WITH released AS (
     UPDATE {schema}.relay_lease
-    SET owner = NULL, expires_at = NULL
+    SET owner = NULL, expires_at = NULL,
+        clean = NOT shard = ANY(CAST(:unsettled AS smallint[]))
     WHERE owner = :worker_id AND shard = ANY(CAST(:shards AS smallint[]))
 )
 SELECT pg_notify(:channel, 'rebalance');
 
 -- name: leave
--- A relay stopping gracefully hands all its shards back at once and tells the others.
+-- A relay stopping gracefully hands all its shards back at once and tells the others (clean
+-- as in release_leases).
 WITH released AS (
-    UPDATE {schema}.relay_lease SET owner = NULL, expires_at = NULL WHERE owner = :worker_id
+    UPDATE {schema}.relay_lease
+    SET owner = NULL, expires_at = NULL,
+        clean = NOT shard = ANY(CAST(:unsettled AS smallint[]))
+    WHERE owner = :worker_id
 ), gone AS (
     DELETE FROM {schema}.relay_member WHERE worker_id = :worker_id
 )

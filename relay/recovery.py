@@ -1,0 +1,128 @@
+"""Takeover without duplicates: before delivering shards whose earlier sends may be
+unrecorded, read the affected partitions' tails and record what is already there.
+
+A relay killed between Kafka's acknowledgement and its op records leaves messages that are
+in the topic but still pending. Its shards' next owner (and a relay whose own pass failed
+the same way) first reads the tails of the partitions those messages can be on, looks for
+their ``outbox-id`` headers, and records the ones it finds as DELIVERED at their true
+partition and offset, so it does not send them again.
+
+*Which partitions*: those of the pending messages' topics; a keyed message's partition is
+murmur2(key) (both transports map keys that way), an unkeyed one may be on any.
+*Where a tail starts*: a pending message can only have been sent after it committed and
+after its shard was last settled (``relay_lease.settled_at``); every op record written
+before that moment was acknowledged before it, so its offset is below the message's. The
+tail starts after the highest such offset of the partition (the newest found in a window
+walked back from that moment); without one, at the partition's beginning.
+*Where it ends*: at the high-watermark a fresh consumer reads: every record the dead relay
+got acknowledged is below it. Ids found that are not pending in the shards this relay holds
+(another live relay's messages on the same partitions, or ones already recorded) are left
+alone. A tail longer than ``relay_tail_max_records`` is not read to its end: the rest is
+sent again (duplicates possible), with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from datetime import UTC, datetime, timedelta
+
+from kafka.partitioner.default import murmur2
+from sqlalchemy import Connection
+
+from outbox import store
+from outbox.relay import metrics
+from outbox.relay.leases import Leases
+from outbox.relay.tails import Tail, TailReader, make_tail_reader
+from outbox.settings import RelaySettings
+
+log = logging.getLogger("outbox.relay")
+#: Windows of op records searched, each further back, for a partition's last recorded offset.
+LOOKBACK = (timedelta(seconds=10), timedelta(minutes=10), timedelta(days=1))
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def partition_of(key: bytes, partitions: int) -> int:
+    """The partition Kafka's Java client, kafka-python and librdkafka's murmur2_random pick."""
+    return int(murmur2(key) & 0x7FFFFFFF) % partitions
+
+
+class Recovery:
+    """Settles this relay's unsettled shards (see the module's docstring)."""
+
+    def __init__(self, settings: RelaySettings) -> None:
+        self.settings = settings
+        self.schema = settings.schema_name
+        self.actor = f"{settings.worker_id} (recovered)"
+
+    def settle(self, conn: Connection, leases: Leases) -> None:
+        """Read the tails of ``leases.unsettled`` and record what they hold, then mark the
+        shards settled; raises ServiceUnavailable (or a database error) if it cannot."""
+        shards = leases.unsettled
+        if not shards:
+            return
+        started = time.monotonic()
+        reader = make_tail_reader(self.settings)
+        tail = Tail()
+        for topic, (partitions, sent_after) in self._affected(conn, reader, shards).items():
+            starts = self._starts(conn, topic, partitions, sent_after)
+            part = reader.read(topic, starts, self.settings.relay_tail_max_records - tail.records)
+            tail.records += part.records
+            tail.found.update(part.found)
+            if not part.complete:
+                tail.complete = False
+                log.warning("relay %s: the tail of topic %s is longer than %d records; the "
+                            "messages beyond it are sent again (duplicates possible)",
+                            self.settings.worker_id, topic, self.settings.relay_tail_max_records)
+                break
+        recovered = self._record(conn, tail, shards)
+        leases.settled(conn, shards)
+        metrics.TAIL_RECORDS.inc(tail.records)
+        metrics.RECOVERED.inc(recovered)
+        log.info("relay %s settled %d shards in %.2fs: read %d records of partition tails, "
+                 "%d messages were already in Kafka and are recorded now",
+                 self.settings.worker_id, len(shards), time.monotonic() - started,
+                 tail.records, recovered)
+
+    def _affected(self, conn: Connection, reader: TailReader, shards: frozenset[int]
+                  ) -> dict[str, tuple[set[int], datetime]]:
+        """Per topic: the partitions the shards' pending messages can be on, and the earliest
+        moment one of them can have been sent."""
+        keys: dict[str, list[tuple[bytes | None, datetime]]] = defaultdict(list)
+        with conn.begin():
+            for topic, key, sent_after in store.unrecorded_candidates(conn, self.schema,
+                                                                      sorted(shards)):
+                keys[topic].append((key, sent_after))
+        affected: dict[str, tuple[set[int], datetime]] = {}
+        for topic, candidates in keys.items():
+            count = reader.partitions(topic)
+            if count == 0:
+                continue  # no such topic: nothing can have landed
+            partitions = set(range(count)) if any(key is None for key, _ in candidates) \
+                else {partition_of(key, count) for key, _ in candidates if key is not None}
+            affected[topic] = (partitions, min(sent for _, sent in candidates))
+        return affected
+
+    def _starts(self, conn: Connection, topic: str, partitions: set[int], before: datetime
+                ) -> dict[int, int | None]:
+        """Per partition, the offset after the last one recorded before ``before``."""
+        starts: dict[int, int | None] = dict.fromkeys(partitions)
+        for since in [before - window for window in LOOKBACK] + [EPOCH]:
+            missing = [p for p, start in starts.items() if start is None]
+            if not missing:
+                break
+            with conn.begin():
+                found = store.recorded_offsets(conn, self.schema, topic, missing, since, before)
+            starts.update({p: offset + 1 for p, offset in found.items()})
+        return starts
+
+    def _record(self, conn: Connection, tail: Tail, shards: frozenset[int]) -> int:
+        """Record the found ids still pending in ``shards`` as delivered where they are."""
+        if not tail.found:
+            return 0
+        with conn.begin():
+            mine = store.pending_in_shards(conn, self.schema, self.settings.worker_id,
+                                           list(tail.found), sorted(shards))
+            acks = [(id_, *tail.found[id_]) for id_ in sorted(mine)]
+            return len(store.mark_delivered(conn, self.schema, self.actor, acks))

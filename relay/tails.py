@@ -1,0 +1,139 @@
+"""Reading a topic's partition tails for ``outbox-id`` headers (relay/recovery.py's input).
+
+A tail ends at the high-watermark taken from the fetch responses of a consumer made for this
+read (never a stale one, and never ListOffsets "latest", which some Kafka-compatible brokers
+answer wrongly): every record Kafka acknowledged before the read began is below it. The
+consumer is assigned its partitions (no consumer group). kafka-python's reader is here,
+librdkafka's in relay/confluent.py; :func:`make_tail_reader` picks the transport's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kafka import KafkaConsumer, TopicPartition
+from kafka.errors import KafkaError
+
+from outbox.encoding import ID_HEADER
+from outbox.exceptions import ServiceUnavailable
+from outbox.settings import RelaySettings
+
+#: A read that gets no record and does not reach the end for this long has failed.
+STALL_SECONDS = 15.0
+
+
+@dataclass
+class Tail:
+    """What a read found: each message id's first ``(partition, offset)``."""
+
+    found: dict[int, tuple[int, int]] = field(default_factory=dict)
+    records: int = 0
+    #: False when the read stopped at its record limit before the high-watermark
+    complete: bool = True
+
+    def add(self, partition: int, offset: int,
+            headers: Iterable[tuple[str, str | bytes | None]] | None) -> None:
+        self.records += 1
+        for name, value in reversed(list(headers or ())):  # the relay appends it last but one
+            if name == ID_HEADER and value is not None:
+                self.found.setdefault(int(value), (partition, offset))
+                return
+
+
+class TailReader(Protocol):
+    def partitions(self, topic: str) -> int:
+        """How many partitions ``topic`` has (0 if it does not exist)."""
+        ...
+
+    def read(self, topic: str, starts: dict[int, int | None], limit: int) -> Tail:
+        """Read each partition from its start offset (None: its beginning) to its
+        high-watermark, at most ``limit`` records in all."""
+        ...
+
+
+class Stall:
+    """Raises :class:`ServiceUnavailable` when a read makes no progress for too long."""
+
+    def __init__(self, bootstrap: str) -> None:
+        self._bootstrap = bootstrap
+        self._deadline = time.monotonic() + STALL_SECONDS
+
+    def progressed(self) -> None:
+        self._deadline = time.monotonic() + STALL_SECONDS
+
+    def check(self) -> None:
+        if time.monotonic() > self._deadline:
+            raise ServiceUnavailable(f"Kafka at {self._bootstrap} did not serve a partition's "
+                                     f"tail for {STALL_SECONDS:.0f}s")
+
+
+class KafkaPythonTailReader:
+    """Tails read with a kafka-python consumer of their own."""
+
+    def __init__(self, settings: RelaySettings) -> None:
+        self._bootstrap = settings.kafka_bootstrap
+        self._config: dict[str, Any] = {
+            "bootstrap_servers": settings.kafka_bootstrap.split(","),
+            "client_id": f"outbox-recovery-{settings.worker_id}",
+            "group_id": None,
+            "enable_auto_commit": False,
+            "auto_offset_reset": "earliest",
+            "fetch_max_wait_ms": 10,  # an empty tail ends after one short fetch
+            **settings.kafka_security(),
+        }
+
+    def _consumer(self) -> KafkaConsumer:
+        try:
+            return KafkaConsumer(**self._config)
+        except KafkaError as exc:
+            raise ServiceUnavailable(f"no Kafka broker answers at {self._bootstrap} ({exc})"
+                                     ) from None
+
+    def partitions(self, topic: str) -> int:
+        consumer = self._consumer()
+        try:
+            return len(consumer.partitions_for_topic(topic) or ())
+        except KafkaError as exc:
+            raise ServiceUnavailable(f"no metadata for topic {topic} ({exc})") from None
+        finally:
+            consumer.close()
+
+    def read(self, topic: str, starts: dict[int, int | None], limit: int) -> Tail:
+        tail = Tail()
+        consumer = self._consumer()
+        try:
+            tps = {TopicPartition(topic, p): start for p, start in starts.items()}
+            consumer.assign(list(tps))
+            for tp, start in tps.items():
+                if start is None:
+                    consumer.seek_to_beginning(tp)
+                else:
+                    consumer.seek(tp, start)
+            stall = Stall(self._bootstrap)
+            while not all((hw := consumer.highwater(tp)) is not None
+                          and consumer.position(tp) >= hw for tp in tps):
+                if tail.records >= limit:
+                    tail.complete = False
+                    break
+                stall.check()
+                for batch in consumer.poll(timeout_ms=200, max_records=10_000).values():
+                    stall.progressed()
+                    for record in batch:
+                        tail.add(record.partition, record.offset, record.headers)
+            return tail
+        except KafkaError as exc:
+            raise ServiceUnavailable(f"could not read topic {topic}'s tail ({exc})") from None
+        finally:
+            consumer.close()
+
+
+def make_tail_reader(settings: RelaySettings) -> TailReader:
+    """The tail reader of the transport ``settings.kafka_client`` names."""
+    if settings.kafka_client == "confluent":
+        from outbox.relay.confluent import ConfluentTailReader
+
+        return ConfluentTailReader(settings)
+    return KafkaPythonTailReader(settings)

@@ -1,0 +1,93 @@
+"""Taking over a dead relay's shards sends nothing twice: the new owner reads the partitions'
+tails and records what the dead relay got acknowledged but never recorded (relay/recovery.py).
+
+The dead relay's gap is made for real: a test transaction locks ``op_record`` against writes,
+so the relay fetches, sends and gets every ack, then blocks recording them; it is killed with
+-9 there, and its waiting statement ended."""
+
+from __future__ import annotations
+
+import signal
+from collections import Counter
+
+from sqlalchemy import Engine, text
+from sqlalchemy.orm import Session
+
+from outbox import Outbox
+from outbox.dev.topics import read_topic
+from outbox.settings import Settings
+from tests.conftest import both_transports, wait_delivered, wait_until
+from tests.processes import start_outbox
+
+pytestmark = both_transports
+MESSAGES = 300
+
+
+def publish_mixed(engine: Engine, outbox: Outbox, topic: str) -> list[int]:
+    """Keyed messages (on the partitions their keys map to) and unkeyed ones (anywhere)."""
+    with Session(engine) as session, session.begin():
+        return [outbox.publish(session, topic, {"n": n}, key=f"k{n % 7}" if n % 3 else None)
+                for n in range(MESSAGES)]
+
+
+def leases_clean(engine: Engine, schema: str) -> bool:
+    with engine.connect() as conn:
+        return bool(conn.execute(text(
+            f"SELECT bool_and(clean) FROM {schema}.relay_lease")).scalar_one())
+
+
+def test_new_owner_records_what_a_killed_relay_sent_instead_of_sending_it_again(
+    engine: Engine, outbox: Outbox, topic: str, schema: str, settings: Settings
+) -> None:
+    ids = publish_mixed(engine, outbox, topic)
+    with engine.connect() as lock:
+        lock.begin()
+        lock.execute(text(f"LOCK TABLE {schema}.op_record IN EXCLUSIVE MODE"))
+        dead = start_outbox(settings, "relay", OUTBOX_WORKER_ID="dead")
+        try:
+            wait_until(lambda: len(read_topic(settings.kafka_bootstrap, topic)) >= MESSAGES,
+                       60, "every message acknowledged by Kafka")
+        finally:
+            dead.kill()
+            dead.wait(10)
+        # The dead relay's recording statement still waits on the lock; PostgreSQL would run
+        # it once the lock goes, so end it as a dropped connection would.
+        lock.execute(text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                          "WHERE wait_event_type = 'Lock' AND query LIKE :statement"),
+                     {"statement": f"%{schema}.op_record%"})
+        lock.rollback()
+    with engine.connect() as conn:
+        recorded = conn.execute(text(f"SELECT count(*) FROM {schema}.op_record")).scalar_one()
+    assert recorded == 0, "the killed relay recorded nothing"
+    assert not leases_clean(engine, schema), "a killed relay's shards are not handed back clean"
+
+    heir = start_outbox(settings, "relay", OUTBOX_WORKER_ID="heir")
+    try:
+        wait_delivered(engine, schema, MESSAGES)
+    finally:
+        heir.send_signal(signal.SIGTERM)
+        heir.wait(30)
+
+    records = read_topic(settings.kafka_bootstrap, topic)
+    assert Counter(r.message_id for r in records) == Counter(ids), "each message once"
+    with engine.connect() as conn:
+        ledger = {row.message_id: (row.kafka_partition, row.kafka_offset, row.actor)
+                  for row in conn.execute(text(
+                      f"SELECT message_id, kafka_partition, kafka_offset, actor "
+                      f"FROM {schema}.op_record WHERE action = 'DELIVERED'"))}
+    assert {r.message_id: (r.partition, r.offset, "heir (recovered)") for r in records} \
+        == ledger, "each op record names where the message really is"
+
+
+def test_graceful_stop_hands_shards_back_clean(
+    engine: Engine, outbox: Outbox, topic: str, schema: str, settings: Settings
+) -> None:
+    publish_mixed(engine, outbox, topic)
+    relay = start_outbox(settings, "relay")
+    try:
+        wait_delivered(engine, schema, MESSAGES)
+        assert not leases_clean(engine, schema), "an owned shard is not clean"
+    finally:
+        relay.send_signal(signal.SIGTERM)
+        relay.wait(30)
+    assert leases_clean(engine, schema), "the next owner may skip reading the tails"
