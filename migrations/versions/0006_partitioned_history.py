@@ -12,7 +12,8 @@ partitions, so its cost does not grow with the rows it removes.
 * Three SECURITY DEFINER functions do what needs the owner's rights, so the relay's role needs
   none on partitions: ``ensure_partitions`` creates the next ranges ahead of the sequence,
   ``drop_expired_partition`` drops the oldest partition whose rows are all past the retention
-  window (moving its unfinished messages and their op records into the default partition
+  window and none of which waits for the relay (moving its other unfinished messages --
+  parked, discarded, delayed, unresolved -- and their op records into the default partition
   first), and ``prune_default`` deletes expired finished rows of the default partitions in
   bounded batches.
 
@@ -199,7 +200,14 @@ BEGIN
         EXECUTE format('SELECT EXISTS (SELECT FROM {schema}.%I WHERE created_at >= '
                        'now() - make_interval(secs => $1))', candidate.name)
             INTO young USING retention_seconds;
-        IF young THEN
+        -- Messages the relay is about to deliver are waited for, not moved (a backlog
+        -- would make the move as big as the partition); only stuck ones move.
+        IF young OR EXISTS (
+            SELECT FROM {schema}.pending AS p
+            WHERE p.status = 'PENDING' AND p.resolution = 'COMMIT'
+              AND p.message_id >= coalesce(candidate.low, -9223372036854775808)
+              AND p.message_id < candidate.high)
+        THEN
             RETURN;
         END IF;
         ops := 'op_record_' || substring(candidate.name FROM 9);

@@ -119,3 +119,20 @@ def test_publish_beyond_every_partition_lands_in_the_default_partition_and_is_de
     for key in ("k0", "k1", "k2"):
         ids = [r.message_id for r in records if r.key == key.encode()]
         assert ids == sorted(ids), f"key {key} delivered in order"
+
+
+def test_retention_waits_for_the_relay_to_deliver_an_expired_partition_s_backlog(
+    engine: Engine, outbox: Outbox, small: Settings, schema: str, topic: str
+) -> None:
+    publish_orders(engine, outbox, topic, [(f"k{i}", i) for i in range(15)])  # no relay
+    age(engine, schema)
+
+    assert "dropped 1 partitions older than 72 h (kept 0 unfinished" in prune(small)  # empty p0
+    assert ranges(engine, schema)[0] == "message_p1"
+    assert set(located(engine, schema, "message").values()) == {"message_p1", "message_p11"}
+
+    with running_relay(small.model_copy(update={"retention_hours": 1000})):
+        wait_delivered(engine, schema, 15)
+    age(engine, schema)
+    assert "dropped 1 partitions" in prune(small)  # ids 1-10; 11-15 have ids still to come
+    assert sorted(located(engine, schema, "message")) == list(range(11, 16))
