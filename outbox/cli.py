@@ -82,9 +82,9 @@ class OutboxGroup(click.Group):
 @contextlib.contextmanager
 def database(settings: DatabaseSettings) -> Iterator[Connection]:
     """One connection for a short command, its engine disposed afterwards."""
-    from sqlalchemy import create_engine
+    from outbox import store
 
-    engine = create_engine(settings.sqlalchemy_url)
+    engine = store.engine(settings.sqlalchemy_url)
     try:
         with engine.connect() as conn:
             yield conn

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import psycopg
-from sqlalchemy import Connection, Engine, create_engine
+from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
 from outbox import store
@@ -86,7 +86,7 @@ class Relay:
                                    resumed="delivering again after {seconds:.1f}s")
         self.delivered = 0
         self._transport = transport
-        self._engine: Engine = create_engine(
+        self._engine: Engine = store.engine(
             settings.sqlalchemy_url, pool_size=2, max_overflow=0, pool_pre_ping=True
         )
         self._leases = Leases(self.schema, self.worker_id, settings.relay_lease_seconds)
@@ -341,7 +341,7 @@ class Recorder(threading.Thread):
         self.join(self._close_timeout)
 
     def run(self) -> None:
-        engine = create_engine(self._url, pool_size=1, max_overflow=0, pool_pre_ping=True)
+        engine = store.engine(self._url, pool_size=1, max_overflow=0, pool_pre_ping=True)
         try:
             with _autocommit(engine) as conn:
                 while (flight := self._queue.get()) is not None:

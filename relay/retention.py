@@ -15,7 +15,7 @@ import logging
 import threading
 from dataclasses import dataclass, field
 
-from sqlalchemy import Connection, create_engine
+from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError
 
 from outbox import store
@@ -47,7 +47,7 @@ class Pruned:
 
 def prune(settings: RelaySettings, stop: threading.Event | None = None) -> Pruned:
     """One retention pass over ``settings.schema_name``."""
-    engine = create_engine(settings.sqlalchemy_url, pool_size=1, max_overflow=0)
+    engine = store.engine(settings.sqlalchemy_url, pool_size=1, max_overflow=0)
     try:
         with engine.connect() as conn:
             with conn.begin():

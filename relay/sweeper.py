@@ -29,7 +29,7 @@ from typing import Any
 
 import psycopg
 from prometheus_client import Counter, Gauge
-from sqlalchemy import Connection, Engine, create_engine
+from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
 from outbox import store
@@ -145,7 +145,7 @@ class Sweeper:
         self._stopped: Future[None] = Future()  # completed by stop(): wakes the loop's wait
         self._lock = threading.Lock()
         self._reported: set[str] = set()
-        self._engine: Engine = create_engine(
+        self._engine: Engine = store.engine(
             settings.sqlalchemy_url, pool_size=settings.sweep_concurrency + 1, max_overflow=2,
             pool_pre_ping=True,
             connect_args={"application_name": f"outbox-sweeper:{settings.worker_id}"[:63]},

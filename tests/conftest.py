@@ -211,13 +211,18 @@ def publish_orders(engine: Engine, outbox: Outbox, topic: str, orders: list[tupl
 @pytest.fixture
 def small(engine: Engine, settings: Settings, schema: str) -> Settings:
     """Ranges of 10 ids (three made ahead) instead of the million the migration made."""
+    use_ranges(engine, schema, 10, ahead=3)
+    assert ranges(engine, schema) == ["message_p0", "message_p1", "message_p11", "message_p21"]
+    return settings.model_copy(update={"partition_size": 10})
+
+
+def use_ranges(engine: Engine, schema: str, size: int, ahead: int) -> None:
+    """Replace the empty ranges the migration made with ``ahead`` ranges of ``size`` ids."""
     with engine.begin() as conn:
         for name in ranges(engine, schema):
             if name != "message_p0":
                 conn.execute(text(f"DROP TABLE {schema}.{name}, {schema}.op_record_{name[8:]}"))
-        store.ensure_partitions(conn, schema, 10, ahead=3)
-    assert ranges(engine, schema) == ["message_p0", "message_p1", "message_p11", "message_p21"]
-    return settings.model_copy(update={"partition_size": 10})
+        store.ensure_partitions(conn, schema, size, ahead=ahead)
 
 
 def ranges(engine: Engine, schema: str) -> list[str]:

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from jinja2 import Environment, PackageLoader, select_autoescape
-from sqlalchemy import create_engine
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, PlainTextResponse, Response
@@ -49,7 +48,7 @@ class Console:
 
     def __init__(self, settings: Settings, overdue_seconds: float) -> None:
         self.settings, self.overdue_seconds = settings, overdue_seconds
-        self.engine = create_engine(settings.sqlalchemy_url, pool_size=2, max_overflow=2,
+        self.engine = store.engine(settings.sqlalchemy_url, pool_size=2, max_overflow=2,
                                     pool_pre_ping=True)
         self.templates = Environment(loader=PackageLoader("outbox.console"),
                                      autoescape=select_autoescape(default=True))

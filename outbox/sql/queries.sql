@@ -38,26 +38,37 @@ RETURNING message_id AS id,
 -- name: fetch_deliverable
 -- The relay's next batch: committed, undelivered rows of the shards it owns, in id order,
 -- skipping rows held back by an earlier row of their key that is still DELAYED or UNKNOWN,
--- the rows of the batch it has in flight and those of topics it holds (relay/holds.py); at most :limit rows, and no more payload bytes
--- than :max_bytes (but always the first row). Walks the pending table's partial index, so
--- its cost follows the backlog, not the history; the message rows are read by primary key.
+-- the rows of the batch it has in flight and those of topics it holds (relay/holds.py); at
+-- most :limit rows, and no more payload bytes than :max_bytes (but always the first row).
+-- The batch is chosen in the pending table alone (its partial index: the cost follows the
+-- backlog), then each message row is read by primary key, one partition each (the LATERAL
+-- with OFFSET 0 keeps it a lookup: joined as a set, the planner merge-joined or hash-joined
+-- pending with every partition of `message`, reading the whole retained history per batch).
 SELECT id, topic, key, header_keys, header_values, payload, content_type
 FROM (
     SELECT m.id, m.topic, m.key, m.header_keys, m.header_values, m.payload, m.content_type,
            sum(octet_length(m.payload)) OVER (ORDER BY p.message_id) AS bytes_so_far
-    FROM {schema}.pending AS p
-    JOIN {schema}.message AS m ON m.id = p.message_id
-    WHERE p.status = 'PENDING' AND p.resolution = 'COMMIT'
-      AND p.shard = ANY(CAST(:shards AS smallint[]))
-      AND NOT EXISTS (
-          SELECT FROM {schema}.pending AS h
-          WHERE h.topic = p.topic AND h.key = p.key AND h.message_id < p.message_id
-            AND h.key IS NOT NULL
-            AND (h.status = 'DELAYED' OR (h.status = 'PENDING' AND h.resolution = 'UNKNOWN')))
-      AND p.message_id <> ALL(CAST(:in_flight AS bigint[]))
-      AND p.topic <> ALL(CAST(:held AS text[]))
-    ORDER BY p.message_id
-    LIMIT :limit
+    FROM (
+        SELECT p.message_id
+        FROM {schema}.pending AS p
+        WHERE p.status = 'PENDING' AND p.resolution = 'COMMIT'
+          AND p.shard = ANY(CAST(:shards AS smallint[]))
+          AND NOT EXISTS (
+              SELECT FROM {schema}.pending AS h
+              WHERE h.topic = p.topic AND h.key = p.key AND h.message_id < p.message_id
+                AND h.key IS NOT NULL
+                AND (h.status = 'DELAYED' OR (h.status = 'PENDING' AND h.resolution = 'UNKNOWN')))
+          AND p.message_id <> ALL(CAST(:in_flight AS bigint[]))
+          AND p.topic <> ALL(CAST(:held AS text[]))
+        ORDER BY p.message_id
+        LIMIT :limit
+    ) AS p
+    CROSS JOIN LATERAL (
+        SELECT m.id, m.topic, m.key, m.header_keys, m.header_values, m.payload, m.content_type
+        FROM {schema}.message AS m
+        WHERE m.id = p.message_id
+        OFFSET 0
+    ) AS m
 ) AS batch
 WHERE bytes_so_far - octet_length(payload) < :max_bytes
 ORDER BY id;
