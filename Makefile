@@ -10,7 +10,7 @@ demo:
 
 test:
 	@scripts/bootstrap.sh dev,spark
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q --durations=25
 
 # Pure functions, settings, CLI parsing and import rules: seconds, no database or broker.
 unit:
