@@ -121,7 +121,8 @@ GROUP BY p.topic, p.key;
 -- :before landed above it. Walks op_record_created_at_idx (BRIN) over that window only.
 SELECT o.kafka_partition AS partition, max(o.kafka_offset) AS kafka_offset
 FROM {schema}.op_record AS o
-JOIN {schema}.message AS m ON m.id = o.message_id
+CROSS JOIN LATERAL (  -- by key, one partition each (see fetch_deliverable)
+    SELECT m.topic FROM {schema}.message AS m WHERE m.id = o.message_id OFFSET 0) AS m
 WHERE o.action = 'DELIVERED' AND o.created_at >= :since AND o.created_at < :before
   AND m.topic = :topic AND o.kafka_partition = ANY(CAST(:partitions AS integer[]))
 GROUP BY o.kafka_partition;
@@ -305,7 +306,9 @@ WITH counts AS (
     FROM {schema}.pending GROUP BY topic
 ), recent AS (
     SELECT m.topic, count(*) AS delivered_last_minute
-    FROM {schema}.op_record AS o JOIN {schema}.message AS m ON m.id = o.message_id
+    FROM {schema}.op_record AS o
+    CROSS JOIN LATERAL (  -- by key, one partition each (see fetch_deliverable)
+        SELECT m.topic FROM {schema}.message AS m WHERE m.id = o.message_id OFFSET 0) AS m
     WHERE o.action = 'DELIVERED' AND o.created_at > now() - interval '1 minute'
     GROUP BY m.topic
 )
@@ -501,7 +504,9 @@ SELECT p.message_id AS id, p.status, p.producer_group, p.topic, p.key, p.check_c
        octet_length(m.payload) AS payload_bytes,
        substring(m.payload FROM 1 FOR :preview_bytes) AS preview, m.content_type
 FROM {schema}.pending AS p
-JOIN {schema}.message AS m ON m.id = p.message_id
+CROSS JOIN LATERAL (  -- by key, one partition each (see fetch_deliverable)
+    SELECT m.payload, m.content_type FROM {schema}.message AS m
+    WHERE m.id = p.message_id OFFSET 0) AS m
 LEFT JOIN LATERAL (
     SELECT o.detail FROM {schema}.op_record AS o
     WHERE o.message_id = p.message_id AND o.action = p.status
@@ -523,7 +528,8 @@ SELECT date_trunc('minute', o.created_at) AS minute, count(*) AS delivered,
        percentile_cont(ARRAY[0.5, 0.95, 0.99]) WITHIN GROUP (
            ORDER BY extract(epoch FROM o.created_at - m.created_at)) AS latency
 FROM {schema}.op_record AS o
-JOIN {schema}.message AS m ON m.id = o.message_id
+CROSS JOIN LATERAL (  -- by key, one partition each (see fetch_deliverable)
+    SELECT m.created_at FROM {schema}.message AS m WHERE m.id = o.message_id OFFSET 0) AS m
 WHERE o.action = 'DELIVERED'
   AND o.created_at >= date_trunc('minute', now() - make_interval(secs => :window_seconds))
 GROUP BY GROUPING SETS ((date_trunc('minute', o.created_at)), ())
