@@ -214,16 +214,19 @@ def publish_orders(engine: Engine, outbox: Outbox, topic: str, orders: list[tupl
 def small(engine: Engine, settings: Settings, schema: str) -> Settings:
     """Ranges of 10 ids (three made ahead) instead of the million the migration made."""
     use_ranges(engine, schema, 10, ahead=3)
-    assert ranges(engine, schema) == ["message_p0", "message_p1", "message_p11", "message_p21"]
+    assert ranges(engine, schema) == ["message_p1", "message_p11", "message_p21"]
     return settings.model_copy(update={"partition_size": 10})
 
 
 def use_ranges(engine: Engine, schema: str, size: int, ahead: int) -> None:
-    """Replace the empty ranges the migration made with ``ahead`` ranges of ``size`` ids."""
+    """Replace the empty ranges the migration made with ``ahead`` ranges of ``size`` ids.
+
+    The migration's empty first range (``p0``) goes too: left in place, a relay's own
+    retention pass would drop it at a moment of its choosing, and a test's prune
+    count would race it."""
     with engine.begin() as conn:
         for name in ranges(engine, schema):
-            if name != "message_p0":
-                conn.execute(text(f"DROP TABLE {schema}.{name}, {schema}.op_record_{name[8:]}"))
+            conn.execute(text(f"DROP TABLE {schema}.{name}, {schema}.op_record_{name[8:]}"))
         store.ensure_partitions(conn, schema, size, ahead=ahead)
 
 
