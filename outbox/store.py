@@ -112,19 +112,33 @@ class Deliverable(NamedTuple):
 
 def engine(url: str, **options: Any) -> Engine:
     """An engine for the outbox's own processes (relay, sweeper, retention, console, CLI),
-    whose sessions run with JIT compilation off. Their statements are lookups of milliseconds,
-    but the planner prices a lookup into partitioned ``message`` as if it visited every
-    partition, so past ``jit_above_cost`` PostgreSQL compiled the relay's fetch for 1.3 s
-    (43 partitions) to run it in 9 ms. A SET after connecting rather than a startup option,
-    which connection poolers such as PgBouncer refuse."""
+    whose sessions plan every statement for its parameters and never JIT-compile:
+
+    * ``plan_cache_mode = force_custom_plan``: psycopg prepares a statement on its fifth run,
+      and five runs later PostgreSQL may switch to a generic plan. The relay's generic fetch
+      plan could neither hash its in-flight ids (a parameter, not a constant) nor walk the
+      pending index to its LIMIT: it compared every pending row with every id in flight,
+      1.5 s a batch at a 50,000-message backlog, and the relay fell from 20k to 2k msg/s
+      after its eleventh batch. A custom plan costs well under a millisecond here.
+    * ``jit = off``: the planner prices a lookup into partitioned ``message`` as if it visited
+      every partition, so past ``jit_above_cost`` PostgreSQL compiled the fetch for 1.3 s
+      (43 partitions) to run it in 9 ms.
+
+    SETs after connecting rather than startup options, which connection poolers such as
+    PgBouncer refuse."""
     made = create_engine(url, **options)
-    event.listen(made, "connect", _jit_off)
+    event.listen(made, "connect", _session_settings)
     return made
 
 
-def _jit_off(dbapi_connection: Any, _record: Any) -> None:
+#: What :func:`engine` sets on each new connection.
+SESSION_SETTINGS = {"jit": "off", "plan_cache_mode": "force_custom_plan"}
+
+
+def _session_settings(dbapi_connection: Any, _record: Any) -> None:
     with dbapi_connection.cursor() as cursor:
-        cursor.execute("SET jit = off")
+        for name, value in SESSION_SETTINGS.items():
+            cursor.execute(f"SET {name} = {value}")
     dbapi_connection.commit()
 
 

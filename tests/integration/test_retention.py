@@ -3,21 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 from sqlalchemy import Engine, text
-from sqlalchemy.orm import Session
 
-from outbox import Outbox, store
+from outbox import Outbox
 from outbox.dev import services as devservices
 from outbox.dev.topics import read_topic
-from outbox.settings import Settings, sqlalchemy_url
+from outbox.settings import Settings
 from tests.conftest import (
     count_status,
     publish_orders,
     ranges,
     running_relay,
-    use_ranges,
     wait_delivered,
     wait_until,
 )
@@ -141,50 +138,3 @@ def test_retention_waits_for_the_relay_to_deliver_an_expired_partition_s_backlog
     age(engine, schema)
     assert "dropped 1 partitions" in prune(small)  # ids 1-10; 11-15 have ids still to come
     assert sorted(located(engine, schema, "message")) == list(range(11, 16))
-
-
-def message_rows_read(plan: dict[str, Any]) -> int:
-    """Rows an EXPLAIN ANALYZE plan read from ``message``'s partitions, over all loops."""
-    read = 0
-    if str(plan.get("Relation Name", "")).startswith("message"):
-        read += (plan["Actual Rows"] + plan.get("Rows Removed by Filter", 0)) * plan["Actual Loops"]
-    return read + sum(message_rows_read(child) for child in plan.get("Plans", []))
-
-
-def test_the_fetch_reads_its_batch_not_the_retained_history(
-        engine: Engine, outbox: Outbox, schema: str, topic: str) -> None:
-    """Joined as a set, the relay's fetch merge-joined `pending` with every partition of
-    `message`, walking all retained history below the first pending id: 0.4 s a batch at
-    300,000 delivered rows, and the relay fell behind under load. It must read by key."""
-    use_ranges(engine, schema, 300, ahead=12)
-    with Session(engine) as session, session.begin():
-        ids = [outbox.publish(session, topic, b"x" * 200, key=f"k{i % 50}") for i in range(3000)]
-    with engine.begin() as conn:
-        store.mark_delivered(conn, schema, "test", [(i, 0, n) for n, i in enumerate(ids[:2900])])
-    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        conn.execute(text(f"ANALYZE {schema}.message, {schema}.pending"))
-    params = {"shards": list(range(64)), "limit": 2000, "in_flight": [], "held": [],
-              "max_bytes": 1 << 24}
-    raw = engine.raw_connection()
-    try:
-        with raw.cursor() as cursor:
-            sql = store.driver_sql(store.query("fetch_deliverable", schema))
-            cursor.execute(sql, params)
-            assert [row[0] for row in cursor.fetchall()] == ids[2900:]
-            cursor.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + sql, params)
-            plan = cursor.fetchone()[0][0]["Plan"]
-    finally:
-        raw.close()
-    assert len(ranges(engine, schema)) >= 11
-    assert message_rows_read(plan) <= 2 * 100, plan
-
-
-def test_the_outbox_processes_run_without_jit(services: devservices.Services) -> None:
-    """Their lookups into partitioned tables are priced past ``jit_above_cost``: the fetch
-    above compiled for 1.3 s over 43 partitions to run for 9 ms."""
-    made = store.engine(sqlalchemy_url(services.database_url))
-    try:
-        with made.connect() as conn:
-            assert conn.execute(text("SHOW jit")).scalar_one() == "off"
-    finally:
-        made.dispose()
