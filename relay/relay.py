@@ -2,7 +2,8 @@
 
 The loop is pipelined ``PIPELINE_DEPTH`` batches deep: while Kafka acknowledges batch N, the
 relay fetches and sends the next ones, and a recorder thread records N's partitions and
-offsets in one statement. A crash anywhere
+offsets in one statement (with those of the batches after N whose acks have all arrived: one
+commit for them all). A crash anywhere
 before that statement leaves N's rows pending, so they are sent again: at least once, never
 lost. Leases (relay/leases.py) decide which shards — and so which keys — this relay owns.
 
@@ -17,9 +18,9 @@ from __future__ import annotations
 
 import functools
 import logging
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -161,7 +162,7 @@ class Relay:
         if self._keeper.ident is None:
             # LISTEN first: the others answer our first heartbeat with a NOTIFY.
             self._keeper.start()
-        recorder = self._recorder = Recorder(self.settings, self._settle)
+        recorder = self._recorder = Recorder(self.settings, self._await_acks, self._settle)
         recorder.start()
         try:
             with _autocommit(self._engine) as conn:
@@ -236,21 +237,23 @@ class Relay:
         metrics.BATCH_SIZE.observe(len(batch))
         return flight
 
-    def _settle(self, conn: Connection, flight: InFlight, salvaging: bool = False) -> None:
-        """Wait for a batch's acks, then record them; raises BrokerTrouble if Kafka failed
-        (unless ``salvaging``: a failure already ends the pass, and the acks that do arrive
-        are still recorded, so the next pass does not send those messages again)."""
-        self._await_acks(flight)
+    def _settle(self, conn: Connection, flights: list[InFlight], salvaging: bool = False
+                ) -> None:
+        """Record acknowledged batches in one transaction; raises BrokerTrouble if Kafka
+        failed (unless ``salvaging``: a failure already ends the pass, and the acks that do
+        arrive are still recorded, so the next pass does not send those messages again)."""
         acks: list[tuple[int, int, int]] = []
         failures: list[store.Failure] = []
-        for row, delivery in zip(flight.rows, flight.deliveries, strict=True):
-            if delivery is None:
-                continue
-            if delivery.error is None:
-                acks.append((row.id, delivery.partition, delivery.offset))
-            else:
-                failures.append(store.Failure(row.id, describe(delivery.error),
-                                              is_permanent(delivery.error)))
+        for flight in flights:
+            self._await_acks(flight)
+            for row, delivery in zip(flight.rows, flight.deliveries, strict=True):
+                if delivery is None:
+                    continue
+                if delivery.error is None:
+                    acks.append((row.id, delivery.partition, delivery.offset))
+                else:
+                    failures.append(store.Failure(row.id, describe(delivery.error),
+                                                  is_permanent(delivery.error)))
         with conn.begin():
             closed = store.mark_delivered(conn, self.schema, self.worker_id, acks)
             parked = store.record_failures(conn, self.schema, self.worker_id, failures,
@@ -294,28 +297,32 @@ class Relay:
 
 class Recorder(threading.Thread):
     """Waits for each sent batch's acks, in order, and records them (``settle``) on its own
-    connection, so the main loop can fetch and send the next batches meanwhile. After a
-    failure the main loop raises it to start a new pass, and the recorder still waits for the
-    batches already sent and records the acks that arrive (``salvaging``): an outage must
-    never make the next pass send again what Kafka already has. Rows whose sends failed stay
-    pending and are sent again."""
+    connection, so the main loop can fetch and send the next batches meanwhile. The batches
+    after it whose acks have all arrived by then are recorded in the same transaction: under
+    a steady trickle each batch holds a few messages, and one commit (one WAL flush) apiece
+    made the recorder the queue every message waited in. After a failure the main loop
+    raises it to start a new pass, and the recorder still waits for the batches already sent
+    and records the acks that arrive (``salvaging``): an outage must never make the next pass
+    send again what Kafka already has. Rows whose sends failed stay pending and are sent
+    again."""
 
-    def __init__(self, settings: RelaySettings,
-                 settle: Callable[[Connection, InFlight, bool], None]) -> None:
+    def __init__(self, settings: RelaySettings, await_acks: Callable[[InFlight], None],
+                 settle: Callable[[Connection, list[InFlight], bool], None]) -> None:
         super().__init__(name=f"recorder-{settings.worker_id}", daemon=True)
         self._url = settings.sqlalchemy_url
+        self._await_acks = await_acks
         self._settle = settle
-        self._queue: queue.Queue[InFlight | None] = queue.Queue()
         self._changed = threading.Condition()
+        #: handed over and not yet settled, in order
         self._unsettled: list[InFlight] = []
+        #: handed over and not yet taken up by this thread; None asks it to end
+        self._waiting: deque[InFlight | None] = deque()
         self._failure: BaseException | None = None
         #: every send ends (acked or failed) within the producer's delivery timeout
         self._close_timeout = settings.kafka_delivery_timeout_ms / 1000 + 10
 
     def submit(self, flight: InFlight) -> None:
-        with self._changed:
-            self._unsettled.append(flight)
-        self._queue.put(flight)
+        self._hand_over(flight)
 
     def in_flight_ids(self) -> list[int]:
         with self._changed:
@@ -337,20 +344,46 @@ class Recorder(threading.Thread):
 
     def close(self) -> None:
         """Wait until every batch handed over is settled or salvaged."""
-        self._queue.put(None)
+        self._hand_over(None)
         self.join(self._close_timeout)
+
+    def _hand_over(self, flight: InFlight | None) -> None:
+        with self._changed:
+            if flight is not None:
+                self._unsettled.append(flight)
+            self._waiting.append(flight)
+            self._changed.notify_all()
+
+    def _next(self) -> InFlight | None:
+        with self._changed:
+            self._changed.wait_for(lambda: bool(self._waiting))
+            return self._waiting.popleft()
+
+    def _acked_next(self) -> list[InFlight]:
+        """The batches handed over next whose acks have all arrived, in order."""
+        taken: list[InFlight] = []
+        with self._changed:
+            while self._waiting and (flight := self._waiting[0]) is not None \
+                    and flight.done.is_set():
+                taken.append(flight)
+                self._waiting.popleft()
+        return taken
 
     def run(self) -> None:
         engine = store.engine(self._url, pool_size=1, max_overflow=0, pool_pre_ping=True)
         try:
             with _autocommit(engine) as conn:
-                while (flight := self._queue.get()) is not None:
+                while (flight := self._next()) is not None:
+                    flights = [flight]
                     try:
-                        self._settle(conn, flight, self._failure is not None)
+                        self._await_acks(flight)
+                        flights += self._acked_next()
+                        self._settle(conn, flights, self._failure is not None)
                     except BaseException as exc:
                         self._failure = self._failure or exc
                     with self._changed:
-                        self._unsettled.remove(flight)
+                        for settled in flights:
+                            self._unsettled.remove(settled)
                         self._changed.notify_all()
         except BaseException as exc:  # could not even connect
             with self._changed:
