@@ -298,18 +298,21 @@ class Relay:
 class Recorder(threading.Thread):
     """Waits for each sent batch's acks, in order, and records them (``settle``) on its own
     connection, so the main loop can fetch and send the next batches meanwhile. The batches
-    after it whose acks have all arrived by then are recorded in the same transaction: under
-    a steady trickle each batch holds a few messages, and one commit (one WAL flush) apiece
-    made the recorder the queue every message waited in. After a failure the main loop
-    raises it to start a new pass, and the recorder still waits for the batches already sent
-    and records the acks that arrive (``salvaging``): an outage must never make the next pass
-    send again what Kafka already has. Rows whose sends failed stay pending and are sent
-    again."""
+    after it whose acks have all arrived by then are recorded in the same transaction, up to
+    a batch's worth of rows: under a steady trickle each batch holds a few messages, and one
+    commit (one WAL flush) apiece made the recorder the queue every message waited in; full
+    batches are still recorded one by one, overlapping the sends of the next ones.
+
+    After a failure the main loop raises it to start a new pass, and the recorder still waits
+    for the batches already sent and records the acks that arrive (``salvaging``): an outage
+    must never make the next pass send again what Kafka already has. Rows whose sends failed
+    stay pending and are sent again."""
 
     def __init__(self, settings: RelaySettings, await_acks: Callable[[InFlight], None],
                  settle: Callable[[Connection, list[InFlight], bool], None]) -> None:
         super().__init__(name=f"recorder-{settings.worker_id}", daemon=True)
         self._url = settings.sqlalchemy_url
+        self._rows_per_record = settings.relay_batch_size
         self._await_acks = await_acks
         self._settle = settle
         self._changed = threading.Condition()
@@ -359,12 +362,15 @@ class Recorder(threading.Thread):
             self._changed.wait_for(lambda: bool(self._waiting))
             return self._waiting.popleft()
 
-    def _acked_next(self) -> list[InFlight]:
-        """The batches handed over next whose acks have all arrived, in order."""
+    def _acked_after(self, first: InFlight) -> list[InFlight]:
+        """The batches handed over next whose acks have all arrived, in order, while they
+        and ``first`` hold at most a batch's worth of rows."""
         taken: list[InFlight] = []
+        rows = len(first.rows)
         with self._changed:
             while self._waiting and (flight := self._waiting[0]) is not None \
-                    and flight.done.is_set():
+                    and flight.done.is_set() and rows + len(flight.rows) <= self._rows_per_record:
+                rows += len(flight.rows)
                 taken.append(flight)
                 self._waiting.popleft()
         return taken
@@ -377,7 +383,7 @@ class Recorder(threading.Thread):
                     flights = [flight]
                     try:
                         self._await_acks(flight)
-                        flights += self._acked_next()
+                        flights += self._acked_after(flight)
                         self._settle(conn, flights, self._failure is not None)
                     except BaseException as exc:
                         self._failure = self._failure or exc
