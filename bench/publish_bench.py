@@ -1,0 +1,144 @@
+"""Where publish's cost goes: per statement, and with each writer in its own process.
+
+    python bench/publish_bench.py [--seconds 6] [--writers 4 16]
+
+1. One connection, one transaction of 3,000 statements each: the wall time of a bare
+   single-row INSERT next to a publish (advisory key lock, message and pending rows, NOTIFY),
+   then publish again with the pending table's guard trigger disabled (its share).
+2. ``--writers`` processes (no shared GIL, unlike `make bench`'s threads) each running
+   business INSERT (+ publish) transactions with durable commits for ``--seconds``: TPS with
+   and without publish (NOTIFY on and off) and the WAL each transaction wrote.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import time
+from collections.abc import Callable
+
+from sqlalchemy import create_engine, text
+from sqlalchemy.orm import Session
+
+from outbox import Outbox, migrate
+from outbox.dev import services as devservices
+from outbox.settings import sqlalchemy_url
+
+SCHEMA = "bench_publish_cost"
+BUSINESS = text("INSERT INTO bench_orders (customer, total) VALUES (:c, 10.5)")
+
+
+def outbox_for(mode: str) -> Outbox | None:
+    """No outbox for ``bare``; NOTIFY off for ``quiet``."""
+    if mode == "bare":
+        return None
+    outbox = Outbox(schema=SCHEMA)
+    if mode == "quiet":
+        return Outbox(settings=outbox.settings.model_copy(update={"notify": False}))
+    return outbox
+
+
+def writer(url: str, mode: str, seconds: float, slot: int,
+           done: multiprocessing.Queue[int]) -> None:
+    engine = create_engine(url, pool_size=1)
+    outbox = outbox_for(mode)
+    count, stop_at = 0, time.perf_counter() + seconds
+    with Session(engine) as session:
+        while time.perf_counter() < stop_at:
+            with session.begin():
+                session.execute(BUSINESS, {"c": f"c{slot}"})
+                if outbox is not None:
+                    outbox.publish(session, "orders", {"customer": f"c{slot}"},
+                                   key=f"c{slot}-{count % 100}")
+            count += 1
+    engine.dispose()
+    done.put(count)
+
+
+def per_statement(url: str) -> None:
+    engine = create_engine(url)
+    outbox = Outbox(schema=SCHEMA)
+
+    def timed(label: str, statement: Callable[[Session, int], object]) -> None:
+        with Session(engine) as session, session.begin():
+            started = time.perf_counter()
+            for i in range(3000):
+                statement(session, i)
+            elapsed = time.perf_counter() - started
+        print(f"   {label:34} {elapsed / 3000 * 1e6:6.0f} µs per statement", flush=True)
+
+    def bare(session: Session, _i: int) -> object:
+        return session.execute(BUSINESS, {"c": "c"})
+
+    def publish(session: Session, i: int) -> object:
+        return outbox.publish(session, "orders", {"customer": "c"}, key=f"c-{i % 100}")
+
+    for _ in range(2):
+        timed("bare INSERT", bare)
+        timed("publish", publish)
+    with engine.begin() as conn:
+        conn.execute(text(f"ALTER TABLE {SCHEMA}.pending DISABLE TRIGGER pending_born_pending"))
+    try:
+        timed("publish, guard trigger disabled", publish)
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text(f"ALTER TABLE {SCHEMA}.pending ENABLE TRIGGER pending_born_pending"))
+    engine.dispose()
+
+
+def processes(url: str, writers: int, seconds: float) -> None:
+    engine = create_engine(url)
+    rates: dict[str, float] = {}
+    for mode in ("bare", "publish", "quiet"):
+        with engine.connect() as conn:
+            before = conn.execute(text("SELECT pg_current_wal_lsn()")).scalar_one()
+        done: multiprocessing.Queue[int] = multiprocessing.Queue()
+        workers = [multiprocessing.Process(target=writer, args=(url, mode, seconds, s, done))
+                   for s in range(writers)]
+        for process in workers:
+            process.start()
+        total = sum(done.get() for _ in workers)
+        for process in workers:
+            process.join()
+        with engine.connect() as conn:
+            wal = conn.execute(text("SELECT pg_current_wal_lsn() - CAST(:lsn AS pg_lsn)"),
+                               {"lsn": before}).scalar_one()
+        rates[mode] = total / seconds
+        label = {"bare": "business INSERT alone", "publish": "+ publish",
+                 "quiet": "+ publish, NOTIFY off"}[mode]
+        ratio = rates[mode] / rates["bare"]
+        print(f"   {label:24} {rates[mode]:7,.0f} TPS  {ratio:.2f}x   "
+              f"WAL {float(wal) / total:5.0f} B/transaction", flush=True)
+    engine.dispose()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=6)
+    parser.add_argument("--writers", type=int, nargs="*", default=[4, 16])
+    args = parser.parse_args()
+    print("starting embedded PostgreSQL (durable: fsync on) and Kafka broker ...", flush=True)
+    services = devservices.start(durable=True)
+    os.environ.update(services.env())
+    url = sqlalchemy_url(services.database_url)
+    try:
+        migrate.upgrade(services.database_url, SCHEMA)
+        engine = create_engine(url)
+        with engine.begin() as conn:
+            conn.execute(text("CREATE TABLE IF NOT EXISTS bench_orders "
+                              "(id bigserial PRIMARY KEY, customer text, total numeric)"))
+        engine.dispose()
+        print("1. one connection, 3,000 statements in one transaction", flush=True)
+        per_statement(url)
+        for writers in args.writers:
+            print(f"2. {writers} writer processes, {args.seconds:g} s each, durable commits",
+                  flush=True)
+            processes(url, writers, args.seconds)
+    finally:
+        devservices.stop(services)
+
+
+if __name__ == "__main__":
+    main()
