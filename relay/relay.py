@@ -239,13 +239,13 @@ class Relay:
 
     def _settle(self, conn: Connection, flights: list[InFlight], salvaging: bool = False
                 ) -> None:
-        """Record acknowledged batches in one transaction; raises BrokerTrouble if Kafka
-        failed (unless ``salvaging``: a failure already ends the pass, and the acks that do
-        arrive are still recorded, so the next pass does not send those messages again)."""
+        """Record batches whose acks have all arrived (the recorder waited for them) in one
+        transaction; raises BrokerTrouble if Kafka failed (unless ``salvaging``: a failure
+        already ends the pass, and the acks that did arrive are still recorded, so the next
+        pass does not send those messages again)."""
         acks: list[tuple[int, int, int]] = []
         failures: list[store.Failure] = []
         for flight in flights:
-            self._await_acks(flight)
             for row, delivery in zip(flight.rows, flight.deliveries, strict=True):
                 if delivery is None:
                     continue
