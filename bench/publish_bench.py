@@ -1,10 +1,12 @@
 """Where publish's cost goes: per statement, and with each writer in its own process.
 
-    python bench/publish_bench.py [--seconds 6] [--writers 4 16]
+    python bench/publish_bench.py [--seconds 6] [--writers 4 16] [--ranges 30]
 
 1. One connection, one transaction of 3,000 statements each: the wall time of a bare
    single-row INSERT next to a publish (advisory key lock, message and pending rows, NOTIFY),
-   then publish again with the pending table's guard trigger disabled (its share).
+   then publish again with the pending table's guard trigger disabled (its share), and with
+   the trigger's lookup planned for each row (one partition locked); all again with
+   ``--ranges`` partitions of ``message``.
 2. ``--writers`` processes (no shared GIL, unlike `make bench`'s threads) each running
    business INSERT (+ publish) transactions with durable commits for ``--seconds``: TPS with
    and without publish (NOTIFY on and off) and the WAL each transaction wrote.
@@ -18,10 +20,10 @@ import os
 import time
 from collections.abc import Callable
 
-from sqlalchemy import create_engine, text
+from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.orm import Session
 
-from outbox import Outbox, migrate
+from outbox import Outbox, migrate, store
 from outbox.dev import services as devservices
 from outbox.settings import sqlalchemy_url
 
@@ -56,6 +58,13 @@ def writer(url: str, mode: str, seconds: float, slot: int,
     done.put(count)
 
 
+def partition_count(engine: Engine) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(text(
+            "SELECT count(*) FROM pg_inherits WHERE inhparent = CAST(:t AS regclass)"),
+            {"t": f"{SCHEMA}.message"}).scalar_one())
+
+
 def per_statement(url: str) -> None:
     engine = create_engine(url)
     outbox = Outbox(schema=SCHEMA)
@@ -84,6 +93,16 @@ def per_statement(url: str) -> None:
     finally:
         with engine.begin() as conn:
             conn.execute(text(f"ALTER TABLE {SCHEMA}.pending ENABLE TRIGGER pending_born_pending"))
+    # Planned for each row, the trigger's lookup would lock one partition of message instead
+    # of all (a generic plan's); what that costs (revision 0009's docstring).
+    function = f"{SCHEMA}.pending_born_pending()"
+    with engine.begin() as conn:
+        conn.execute(text(f"ALTER FUNCTION {function} SET plan_cache_mode = force_custom_plan"))
+    try:
+        timed("publish, trigger planned per row", publish)
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text(f"ALTER FUNCTION {function} RESET plan_cache_mode"))
     engine.dispose()
 
 
@@ -118,6 +137,8 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=6)
     parser.add_argument("--writers", type=int, nargs="*", default=[4, 16])
+    parser.add_argument("--ranges", type=int, default=30,
+                        help="step 1 again with this many ranges made ahead")
     args = parser.parse_args()
     print("starting embedded PostgreSQL (durable: fsync on) and Kafka broker ...", flush=True)
     services = devservices.start(durable=True)
@@ -129,9 +150,14 @@ def main() -> None:
         with engine.begin() as conn:
             conn.execute(text("CREATE TABLE IF NOT EXISTS bench_orders "
                               "(id bigserial PRIMARY KEY, customer text, total numeric)"))
+        for ranges in (None, args.ranges):
+            if ranges is not None:
+                with engine.begin() as conn:
+                    store.ensure_partitions(conn, SCHEMA, 100_000, ahead=ranges)
+            print(f"1. one connection, 3,000 statements in one transaction "
+                  f"({partition_count(engine)} partitions of message)", flush=True)
+            per_statement(url)
         engine.dispose()
-        print("1. one connection, 3,000 statements in one transaction", flush=True)
-        per_statement(url)
         for writers in args.writers:
             print(f"2. {writers} writer processes, {args.seconds:g} s each, durable commits",
                   flush=True)
