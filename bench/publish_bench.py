@@ -15,10 +15,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.orm import Session
@@ -65,6 +66,18 @@ def partition_count(engine: Engine) -> int:
             {"t": f"{SCHEMA}.message"}).scalar_one())
 
 
+@contextlib.contextmanager
+def altered(engine: Engine, change: str, undo: str) -> Iterator[None]:
+    """The schema with ``change`` applied for the block, then ``undo`` run."""
+    with engine.begin() as conn:
+        conn.execute(text(change))
+    try:
+        yield
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text(undo))
+
+
 def per_statement(url: str) -> None:
     engine = create_engine(url)
     outbox = Outbox(schema=SCHEMA)
@@ -86,23 +99,15 @@ def per_statement(url: str) -> None:
     for _ in range(2):
         timed("bare INSERT", bare)
         timed("publish", publish)
-    with engine.begin() as conn:
-        conn.execute(text(f"ALTER TABLE {SCHEMA}.pending DISABLE TRIGGER pending_born_pending"))
-    try:
+    trigger, function = f"{SCHEMA}.pending", f"{SCHEMA}.pending_born_pending()"
+    with altered(engine, f"ALTER TABLE {trigger} DISABLE TRIGGER pending_born_pending",
+                 f"ALTER TABLE {trigger} ENABLE TRIGGER pending_born_pending"):
         timed("publish, guard trigger disabled", publish)
-    finally:
-        with engine.begin() as conn:
-            conn.execute(text(f"ALTER TABLE {SCHEMA}.pending ENABLE TRIGGER pending_born_pending"))
     # Planned for each row, the trigger's lookup would lock one partition of message instead
     # of all (a generic plan's); what that costs (revision 0009's docstring).
-    function = f"{SCHEMA}.pending_born_pending()"
-    with engine.begin() as conn:
-        conn.execute(text(f"ALTER FUNCTION {function} SET plan_cache_mode = force_custom_plan"))
-    try:
+    with altered(engine, f"ALTER FUNCTION {function} SET plan_cache_mode = force_custom_plan",
+                 f"ALTER FUNCTION {function} RESET plan_cache_mode"):
         timed("publish, trigger planned per row", publish)
-    finally:
-        with engine.begin() as conn:
-            conn.execute(text(f"ALTER FUNCTION {function} RESET plan_cache_mode"))
     engine.dispose()
 
 
