@@ -147,7 +147,9 @@ def _run(spark: SparkSession, settings: ReconcileSettings, engine: Engine,
                 spark, jdbc, [queries.message_facts(schema, window, r) for r in ranges])
             messages = _cache(cached, _with_carried(spark, jdbc, schema, window, own, handed))
             orphans = sources.read_jdbc(spark, jdbc, [
-                queries.orphan_op_records(schema, window, r)
+                queries.orphan_op_records(schema, window, r) for r in ranges] + [
+                queries.outlying_orphan_op_records(
+                    schema, window, r, (bounds.min_id or 0, bounds.max_id or 0))
                 for r in sources.id_ranges(*(op_ids or (0, 0)), parts)])
             counted = messages.groupBy("carried", *findings.STATE).agg(
                 F.count(F.lit(1)).alias("messages"),
