@@ -72,9 +72,11 @@ def last_by_key(facts: DataFrame, anchors: DataFrame | None) -> DataFrame:
         F.col("key").isNotNull() & (F.col("op_at").isNotNull() | F.col("copy_at").isNotNull())
     ).select("topic", "key", "id", "op_at", "copy_at")
     every = placed if anchors is None else placed.unionByName(anchors)
+    # One max_by per long column, not one of a struct: a struct buffer is not hash-aggregable,
+    # so Spark sorted every placed message of the window for this.
     return every.groupBy("topic", "key").agg(
-        F.max_by(F.struct("id", "op_at", "copy_at"), "id").alias("last")
-    ).select("topic", "key", "last.id", "last.op_at", "last.copy_at")
+        F.max("id").alias("id"), F.max_by("op_at", "id").alias("op_at"),
+        F.max_by("copy_at", "id").alias("copy_at"))
 
 
 def write(spark: SparkSession, output: Path, facts: DataFrame, anchors: DataFrame | None

@@ -2,14 +2,13 @@
 
 Every finding is a DataFrame with the same columns (finding, message_id, topic, partition,
 offset, detail), one row per message or per Kafka record involved, so all of them land in one
-Parquet dataset. Most are filters
-over ``facts``: one row per message of the window with what its op records and the topic say
-about it.
+Parquet dataset. Most are filters (:class:`Rule`) over ``facts``: one row per message of the
+window with what its op records and the topic say about it; they are all found in one pass.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import reduce
@@ -131,9 +130,13 @@ def foreign(joined: DataFrame) -> DataFrame:
         "topic", F.col("id").alias("outbox_id"))
 
 
+def _several() -> Column:
+    return (F.col("delivered_ops") > 1) | (F.col("kafka_copies") > 1)
+
+
 def several(facts: DataFrame) -> DataFrame:
     """Messages with more than one DELIVERED op record or copy: checked record by record."""
-    return facts.where((F.col("delivered_ops") > 1) | (F.col("kafka_copies") > 1))
+    return facts.where(_several())
 
 
 def find(inputs: Inputs, facts: DataFrame, unknown: DataFrame | None,
@@ -143,23 +146,60 @@ def find(inputs: Inputs, facts: DataFrame, unknown: DataFrame | None,
     ``unknown``: (topic, outbox_id) of new records that match no prepare row at all;
     ``claims``: (id, topic, partition, offset) of each DELIVERED op record of ``several``.
     """
+    rules = [
+        undelivered_after_sla(inputs.cutoff),
+        delivered_more_than_once(),
+        delivered_although_rolled_back(),
+        stuck_unknown(inputs.cutoff),
+        discarded(),
+    ]
+    if inputs.records is not None:
+        rules.append(copied_without_op_record())
     found = [
-        undelivered_after_sla(facts, inputs.cutoff),
-        delivered_more_than_once(facts),
-        delivered_although_rolled_back(facts),
+        by_message(facts, rules),
         op_record_without_message(inputs.orphans),
         key_order_broken(facts, topics_read=inputs.records is not None,
                          anchors=inputs.anchors),
-        stuck_unknown(facts, inputs.cutoff),
-        discarded(facts),
     ]
     if inputs.records is not None:
         assert claims is not None
         found += [
-            kafka_record_without_op_record(facts, inputs.records, unknown),
+            stray_records(inputs.records, unknown),
             op_record_position_mismatch(facts, claims, inputs.records),
         ]
     return reduce(DataFrame.unionByName, found)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A finding that is a filter over ``facts``: which messages, what to say, and where
+    (an encoded position column, or None)."""
+
+    name: str
+    where: Column
+    detail: Column
+    at: Column | None = None
+
+
+def by_message(facts: DataFrame, rules: list[Rule]) -> DataFrame:
+    """The findings of ``rules``, in one pass over ``facts`` (one scan of the cached rows
+    rather than one per finding); a message matching several rules yields a row for each."""
+    assert all(rule.name in BY_NAME for rule in rules)
+    matches = F.array(*[
+        F.when(rule.where, F.struct(
+            F.lit(rule.name).alias("finding"), rule.detail.alias("detail"),
+            (rule.at if rule.at is not None else F.lit(None)).cast("long").alias("at")))
+        for rule in rules])
+    return facts.where(reduce(Column.__or__, [rule.where for rule in rules])).select(
+        "id", "topic", F.explode(F.filter(matches, lambda m: m.isNotNull())).alias("m")
+    ).select(
+        "m.finding",
+        F.col("id").cast("long").alias("message_id"),
+        "topic",
+        _partition_of("m.at").alias("partition"),
+        _offset_of("m.at").cast("long").alias("offset"),
+        "m.detail",
+    )
 
 
 def _finding(df: DataFrame, name: str, detail: Column, *, message_id: str = "id",
@@ -193,36 +233,38 @@ def _due() -> Column:
     return F.greatest("created_at", "deliver_after")
 
 
-def undelivered_after_sla(facts: DataFrame, cutoff: datetime) -> DataFrame:
-    late = facts.where(
+def _first_copy_or_op() -> Column:
+    return F.coalesce("copy_at", "op_at")
+
+
+def undelivered_after_sla(cutoff: datetime) -> Rule:
+    return Rule(
+        "undelivered_after_sla",
         (F.col("resolution") == Resolution.COMMIT.value) & (_due() < F.lit(cutoff))
-        & (F.col("delivered_ops") == 0) & (F.col("kafka_copies") == 0))
-    return _finding(late, "undelivered_after_sla", F.concat(
-        F.format_string("status %s, due %s, %d attempts", "status", _ts(_due()), "attempts"),
-        F.coalesce(F.concat(F.lit(", last error: "), "last_error"), F.lit(""))))
+        & (F.col("delivered_ops") == 0) & (F.col("kafka_copies") == 0),
+        F.concat(
+            F.format_string("status %s, due %s, %d attempts", "status", _ts(_due()),
+                            "attempts"),
+            F.coalesce(F.concat(F.lit(", last error: "), "last_error"), F.lit(""))))
 
 
-def delivered_more_than_once(facts: DataFrame) -> DataFrame:
-    twice = several(facts).withColumn(
-        "at", F.coalesce("copy_at", "op_at"))
-    return _finding(
-        twice, "delivered_more_than_once",
+def delivered_more_than_once() -> Rule:
+    return Rule(
+        "delivered_more_than_once", _several(),
         F.format_string("%d copies in Kafka, %d DELIVERED op records", "kafka_copies",
                         "delivered_ops"),
-        position="at")
+        _first_copy_or_op())
 
 
-def delivered_although_rolled_back(facts: DataFrame) -> DataFrame:
+def delivered_although_rolled_back() -> Rule:
     not_committed = (F.col("resolution") != Resolution.COMMIT.value) | F.col("status").isin(
         Status.ROLLED_BACK.value, Status.DISCARDED.value)
-    wrong = facts.where(
-        not_committed & ((F.col("delivered_ops") > 0) | (F.col("kafka_copies") > 0))
-    ).withColumn("at", F.coalesce("copy_at", "op_at"))
-    return _finding(
-        wrong, "delivered_although_rolled_back",
+    return Rule(
+        "delivered_although_rolled_back",
+        not_committed & ((F.col("delivered_ops") > 0) | (F.col("kafka_copies") > 0)),
         F.format_string("resolution %s, status %s; %d copies in Kafka, %d DELIVERED op records",
                         "resolution", "status", "kafka_copies", "delivered_ops"),
-        position="at")
+        _first_copy_or_op())
 
 
 def op_record_without_message(orphans: DataFrame) -> DataFrame:
@@ -234,28 +276,31 @@ def op_record_without_message(orphans: DataFrame) -> DataFrame:
         partition="kafka_partition", offset="kafka_offset")
 
 
-def kafka_record_without_op_record(facts: DataFrame, records: DataFrame,
-                                   unknown: DataFrame | None) -> DataFrame:
-    """Committed window messages in Kafka without an op record, and new stray records."""
-    unrecorded = facts.where(
+def copied_without_op_record() -> Rule:
+    """Committed window messages in Kafka without a DELIVERED op record."""
+    return Rule(
+        "kafka_record_without_op_record",
         (F.col("resolution") == Resolution.COMMIT.value)
         & ~F.col("status").isin(Status.ROLLED_BACK.value, Status.DISCARDED.value)
-        & (F.col("kafka_copies") > 0) & (F.col("delivered_ops") == 0))
-    by_message = _finding(
-        unrecorded, "kafka_record_without_op_record",
+        & (F.col("kafka_copies") > 0) & (F.col("delivered_ops") == 0),
         F.format_string("status %s; %d copies in Kafka, no DELIVERED op record", "status",
                         "kafka_copies"),
-        position="copy_at")
+        F.col("copy_at"))
+
+
+def stray_records(records: DataFrame, unknown: DataFrame | None) -> DataFrame:
+    """New records without an outbox-id, or whose outbox-id is no message of their topic
+    (also kafka_record_without_op_record)."""
     fresh = records.where("fresh")
     strays = fresh.where(F.col("outbox_id").isNull())
     if unknown is not None:
         strays = strays.unionByName(
             fresh.join(F.broadcast(unknown), ["topic", "outbox_id"], "left_semi"))
-    return by_message.unionByName(_finding(
+    return _finding(
         strays, "kafka_record_without_op_record",
         F.when(F.col("outbox_id").isNull(), F.lit("no valid outbox-id header"))
         .otherwise(F.lit("outbox-id matches no prepare row of this topic")),
-        message_id="outbox_id"))
+        message_id="outbox_id")
 
 
 def op_record_position_mismatch(facts: DataFrame, claims: DataFrame, records: DataFrame
@@ -298,13 +343,18 @@ def key_order_broken(facts: DataFrame, *, topics_read: bool,
     """
     at = F.col("copy_at") if topics_read else F.col("op_at")
     placed = facts.where(F.col("key").isNotNull() & at.isNotNull()).select(
-        "id", "topic", "key", at.alias("at"))
+        "id", "topic", "key", at.alias("at"), F.lit(False).alias("anchor"))
+    by_key = Window.partitionBy("topic", "key").orderBy("id", "anchor")
     if anchors is not None:
         before = anchors.select("id", "topic", "key", (
-            F.coalesce("copy_at", "op_at") if topics_read else F.col("op_at")).alias("at"))
-        placed = placed.unionByName(
-            before.where(F.col("at").isNotNull()).join(placed.select("id"), "id", "left_anti"))
-    by_key = Window.partitionBy("topic", "key").orderBy("id")
+            F.coalesce("copy_at", "op_at") if topics_read else F.col("op_at")).alias("at"),
+            F.lit(True).alias("anchor"))
+        # An anchor that is also a message of this run (a re-audited window) sorts right
+        # after it and is dropped: done inside the window's sort, not by an anti-join that
+        # shuffles every id of the window once more.
+        placed = placed.unionByName(before.where(F.col("at").isNotNull())).select(
+            "*", F.lag("id").over(by_key).alias("twin")
+        ).where(F.col("twin").isNull() | (F.col("twin") != F.col("id"))).drop("twin")
     compared = placed.select(
         "*", F.lag("id").over(by_key).alias("prev_id"), F.lag("at").over(by_key).alias("prev"))
     broken = compared.where(
@@ -319,21 +369,22 @@ def key_order_broken(facts: DataFrame, *, topics_read: bool,
         position="at")
 
 
-def stuck_unknown(facts: DataFrame, cutoff: datetime) -> DataFrame:
-    stuck = facts.where(
+def stuck_unknown(cutoff: datetime) -> Rule:
+    return Rule(
+        "stuck_unknown",
         (F.col("resolution") == Resolution.UNKNOWN.value)
         & F.col("status").isin(Status.PENDING.value, Status.DELAYED.value)
-        & (F.col("created_at") < F.lit(cutoff)))
-    return _finding(stuck, "stuck_unknown", F.format_string(
-        "%d check-backs, created %s, next check %s", "check_count", _ts("created_at"),
-        F.coalesce(_ts("next_check_at"), F.lit("none"))))
+        & (F.col("created_at") < F.lit(cutoff)),
+        F.format_string("%d check-backs, created %s, next check %s", "check_count",
+                        _ts("created_at"), F.coalesce(_ts("next_check_at"), F.lit("none"))))
 
 
-def discarded(facts: DataFrame) -> DataFrame:
-    gone = facts.where(F.col("status") == Status.DISCARDED.value)
-    return _finding(gone, "discarded", F.concat(
-        F.format_string("resolution %s after %d check-backs", "resolution", "check_count"),
-        F.coalesce(F.concat(F.lit(", last error: "), "last_error"), F.lit(""))))
+def discarded() -> Rule:
+    return Rule(
+        "discarded", F.col("status") == Status.DISCARDED.value,
+        F.concat(
+            F.format_string("resolution %s after %d check-backs", "resolution", "check_count"),
+            F.coalesce(F.concat(F.lit(", last error: "), "last_error"), F.lit(""))))
 
 
 # --- statistics ------------------------------------------------------------------------------
@@ -341,14 +392,22 @@ def discarded(facts: DataFrame) -> DataFrame:
 PERCENTILES = (0.5, 0.9, 0.99)
 
 
-def stats(messages: DataFrame) -> dict[str, Any]:
-    """Counts by topic and resolution, delivery latency percentiles, check-back histogram."""
+#: What the statistics count messages by; the job counts them in the aggregation that also
+#: gives its totals (one scan of the cached rows for both).
+STATE = ("topic", "resolution", "status", "check_count")
+
+
+def stats(states_counted: Iterable[Any], messages: DataFrame) -> dict[str, Any]:
+    """Counts by topic and resolution, delivery latency percentiles, check-back histogram.
+
+    ``states_counted``: rows of the :data:`STATE` columns and ``messages``, their count.
+    """
     states: dict[tuple[str, str, str], int] = {}
     checks: dict[int, int] = {}
-    for r in messages.groupBy("topic", "resolution", "status", "check_count").count().collect():
+    for r in states_counted:
         key = (r.topic, r.resolution, r.status)
-        states[key] = states.get(key, 0) + r["count"]
-        checks[r.check_count] = checks.get(r.check_count, 0) + r["count"]
+        states[key] = states.get(key, 0) + r.messages
+        checks[r.check_count] = checks.get(r.check_count, 0) + r.messages
     counts = [{"topic": t, "resolution": res, "status": st, "count": n}
               for (t, res, st), n in sorted(states.items())]
     latency = (F.unix_micros("delivered_at") - F.unix_micros("created_at")) / 1e6

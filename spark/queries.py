@@ -248,21 +248,39 @@ def op_record_bounds(conn: Connection, schema: str, window: Window) -> tuple[int
 
 
 def orphan_op_records(schema: str, window: Window, ids: tuple[int, int]) -> str:
-    """Op records written in the window, with ids in ``ids``, whose prepare row is missing.
+    """Op records written in the window for the message ids in ``ids``, whose prepare row is
+    missing: a merge anti-join of the two id-ordered indexes, each read over ``ids`` alone
+    (so hashing or reading every message id of the history is impossible). Cut by the same
+    message id ranges as :func:`message_facts`; :func:`outlying_orphan_op_records` covers
+    the message ids outside the window's."""
+    o, m = tables(schema).op_record, tables(schema).message
+    return _orphans(schema, window, o.c.message_id.between(*ids),
+                    sa.select(sa.literal(1)).where(m.c.id == o.c.message_id,
+                                                   m.c.id.between(*ids)))
 
-    ``OFFSET 0`` keeps the NOT EXISTS a primary-key probe per op record: pulled up into an
-    anti-join, PostgreSQL hashes every message id of the history for a large window.
-    """
-    t = tables(schema)
-    o, m = t.op_record, t.message
+
+def outlying_orphan_op_records(schema: str, window: Window, ids: tuple[int, int],
+                               message_ids: tuple[int, int]) -> str:
+    """Op records written in the window, with ids in ``ids``, for a message id outside
+    ``message_ids`` (the window's), whose prepare row is missing: the few such records (a
+    message of an earlier window delivered late) are each a primary-key probe. ``OFFSET 0``
+    keeps the NOT EXISTS a probe: pulled up into an anti-join, PostgreSQL may hash every
+    message id of the history."""
+    o, m = tables(schema).op_record, tables(schema).message
+    low, high = message_ids
+    return _orphans(schema, window, sa.and_(
+        o.c.id.between(*ids), sa.or_(o.c.message_id < low, o.c.message_id > high)),
+        sa.select(sa.literal(1)).where(m.c.id == o.c.message_id).offset(0))
+
+
+def _orphans(schema: str, window: Window, which: sa.ColumnElement[bool],
+             message_of: sa.Select[Any]) -> str:
+    o = tables(schema).op_record
     return as_subquery(
         sa.select(
             o.c.id, o.c.message_id, o.c.action, o.c.actor, o.c.kafka_partition,
             o.c.kafka_offset, o.c.created_at,
-        ).where(
-            _in_window(o.c.created_at, window), o.c.id.between(*ids),
-            ~sa.exists(sa.select(sa.literal(1)).where(m.c.id == o.c.message_id).offset(0)),
-        ),
+        ).where(_in_window(o.c.created_at, window), which, ~sa.exists(message_of)),
         "orphan",
     )
 

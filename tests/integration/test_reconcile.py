@@ -427,11 +427,13 @@ def test_command_exits_1_over_a_threshold_and_0_when_that_finding_only_reports(
     assert "note  undelivered_after_sla" in passing.output
 
 
-def test_the_orphan_check_probes_the_primary_key_rather_than_reading_every_message(
+def test_the_orphan_check_reads_the_window_s_id_ranges_rather_than_every_message(
     engine: Engine, schema: str
 ) -> None:
     """Its cost must follow the window's op records, not the message history: hashing every
-    message id (the planner's choice for a large window) grows with the table."""
+    message id (the planner's choice for a large window) grows with the table. Each range
+    reads message ids within its bounds only; the op records of messages outside the window's
+    ids probe the primary key one by one."""
     n = 200_000
     with engine.begin() as conn:
         conn.execute(text(
@@ -441,13 +443,22 @@ def test_the_orphan_check_probes_the_primary_key_rather_than_reading_every_messa
         conn.execute(text(
             f"INSERT INTO {schema}.op_record (id, message_id, action, actor) "
             f"SELECT g, g, 'DELIVERED', 'test' FROM generate_series(1, :n) AS g"), {"n": n})
+    ids = (1, n // 8)
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         conn.execute(text(f"VACUUM ANALYZE {schema}.message, {schema}.op_record"))
         window = queries.Window(None, datetime.now(UTC) + timedelta(hours=1))
-        plan = [row[0] for row in conn.execute(text(
-            "EXPLAIN SELECT * FROM " + queries.orphan_op_records(schema, window, (1, n // 8))))]
+
+        def plan(subquery: str) -> list[str]:
+            return [row[0] for row in conn.execute(text("EXPLAIN SELECT * FROM " + subquery))]
+
+        ranged = plan(queries.orphan_op_records(schema, window, ids))
+        outlying = plan(queries.outlying_orphan_op_records(schema, window, ids, (ids[1] + 1, n)))
 
     # message is partitioned by id: the rows are in message_p1, the other partitions are empty
-    on_message = [line for line in plan if " on message_" in line]
-    assert any("using message_p1_pkey on message_p1 " in line for line in on_message), plan
-    assert not any("Hash" in line for line in plan), plan
+    scans = [i for i, line in enumerate(ranged) if " on message_" in line]
+    assert scans, ranged
+    for i in scans:
+        condition = next(line for line in ranged[i + 1:] if "Index Cond" in line)
+        assert f"(id >= {ids[0]})" in condition and f"(id <= {ids[1]})" in condition, ranged
+    assert any("using message_p1_pkey on message_p1 " in line for line in outlying), outlying
+    assert not any("Hash" in line for line in outlying), outlying
