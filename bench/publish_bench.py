@@ -143,7 +143,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=6)
     parser.add_argument("--writers", type=int, nargs="*", default=[4, 16])
     parser.add_argument("--ranges", type=int, default=30,
-                        help="step 1 again with this many ranges made ahead")
+                        help="step 1 again after making ranges of 100,000 ids this many "
+                             "ahead of the id sequence (the count printed is what exists)")
     args = parser.parse_args()
     print("starting embedded PostgreSQL (durable: fsync on) and Kafka broker ...", flush=True)
     services = devservices.start(durable=True)
