@@ -75,6 +75,9 @@ def consumer_config(settings: RelaySettings) -> dict[str, Any]:
         "enable.auto.commit": False,
         "enable.partition.eof": True,
         "fetch.wait.max.ms": 10,  # an empty tail ends after one short fetch
+        # librdkafka stops fetching for 1 s (its default) once 100,000 records wait in its
+        # queue: a long tail would stall that long every few hundred thousand records.
+        "fetch.queue.backoff.ms": 10,
         "auto.offset.reset": "earliest",
         "logger": log,
         **settings.kafka_security("librdkafka"),
