@@ -18,7 +18,7 @@ import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import pyarrow as pa
 from kafka import KafkaConsumer, TopicPartition
@@ -169,7 +169,8 @@ class KafkaRangeReader(DataSourceReader):
                 batch = consumer.consume(num_messages=50_000, timeout=0.5)
                 if errors := [e for e in map(Message.error, batch) if e is not None]:
                     raise KafkaException(errors[0])
-                offsets = list(map(Message.offset, batch))
+                # a record (not an error) always has its offset
+                offsets = cast(list[int], list(map(Message.offset, batch)))
                 kept = bisect.bisect_left(offsets, partition.end)  # ascending in a partition
                 if kept:
                     yield _to_arrow(partition, offsets[:kept],
