@@ -490,7 +490,8 @@ def _thresholds(_ctx: click.Context, _param: click.Parameter, values: tuple[str,
               metavar="FINDING=N|none", help="fail when more than N of FINDING are found; "
               "'none' only reports it (repeatable) [env OUTBOX_RECONCILE_THRESHOLDS, JSON]")
 @click.option("--partitions", type=int,
-              help="parallel JDBC reads per table [env OUTBOX_RECONCILE_PARTITIONS; 8]")
+              help="parallel JDBC reads per table at most; one per core of the "
+              "session unless a read would pass 2.5M rows [env OUTBOX_RECONCILE_PARTITIONS; 8]")
 @click.option("--master", help="Spark master [env OUTBOX_RECONCILE_SPARK_MASTER; "
               "spark-submit's, else local[*]]")
 @log_level_option

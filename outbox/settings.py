@@ -448,7 +448,8 @@ class ReconcileSettings(DatabaseSettings, KafkaSettings):
         default=False, description="also read the Kafka topics, not only the outbox tables"
     )
     reconcile_partitions: int = Field(
-        default=8, gt=0, le=1024, description="parallel JDBC reads per table"
+        default=8, gt=0, le=1024, description="parallel JDBC reads per table at most (one per "
+        "core of the Spark session, more only to keep a read at 2.5M rows)"
     )
     reconcile_spark_master: str = Field(
         default="", description="Spark master; empty: spark-submit's, or local[*] from the CLI"

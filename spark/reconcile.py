@@ -141,7 +141,8 @@ def _run(spark: SparkSession, settings: ReconcileSettings, engine: Engine,
                      _iso(window.until), source, bounds.count)
             handed = carry.read(spark, mark.output_path)
             jdbc = sources.jdbc_options(settings.database_url)
-            parts = max(1, min(settings.reconcile_partitions, bounds.count // 50_000 + 1))
+            parts = sources.read_count(bounds.count, spark.sparkContext.defaultParallelism,
+                                       settings.reconcile_partitions)
             ranges = sources.id_ranges(bounds.min_id or 0, bounds.max_id or 0, parts)
             own = sources.read_jdbc(
                 spark, jdbc, [queries.message_facts(schema, window, r) for r in ranges])

@@ -58,6 +58,24 @@ def jdbc_options(database_url: str) -> dict[str, str]:
     return options
 
 
+#: Rows one JDBC read takes at most when a window is large (a cached partition of about
+#: 300 MB), and at least (a smaller read costs more than it parallelises).
+MAX_ROWS_PER_READ = 2_500_000
+MIN_ROWS_PER_READ = 50_000
+
+
+def read_count(rows: int, cores: int, at_most: int) -> int:
+    """How many parallel JDBC reads take ``rows`` rows: one per core of the session, more
+    only to keep each under MAX_ROWS_PER_READ, never more than ``at_most``
+    (reconcile_partitions) nor so many that one is under MIN_ROWS_PER_READ.
+
+    More reads than cores only queue behind each other: on local[2], 2 reads of 5M rows
+    took 10.0 s where 8 took 10.5-11.8 s (BENCHMARKS.md).
+    """
+    wanted = max(cores, -(-rows // MAX_ROWS_PER_READ))
+    return max(1, min(at_most, wanted, rows // MIN_ROWS_PER_READ + 1))
+
+
 def id_ranges(low: int, high: int, parts: int) -> list[tuple[int, int]]:
     """``[low, high]`` cut into at most ``parts`` inclusive ranges of similar width."""
     step = max(1, -(-(high - low + 1) // parts))
