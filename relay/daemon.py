@@ -103,17 +103,17 @@ class Lifecycle:
             return self._outage_since is not None
 
 
-#: Python's cyclic garbage collector's thresholds in a daemon's process; Python's default
-#: (700, 10, 10) starts a collection every 700 net allocations. A relay allocates rows, records
-#: and callbacks by the thousand per batch, and with the default drained 20-26% fewer
-#: messages a second (bench/relay_bench.py, BENCHMARKS.md). Collections still run, less often.
-GC_THRESHOLDS = (100_000, 50, 100)
-
-
 def run_until_signalled(daemon: Daemon) -> None:
-    """Run ``daemon`` in this (main) thread, the process's own (see GC_THRESHOLDS): the first
-    SIGTERM or Ctrl-C finishes the work in hand and stops; a second one abandons it."""
-    gc.set_threshold(*GC_THRESHOLDS)
+    """Run ``daemon`` in this (main) thread, the process's own: the first SIGTERM or Ctrl-C
+    finishes the work in hand and stops; a second one abandons it.
+
+    What is alive by now (modules, settings, engines) is frozen out of the cyclic garbage
+    collector's reach: its full collections walked all of it, again and again, while a relay
+    allocates thousands of objects a batch. That cost a relay a fifth of its throughput
+    (BENCHMARKS.md); fewer collections (higher thresholds) won it back too, but lengthened
+    the latency tail.
+    """
+    gc.freeze()
     lifecycle = daemon.lifecycle
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
