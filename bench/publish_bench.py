@@ -8,8 +8,11 @@
    the trigger's lookup planned for each row (one partition locked); all again with
    ``--ranges`` partitions of ``message``.
 2. ``--writers`` processes (no shared GIL, unlike `make bench`'s threads) each running
-   business INSERT (+ publish) transactions with durable commits for ``--seconds``: TPS with
-   and without publish (NOTIFY on and off) and the WAL each transaction wrote.
+   business INSERT (+ publish) transactions with durable commits for ``--seconds``: TPS
+   alone, with publish while relays are awake (no NOTIFY) and while a relay sleeps (every
+   commit NOTIFYs), and the WAL each transaction wrote;
+3. the same transactions from pgbench, whose C clients cost the machine next to nothing, so
+   the database is the bound (as behind many application servers): what NOTIFY costs there.
 """
 
 from __future__ import annotations
@@ -18,34 +21,34 @@ import argparse
 import contextlib
 import multiprocessing
 import os
+import re
+import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
+from relay_bench import BUSINESS_TABLE, relay_asleep
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.orm import Session
 
 from outbox import Outbox, migrate, store
 from outbox.dev import services as devservices
+from outbox.encoding import encode
 from outbox.settings import sqlalchemy_url
 
 SCHEMA = "bench_publish_cost"
 BUSINESS = text("INSERT INTO bench_orders (customer, total) VALUES (:c, 10.5)")
 
 
-def outbox_for(mode: str) -> Outbox | None:
-    """No outbox for ``bare``; NOTIFY off for ``quiet``."""
-    if mode == "bare":
-        return None
-    outbox = Outbox(schema=SCHEMA)
-    if mode == "quiet":
-        return Outbox(settings=outbox.settings.model_copy(update={"notify": False}))
-    return outbox
+MODES = {"bare": "business INSERT alone", "awake": "+ publish, relays awake",
+         "asleep": "+ publish, a relay asleep"}
 
 
 def writer(url: str, mode: str, seconds: float, slot: int,
            done: multiprocessing.Queue[int]) -> None:
     engine = create_engine(url, pool_size=1)
-    outbox = outbox_for(mode)
+    outbox = None if mode == "bare" else Outbox(schema=SCHEMA)
     count, stop_at = 0, time.perf_counter() + seconds
     with Session(engine) as session:
         while time.perf_counter() < stop_at:
@@ -111,30 +114,83 @@ def per_statement(url: str) -> None:
     engine.dispose()
 
 
-def processes(url: str, writers: int, seconds: float) -> None:
+def processes(url: str, database_url: str, writers: int, seconds: float) -> None:
     engine = create_engine(url)
     rates: dict[str, float] = {}
-    for mode in ("bare", "publish", "quiet"):
+    for mode, label in MODES.items():
         with engine.connect() as conn:
             before = conn.execute(text("SELECT pg_current_wal_lsn()")).scalar_one()
         done: multiprocessing.Queue[int] = multiprocessing.Queue()
         workers = [multiprocessing.Process(target=writer, args=(url, mode, seconds, s, done))
                    for s in range(writers)]
-        for process in workers:
-            process.start()
-        total = sum(done.get() for _ in workers)
-        for process in workers:
-            process.join()
+        with asleep_if(mode, database_url):
+            for process in workers:
+                process.start()
+            total = sum(done.get() for _ in workers)
+            for process in workers:
+                process.join()
         with engine.connect() as conn:
             wal = conn.execute(text("SELECT pg_current_wal_lsn() - CAST(:lsn AS pg_lsn)"),
                                {"lsn": before}).scalar_one()
         rates[mode] = total / seconds
-        label = {"bare": "business INSERT alone", "publish": "+ publish",
-                 "quiet": "+ publish, NOTIFY off"}[mode]
         ratio = rates[mode] / rates["bare"]
-        print(f"   {label:24} {rates[mode]:7,.0f} TPS  {ratio:.2f}x   "
+        print(f"   {label:26} {rates[mode]:7,.0f} TPS  {ratio:.2f}x   "
               f"WAL {float(wal) / total:5.0f} B/transaction", flush=True)
     engine.dispose()
+
+
+def asleep_if(mode: str, database_url: str) -> contextlib.AbstractContextManager[None]:
+    return relay_asleep(database_url, SCHEMA) if mode == "asleep" else contextlib.nullcontext()
+
+
+def pgbench_script(schema: str, publish: bool) -> str:
+    """The business INSERT transaction for pgbench, with the publish statement's own text
+    when ``publish``: its varying parameters become pgbench variables, NULLs are written in,
+    the rest are set once with -D (:func:`pgbench_defines`)."""
+    statements = [BUSINESS.text.replace(":c", "'c'")]
+    if publish:
+        sql = "\n".join(line for line in store.query("publish", schema).text.splitlines()
+                        if not line.lstrip().startswith("--")).rstrip(";")
+        swapped = {"key": "CAST(:n AS bytea)", "lock_key": ":n",
+                   "payload": "CAST(:payload AS bytea)", "shard": "CAST(:shard AS smallint)",
+                   "header_keys": "NULL", "header_values": "NULL", "deliver_at": "NULL",
+                   "check_after_seconds": "NULL"}
+        statements.append(re.sub(r"(?<!:):(\w+)", lambda m: swapped.get(m[1], m[0]), sql))
+    return ("\\set n random(1, 100000)\n\\set shard random(0, 63)\nBEGIN;\n"
+            + "".join(f"{statement};\n" for statement in statements) + "COMMIT;\n")
+
+
+def pgbench_defines(schema: str) -> list[str]:
+    message = encode("orders", {"customer": "c"}, key="k", headers=None, content_type=None,
+                     max_payload_bytes=1 << 20, random_shard=0)
+    _, params = store.publish(schema, message)
+    fixed = {name: value for name, value in params.items()
+             if name not in ("key", "lock_key", "shard") and value is not None}
+    text_of = {bytes: lambda v: "\\x" + v.hex(), bool: lambda v: str(v).lower()}
+    return [f"-D{name}={text_of.get(type(value), str)(value)}" for name, value in fixed.items()]
+
+
+def pgbench_publish(services: devservices.Services, clients: int, seconds: float,
+                    schema: str = SCHEMA) -> tuple[float, float, float]:
+    """TPS of pgbench's ``clients``: business INSERT alone, with a publish while relays are
+    awake, with a publish while a relay sleeps (durable commits)."""
+    migrate.upgrade(services.database_url, schema)
+    engine = create_engine(sqlalchemy_url(services.database_url))
+    with engine.begin() as conn:
+        conn.execute(text(BUSINESS_TABLE))
+    engine.dispose()
+    rates = []
+    with tempfile.TemporaryDirectory() as folder:
+        for mode in MODES:
+            script = Path(folder, f"{mode}.sql")
+            script.write_text(pgbench_script(schema, publish=mode != "bare"))
+            command = [os.path.join(services.pg_bindir, "pgbench"), "-n", "-M", "prepared",
+                       "-c", str(clients), "-j", str(min(clients, 2)), "-T", f"{seconds:g}",
+                       "-f", str(script), *pgbench_defines(schema), services.database_url]
+            with asleep_if(mode, services.database_url):
+                done = subprocess.run(command, capture_output=True, text=True, check=True)
+            rates.append(float(re.search(r"^tps = ([\d.]+)", done.stdout, re.M)[1]))  # type: ignore[index]
+    return rates[0], rates[1], rates[2]
 
 
 def main() -> None:
@@ -154,8 +210,7 @@ def main() -> None:
         migrate.upgrade(services.database_url, SCHEMA)
         engine = create_engine(url)
         with engine.begin() as conn:
-            conn.execute(text("CREATE TABLE IF NOT EXISTS bench_orders "
-                              "(id bigserial PRIMARY KEY, customer text, total numeric)"))
+            conn.execute(text(BUSINESS_TABLE))
         for ranges in (None, args.ranges):
             if ranges is not None:
                 with engine.begin() as conn:
@@ -167,7 +222,13 @@ def main() -> None:
         for writers in args.writers:
             print(f"2. {writers} writer processes, {args.seconds:g} s each, durable commits",
                   flush=True)
-            processes(url, writers, args.seconds)
+            processes(url, services.database_url, writers, args.seconds)
+        for writers in args.writers:
+            print(f"3. pgbench, {writers} clients, {args.seconds:g} s each, durable commits",
+                  flush=True)
+            rates = pgbench_publish(services, writers, args.seconds)
+            for label, rate in zip(MODES.values(), rates, strict=True):
+                print(f"   {label:26} {rate:7,.0f} TPS  {rate / rates[0]:.2f}x", flush=True)
     finally:
         devservices.stop(services)
 

@@ -8,8 +8,10 @@ On fresh embedded services (durable: fsync on), in this order:
    relay, pg_current_wal_lsn() before and after the drain (first, so no other schema's
    vacuum work is in the window); once within one checkpoint cycle (steady load), once
    right after a CHECKPOINT (every page's first change logs a full-page image);
-2. business insert + publish vs business insert alone, at 4 and at 16 concurrent writers,
-   with NOTIFY on and off;
+2. business insert + publish vs business insert alone, at 4 and at 16 concurrent writers
+   (Python threads), while relays are awake (no NOTIFY) and while one sleeps (every commit
+   NOTIFYs); then the same transactions from pgbench, whose C clients leave the database as
+   the bound (publish_bench.pgbench_publish);
 3. raw kafka-python produce, then one relay with the kafka-python and with the confluent
    transport draining --messages committed rows, then two relays with the confluent
    transport (relay_bench's functions); --rounds times, interleaved, medians reported (the
@@ -35,6 +37,7 @@ import textwrap
 import time
 from pathlib import Path
 
+from publish_bench import pgbench_publish
 from relay_bench import (
     delivered,
     preload,
@@ -165,10 +168,19 @@ def main() -> None:
         for writers in (4, 16):
             say(f"2. business insert + publish vs insert alone, {writers} writers, {seconds:g} s "
                 "each")
-            bare, notifying, quiet = publish_cost(services, engine, seconds, threads=writers)
-            say(f"   alone {bare:,.0f} TPS, + publish {notifying:,.0f}, NOTIFY off {quiet:,.0f}")
-            for label, tps in (("NOTIFY on", notifying), ("NOTIFY off", quiet)):
+            bare, awake, asleep = publish_cost(services, engine, seconds, threads=writers)
+            say(f"   alone {bare:,.0f} TPS, + publish {awake:,.0f} (relays awake), "
+                f"{asleep:,.0f} (a relay asleep: every commit NOTIFYs)")
+            for label, tps in (("relays awake", awake), ("a relay asleep", asleep)):
                 figures.append(Figure(f"business insert + publish, {writers} writers, {label}",
+                                      tps, "TPS", bare, "insert alone", (">=", 0.8)))
+            say(f"   the same from pgbench (C clients: the database is the bound), {seconds:g} s "
+                "each")
+            bare, awake, asleep = pgbench_publish(services, writers, seconds)
+            say(f"   alone {bare:,.0f} TPS, + publish {awake:,.0f} (relays awake), "
+                f"{asleep:,.0f} (a relay asleep)")
+            for label, tps in (("relays awake", awake), ("a relay asleep", asleep)):
+                figures.append(Figure(f"pgbench: insert + publish, {writers} writers, {label}",
                                       tps, "TPS", bare, "insert alone", (">=", 0.8)))
 
         say(f"3. relay throughput, {messages:,} messages of 1 KiB, median of {rounds} rounds "

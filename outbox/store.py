@@ -7,6 +7,7 @@ session to run), so the library, the relay and the CLI share one set of queries.
 from __future__ import annotations
 
 import re
+import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -14,6 +15,7 @@ from functools import cache
 from importlib import resources
 from typing import Any, NamedTuple
 
+import psycopg
 from sqlalchemy import Connection, Engine, TextClause, create_engine, event, text
 from sqlalchemy.dialects.postgresql.psycopg import dialect as psycopg_dialect
 
@@ -29,6 +31,8 @@ LOCK_CLASS = 0x0B0C
 WORKER_LOCK_CLASS = 0x0B0D
 #: Namespace of the advisory lock that serialises migrations of one schema.
 MIGRATION_LOCK_CLASS = 0x0B0E
+#: Namespace of the advisory locks a sleeping relay holds on its shards (``wake_base``).
+WAKE_LOCK_CLASS = 0x0B10
 #: The NOTIFY payload of a commit whose row is due later (the relay then re-reads when the
 #: next delayed row is due); other commits notify with an empty payload.
 DELAYED_NOTE = "delayed"
@@ -55,6 +59,12 @@ def notify_channel(schema: str) -> str:
     return f"{validate_identifier(schema)}_pending"
 
 
+@cache
+def wake_base(schema: str) -> int:
+    """The first of the schema's 64 wake lock keys (shard ``s`` is ``wake_base + s``)."""
+    return zlib.crc32(validate_identifier(schema).encode()) & 0x3FFF_FFC0
+
+
 def publish(
     schema: str,
     message: EncodedMessage,
@@ -70,7 +80,8 @@ def publish(
 
     ``deliver_at`` or ``delay_seconds`` (from the database's now) holds a message back;
     ``check_after_seconds`` is when an UNKNOWN row is first checked back; ``notify`` wakes
-    the relays at commit (PostgreSQL serialises committing transactions that NOTIFY).
+    a relay sleeping on the row's shard at commit (PostgreSQL serialises committing
+    transactions that NOTIFY, so rows a relay is awake for do not).
     """
     return query("publish", schema), {
         "producer_group": producer_group,
@@ -90,6 +101,8 @@ def publish(
         "channel": notify_channel(schema),
         "notify": notify,
         "delayed_note": DELAYED_NOTE,
+        "wake_class": WAKE_LOCK_CLASS,
+        "wake_base": wake_base(schema),
     }
 
 
@@ -176,6 +189,24 @@ def driver_sql(statement: TextClause) -> str:
 @cache
 def _compiled(sql: str) -> str:
     return str(text(sql).compile(dialect=psycopg_dialect()))  # type: ignore[no-untyped-call]
+
+
+def fall_asleep(driver: psycopg.Connection[Any], schema: str, shards: Iterable[int]) -> bool:
+    """Take the wake locks of ``shards`` on ``driver`` (the relay's LISTEN connection):
+    False, holding none, when a publisher held one past the connection's lock_timeout."""
+    params = {"wake_class": WAKE_LOCK_CLASS, "wake_base": wake_base(schema),
+              "shards": sorted(shards)}
+    try:
+        driver.execute(_driver_sql("fall_asleep", schema), params)
+    except psycopg.errors.LockNotAvailable:
+        rise(driver, schema)
+        return False
+    return True
+
+
+def rise(driver: psycopg.Connection[Any], schema: str) -> None:
+    """Let go of every wake lock ``driver`` holds."""
+    driver.execute(_driver_sql("rise", schema))
 
 
 def promote_due(

@@ -209,17 +209,29 @@ class Relay:
             if woken:
                 wakeup.found_work(bool(batch))
                 woken = False
+            if batch or wakeup.asleep_on != shards:
+                wakeup.rise()  # delivering, or asleep on shards that are no longer its own
             if batch:
                 metrics.topics_seen(row.topic for row in batch)
                 recorder.submit(self._send(transport, batch))
                 continue
+            if shards and not wakeup.asleep_on:
+                # publishers did not notify while it was awake: fetch once more, asleep
+                notes = wakeup.fall_asleep(shards)
+                if notes is not None and self._heed(notes):
+                    promote_at = 0.0
+                continue
             due = promote_at - time.monotonic() if shards else poll
             notes = wakeup.wait(max(0.0, min(poll, due)), self.stopping)
             woken = bool(notes)
-            if store.DELAYED_NOTE in notes:
-                promote_at = 0.0  # a new row may be due sooner than we knew
-            if "rebalance" in notes:
-                self._keeper.poke()
+            if self._heed(notes):
+                promote_at = 0.0
+
+    def _heed(self, notes: set[str]) -> bool:
+        """Acts on notifications; True when a new delayed row may be due sooner than known."""
+        if "rebalance" in notes:
+            self._keeper.poke()
+        return store.DELAYED_NOTE in notes
 
     def _send(self, transport: Transport, batch: list[store.Deliverable]) -> InFlight:
         flight = InFlight(rows=batch, deliveries=[], remaining=len(batch))

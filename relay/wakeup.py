@@ -1,4 +1,10 @@
-"""Waking the relay soon after a commit: LISTEN on the schema's channel, poll as a fallback."""
+"""Waking the relay soon after a commit: LISTEN on the schema's channel, poll as a fallback.
+
+PostgreSQL commits transactions that NOTIFY one at a time, which halves what 16 writers can
+commit (BENCHMARKS.md). So publishers notify only while a relay sleeps on their shard: a
+relay with nothing to deliver *falls asleep* (takes its shards' wake locks), fetches once
+more, then waits; woken, it *rises* (lets go) and delivers while publishers stay quiet.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +22,10 @@ from outbox.settings import sqlalchemy_url
 FREE_WAKES = 3
 FIRST_PAUSE = 0.001
 MAX_PAUSE = 0.1
+#: How long falling asleep waits for the publishers that hold a shard's wake lock (they did
+#: not notify); past it the relay fetches again and retries, polling at this pace while a
+#: publishing transaction stays open.
+FALL_ASLEEP_WAIT_MS = 10
 
 
 class Wakeup:
@@ -29,9 +39,29 @@ class Wakeup:
     def __init__(self, database_url: str, schema: str) -> None:
         dsn = sqlalchemy_url(database_url).replace("postgresql+psycopg://", "postgresql://", 1)
         self._idle_wakes = 0
+        self._schema = schema
+        #: The shards whose wake locks this relay holds (empty: awake).
+        self.asleep_on: frozenset[int] = frozenset()
         self._conn = psycopg.connect(dsn, autocommit=True)
+        self._conn.execute(sql.SQL("SET lock_timeout = {}").format(
+            sql.Literal(f"{FALL_ASLEEP_WAIT_MS}ms")))
         channel = sql.Identifier(store.notify_channel(schema))
         self._conn.execute(sql.SQL("LISTEN {}").format(channel))
+
+    def fall_asleep(self, shards: frozenset[int]) -> set[str] | None:
+        """Make publishers of ``shards`` notify from now on. Returns the notifications that
+        arrived before (the fetch that must follow covers their rows), or None when a
+        publisher that did not notify is still open (fetch again, then retry)."""
+        if not store.fall_asleep(self._conn, self._schema, shards):
+            return None
+        self.asleep_on = shards
+        return self.drain()
+
+    def rise(self) -> None:
+        """Publishers stop notifying: the relay is delivering and fetches again by itself."""
+        if self.asleep_on:
+            store.rise(self._conn, self._schema)
+            self.asleep_on = frozenset()
 
     def wait(self, timeout: float, stop: threading.Event, slice_seconds: float = 0.1
              ) -> set[str]:

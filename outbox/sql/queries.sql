@@ -5,9 +5,13 @@
 -- Write a prepare row in the caller's transaction: the message row, written once and never
 -- updated, and its narrow pending row, which the relay deletes on delivery. A keyed row first
 -- takes a transaction-scoped advisory lock on its (topic, key) hash, so rows of one key get
--- their ids in commit order and the relay's id order is the key's order. pg_notify (unless
--- turned off) is queued and sent by PostgreSQL only if the transaction commits. A row due
--- later starts DELAYED (and says so in its notification); times are the database's clock.
+-- their ids in commit order and the relay's id order is the key's order. A row due later
+-- starts DELAYED; times are the database's clock.
+-- The wake-up (unless turned off): pg_notify is queued and sent by PostgreSQL only if the
+-- transaction commits, and PostgreSQL commits notifying transactions one at a time. So a row
+-- notifies only if a relay sleeps on its shard (holds the shard's wake lock, `fall_asleep`)
+-- or is DELAYED (and says so). Otherwise it holds the wake lock shared until it commits: a
+-- relay cannot fall asleep on the shard before the row is visible to its next fetch.
 WITH written AS (
     INSERT INTO {schema}.message
         (producer_group, topic, key, header_keys, header_values, payload, content_type, shard,
@@ -32,6 +36,9 @@ SELECT id, shard, topic, key, producer_group,
 FROM written
 RETURNING message_id AS id,
           CASE WHEN CAST(:notify AS boolean)
+                    AND (status = 'DELAYED'
+                         OR NOT pg_try_advisory_xact_lock_shared(
+                             :wake_class, CAST(:wake_base AS integer) + CAST(:shard AS integer)))
                THEN pg_notify(:channel, CASE WHEN status = 'DELAYED' THEN :delayed_note ELSE '' END)
           END;
 
@@ -189,6 +196,19 @@ SELECT pg_advisory_xact_lock(:lock_class, hashtext(:schema_name));
 -- connection of its own: a second live process with the same id cannot take it and is
 -- refused; a dead one's lock goes with its connection (kill -9 included).
 SELECT pg_try_advisory_lock(:lock_class, hashtext(:schema_name || '/' || :worker_id));
+
+-- name: fall_asleep
+-- A relay with nothing to deliver takes the wake lock of each shard it delivers (session
+-- locks on its LISTEN connection; they go with it), so that publishers of those shards
+-- notify from now on. Taking one waits (at most the connection's lock_timeout) for the
+-- publishers that hold it shared: they did not notify, so the relay fetches once more after
+-- they commit, and only then waits for notifications.
+SELECT count(pg_advisory_lock(:wake_class, :wake_base + shard))
+FROM unnest(CAST(:shards AS integer[])) AS shard;
+
+-- name: rise
+-- A relay delivering again lets go of its wake locks: publishers stop notifying.
+SELECT pg_advisory_unlock_all();
 
 -- name: heartbeat
 -- A relay says it is alive (and how many messages it has in flight), and forgets relays

@@ -1,0 +1,109 @@
+"""Waking the relay: publishers notify only while a relay sleeps on their shard, and a relay
+falls asleep only once every publisher that did not notify has committed (relay/wakeup.py)."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from datetime import timedelta
+from collections.abc import Iterator
+
+import pytest
+from sqlalchemy import Engine, text
+from sqlalchemy.orm import Session
+
+from outbox import Outbox, store
+from outbox.relay.relay import Relay
+from outbox.relay.wakeup import Wakeup
+from outbox.schema import SHARDS
+from outbox.settings import Settings
+from tests.conftest import publish_orders, running, wait_delivered, wait_until
+
+ALL = frozenset(range(SHARDS))
+
+
+@pytest.fixture
+def wakeup(settings: Settings, schema: str) -> Iterator[Wakeup]:
+    made = Wakeup(settings.database_url, schema)
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+def notified(wakeup: Wakeup) -> set[str]:
+    return wakeup.wait(0.5, threading.Event())
+
+
+def wake_locks(engine: Engine) -> int:
+    """Wake locks held exclusively (by sleeping relays), in any schema."""
+    with engine.connect() as conn:
+        return int(conn.execute(text(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted "
+            "AND classid = :class AND mode = 'ExclusiveLock'"),
+            {"class": store.WAKE_LOCK_CLASS}).scalar_one())
+
+
+def test_publishers_notify_only_while_a_relay_sleeps_on_their_shard(
+    engine: Engine, outbox: Outbox, topic: str, wakeup: Wakeup
+) -> None:
+    publish_orders(engine, outbox, topic, [("k", 1)])
+    assert notified(wakeup) == set(), "nobody sleeps: a commit costs no NOTIFY"
+
+    assert wakeup.fall_asleep(ALL) == set()
+    assert wake_locks(engine) == SHARDS
+    publish_orders(engine, outbox, topic, [("k", 2)])
+    assert notified(wakeup) == {""}
+
+    wakeup.rise()
+    assert wake_locks(engine) == 0
+    publish_orders(engine, outbox, topic, [("k", 3)])
+    assert notified(wakeup) == set(), "awake again: publishers stay quiet"
+
+    with Session(engine) as session, session.begin():
+        outbox.publish(session, topic, {"n": 4}, key="k", deliver_after=timedelta(seconds=30))
+    assert notified(wakeup) == {store.DELAYED_NOTE}, "a delayed row always says when it is due"
+
+
+def test_falling_asleep_waits_for_the_publishers_that_did_not_notify(
+    engine: Engine, outbox: Outbox, topic: str, wakeup: Wakeup
+) -> None:
+    with Session(engine) as session, session.begin():
+        outbox.publish(session, topic, {"n": 1}, key="k")  # awake relay: no NOTIFY queued
+        started = time.monotonic()
+        assert wakeup.fall_asleep(ALL) is None, "its row is not visible yet"
+        assert time.monotonic() - started < 1, "gave up after the lock timeout"
+        assert wake_locks(engine) == 0, "gave up holding none"
+    assert wakeup.fall_asleep(ALL) == set(), "committed: the next fetch sees the row"
+    assert wake_locks(engine) == SHARDS
+
+
+def test_no_wake_up_is_lost_while_publishers_and_the_relay_race(
+    engine: Engine, outbox: Outbox, topic: str, schema: str, settings: Settings
+) -> None:
+    """Transactions that stay open after publishing (past the relay's wait for their wake
+    lock) from four threads, against a relay that would otherwise poll every 30 s: every
+    message is delivered within seconds of the last commit."""
+    slow_poll = settings.model_copy(update={"relay_poll_interval": 30.0})
+    stop_at, published = time.monotonic() + 4, [0] * 4
+
+    def publisher(slot: int) -> None:
+        chance = random.Random(slot)
+        with Session(engine) as session:
+            while time.monotonic() < stop_at:
+                with session.begin():
+                    outbox.publish(session, topic, {"n": published[slot]}, key=f"k{slot}")
+                    time.sleep(chance.choice((0, 0, 0.002, 0.02)))
+                published[slot] += 1
+                time.sleep(chance.choice((0, 0.005, 0.05)))
+
+    with running(Relay(slow_poll), "relay") as daemon:
+        wait_until(lambda: bool(daemon.owned_shards), 10, "relay to own its shards")
+        threads = [threading.Thread(target=publisher, args=(s,)) for s in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        wait_delivered(engine, schema, sum(published), timeout=10)
+    assert sum(published) > 100
