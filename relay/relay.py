@@ -39,7 +39,7 @@ from outbox.relay.leases import LeaseKeeper, Leases, WorkerIdentity
 from outbox.relay.recovery import Recovery
 from outbox.relay.retention import Pruner
 from outbox.relay.transport import Delivery, Transport, is_permanent, make_transport
-from outbox.relay.wakeup import Wakeup
+from outbox.relay.wakeup import BUSY_BEFORE_RISING, Wakeup
 from outbox.settings import RelaySettings, mask_url
 
 log = logging.getLogger("outbox.relay")
@@ -182,6 +182,7 @@ class Relay:
         poll = self.settings.relay_poll_interval
         promote_at = 0.0  # monotonic time of the next look for due delayed rows
         woken = False  # by a notification, since the last fetch
+        busy_since = 0.0  # monotonic time of the first of the non-empty fetches in a row
         self._keeper.first_tick.wait(self.settings.relay_lease_seconds)
         while not self.stopping.is_set():
             if self._keeper.fatal is not None:
@@ -209,8 +210,10 @@ class Relay:
             if woken:
                 wakeup.found_work(bool(batch))
                 woken = False
-            if batch or wakeup.asleep_on != shards:
-                wakeup.rise()  # delivering, or asleep on shards that are no longer its own
+            now = time.monotonic()
+            busy_since = (busy_since or now) if batch else 0.0
+            if wakeup.asleep_on != shards or (batch and now - busy_since >= BUSY_BEFORE_RISING):
+                wakeup.rise()  # delivering without a pause, or asleep on shards not its own
             if batch:
                 metrics.topics_seen(row.topic for row in batch)
                 recorder.submit(self._send(transport, batch))

@@ -3,7 +3,8 @@
 PostgreSQL commits transactions that NOTIFY one at a time, which halves what 16 writers can
 commit (BENCHMARKS.md). So publishers notify only while a relay sleeps on their shard: a
 relay with nothing to deliver *falls asleep* (takes its shards' wake locks), fetches once
-more, then waits; woken, it *rises* (lets go) and delivers while publishers stay quiet.
+more, then waits; once it has been delivering without a pause for ``BUSY_BEFORE_RISING``, it
+*rises* (lets go) and publishers stay quiet until it runs out of work again.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ from outbox.settings import sqlalchemy_url
 FREE_WAKES = 3
 FIRST_PAUSE = 0.001
 MAX_PAUSE = 0.1
+#: Seconds of delivering without an empty fetch after which a relay lets go of its wake
+#: locks. Below this load publishers keep notifying (cheap when commits are few) and the
+#: relay saves the round trips of rising and falling asleep between small batches.
+BUSY_BEFORE_RISING = 0.05
 #: How long falling asleep waits for the publishers that hold a shard's wake lock (they did
 #: not notify); past it the relay fetches again and retries, polling at this pace while a
 #: publishing transaction stays open.
@@ -58,7 +63,7 @@ class Wakeup:
         return self.drain()
 
     def rise(self) -> None:
-        """Publishers stop notifying: the relay is delivering and fetches again by itself."""
+        """Publishers stop notifying: the relay is busy and fetches again by itself."""
         if self.asleep_on:
             store.rise(self._conn, self._schema)
             self.asleep_on = frozenset()

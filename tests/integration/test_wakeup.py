@@ -6,14 +6,15 @@ from __future__ import annotations
 import random
 import threading
 import time
-from datetime import timedelta
 from collections.abc import Iterator
+from datetime import timedelta
 
 import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
 from outbox import Outbox, store
+from outbox.relay import relay as relay_module
 from outbox.relay.relay import Relay
 from outbox.relay.wakeup import Wakeup
 from outbox.schema import SHARDS
@@ -80,23 +81,28 @@ def test_falling_asleep_waits_for_the_publishers_that_did_not_notify(
 
 
 def test_no_wake_up_is_lost_while_publishers_and_the_relay_race(
-    engine: Engine, outbox: Outbox, topic: str, schema: str, settings: Settings
+    engine: Engine, outbox: Outbox, topic: str, schema: str, settings: Settings,
+    monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Transactions that stay open after publishing (past the relay's wait for their wake
-    lock) from four threads, against a relay that would otherwise poll every 30 s: every
-    message is delivered within seconds of the last commit."""
+    """Four threads publish in bursts and pauses, some transactions staying open after
+    publishing past the relay's wait for their wake lock. The relay rises at every batch
+    (publishers stop notifying), falls asleep at every empty fetch, and would otherwise poll
+    every 30 s. Every message is delivered within seconds of the last commit."""
+    monkeypatch.setattr(relay_module, "BUSY_BEFORE_RISING", 0.0)
     slow_poll = settings.model_copy(update={"relay_poll_interval": 30.0})
-    stop_at, published = time.monotonic() + 4, [0] * 4
+    stop_at, published = time.monotonic() + 5, [0] * 4
 
     def publisher(slot: int) -> None:
         chance = random.Random(slot)
         with Session(engine) as session:
             while time.monotonic() < stop_at:
-                with session.begin():
-                    outbox.publish(session, topic, {"n": published[slot]}, key=f"k{slot}")
-                    time.sleep(chance.choice((0, 0, 0.002, 0.02)))
-                published[slot] += 1
-                time.sleep(chance.choice((0, 0.005, 0.05)))
+                burst_end = time.monotonic() + chance.uniform(0.1, 0.4)
+                while time.monotonic() < burst_end:
+                    with session.begin():
+                        outbox.publish(session, topic, {"n": published[slot]}, key=f"k{slot}")
+                        time.sleep(chance.choice((0, 0, 0, 0.002, 0.02)))
+                    published[slot] += 1
+                time.sleep(chance.uniform(0, 0.1))
 
     with running(Relay(slow_poll), "relay") as daemon:
         wait_until(lambda: bool(daemon.owned_shards), 10, "relay to own its shards")
@@ -106,4 +112,4 @@ def test_no_wake_up_is_lost_while_publishers_and_the_relay_race(
         for thread in threads:
             thread.join()
         wait_delivered(engine, schema, sum(published), timeout=10)
-    assert sum(published) > 100
+    assert sum(published) > 500
