@@ -12,7 +12,9 @@
    alone, with publish while relays are awake (no NOTIFY) and while a relay sleeps (every
    commit NOTIFYs), and the WAL each transaction wrote;
 3. the same transactions from pgbench, whose C clients cost the machine next to nothing, so
-   the database is the bound (as behind many application servers): what NOTIFY costs there.
+   the database is the bound (as behind many application servers): what NOTIFY costs there;
+4. pgbench again while one relay delivers the messages: the wake-up as built against every
+   commit notifying (the publish statement with its wake-lock test replaced by ``true``).
 """
 
 from __future__ import annotations
@@ -28,12 +30,13 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from relay_bench import BUSINESS_TABLE, relay_asleep
+from relay_bench import BUSINESS_TABLE, relay_asleep, start_relays, stop
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.orm import Session
 
 from outbox import Outbox, migrate, store
 from outbox.dev import services as devservices
+from outbox.dev.topics import create_topic
 from outbox.encoding import encode
 from outbox.settings import sqlalchemy_url
 
@@ -143,10 +146,11 @@ def asleep_if(mode: str, database_url: str) -> contextlib.AbstractContextManager
     return relay_asleep(database_url, SCHEMA) if mode == "asleep" else contextlib.nullcontext()
 
 
-def pgbench_script(schema: str, publish: bool) -> str:
+def pgbench_script(schema: str, publish: bool, notify_always: bool = False) -> str:
     """The business INSERT transaction for pgbench, with the publish statement's own text
     when ``publish``: its varying parameters become pgbench variables, NULLs are written in,
-    the rest are set once with -D (:func:`pgbench_defines`)."""
+    the rest are set once with -D (:func:`pgbench_defines`). ``notify_always``: every commit
+    notifies, as before relays slept on shards (the comparison's baseline)."""
     statements = [BUSINESS.text.replace(":c", "'c'")]
     if publish:
         sql = "\n".join(line for line in store.query("publish", schema).text.splitlines()
@@ -155,7 +159,12 @@ def pgbench_script(schema: str, publish: bool) -> str:
                    "payload": "CAST(:payload AS bytea)", "shard": "CAST(:shard AS smallint)",
                    "header_keys": "NULL", "header_values": "NULL", "deliver_at": "NULL",
                    "check_after_seconds": "NULL"}
-        statements.append(re.sub(r"(?<!:):(\w+)", lambda m: swapped.get(m[1], m[0]), sql))
+        sql = re.sub(r"(?<!:):(\w+)", lambda m: swapped.get(m[1], m[0]), sql)
+        if notify_always:
+            sql = re.sub(r"OR NOT pg_try_advisory_xact_lock_shared\(.*?\)\)\)", "OR true)", sql,
+                         flags=re.DOTALL)
+            assert "pg_try_advisory" not in sql
+        statements.append(sql)
     return ("\\set n random(1, 100000)\n\\set shard random(0, 63)\nBEGIN;\n"
             + "".join(f"{statement};\n" for statement in statements) + "COMMIT;\n")
 
@@ -180,17 +189,52 @@ def pgbench_publish(services: devservices.Services, clients: int, seconds: float
         conn.execute(text(BUSINESS_TABLE))
     engine.dispose()
     rates = []
-    with tempfile.TemporaryDirectory() as folder:
-        for mode in MODES:
-            script = Path(folder, f"{mode}.sql")
-            script.write_text(pgbench_script(schema, publish=mode != "bare"))
-            command = [os.path.join(services.pg_bindir, "pgbench"), "-n", "-M", "prepared",
-                       "-c", str(clients), "-j", str(min(clients, 2)), "-T", f"{seconds:g}",
-                       "-f", str(script), *pgbench_defines(schema), services.database_url]
-            with asleep_if(mode, services.database_url):
-                done = subprocess.run(command, capture_output=True, text=True, check=True)
-            rates.append(float(re.search(r"^tps = ([\d.]+)", done.stdout, re.M)[1]))  # type: ignore[index]
+    for mode in MODES:
+        with asleep_if(mode, services.database_url):
+            rates.append(pgbench_tps(services, clients, seconds,
+                                     pgbench_script(schema, publish=mode != "bare"), schema))
     return rates[0], rates[1], rates[2]
+
+
+def pgbench_tps(services: devservices.Services, clients: int, seconds: float, script: str,
+                schema: str) -> float:
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder, "transaction.sql")
+        path.write_text(script)
+        command = [os.path.join(services.pg_bindir, "pgbench"), "-n", "-M", "prepared",
+                   "-c", str(clients), "-j", str(min(clients, 2)), "-T", f"{seconds:g}",
+                   "-f", str(path), *pgbench_defines(schema), services.database_url]
+        done = subprocess.run(command, capture_output=True, text=True, check=True)
+    found = re.search(r"^tps = ([\d.]+)", done.stdout, re.M)
+    assert found is not None, done.stdout
+    return float(found[1])
+
+
+def beside_a_relay(services: devservices.Services, clients: int, seconds: float,
+                   rounds: int = 2, schema: str = "bench_publish_relay") -> None:
+    """pgbench's ``clients`` publishing while one relay (librdkafka) delivers their messages:
+    as built, then with every commit notifying (before relays slept on shards), alternated."""
+    migrate.upgrade(services.database_url, schema)
+    engine = create_engine(sqlalchemy_url(services.database_url))
+    with engine.begin() as conn:
+        conn.execute(text(BUSINESS_TABLE))
+    create_topic(services.kafka_bootstrap, "orders", partitions=3)
+    env = {**os.environ, **services.env(), "OUTBOX_KAFKA_CLIENT": "confluent"}
+    relays = start_relays(env, schema, 1)
+    try:
+        time.sleep(5)  # up, shards owned
+        for _ in range(rounds):
+            built = pgbench_tps(services, clients, seconds,
+                                pgbench_script(schema, publish=True), schema)
+            always = pgbench_tps(services, clients, seconds,
+                                 pgbench_script(schema, publish=True, notify_always=True), schema)
+            with engine.connect() as conn:
+                backlog = conn.execute(text(f"SELECT count(*) FROM {schema}.pending")).scalar_one()
+            print(f"   as built {built:7,.0f} TPS, every commit notifying {always:7,.0f} TPS: "
+                  f"{built / always:.2f}x (undelivered after: {backlog})", flush=True)
+    finally:
+        stop(relays)
+        engine.dispose()
 
 
 def main() -> None:
@@ -229,6 +273,10 @@ def main() -> None:
             rates = pgbench_publish(services, writers, args.seconds)
             for label, rate in zip(MODES.values(), rates, strict=True):
                 print(f"   {label:26} {rate:7,.0f} TPS  {rate / rates[0]:.2f}x", flush=True)
+        for writers in args.writers:
+            print(f"4. pgbench, {writers} clients, {args.seconds:g} s each, beside a relay "
+                  "delivering", flush=True)
+            beside_a_relay(services, writers, args.seconds)
     finally:
         devservices.stop(services)
 
