@@ -178,7 +178,7 @@ class Relay:
 
     def _loop(self, conn: Connection, transport: Transport, wakeup: Wakeup,
               recorder: Recorder) -> None:
-        limit = self.settings.relay_batch_size
+        limit, batch_bytes = self.settings.relay_batch_size, self.settings.relay_batch_bytes
         poll = self.settings.relay_poll_interval
         promote_at = 0.0  # monotonic time of the next look for due delayed rows
         woken = False  # by a notification, since the last fetch
@@ -196,6 +196,7 @@ class Relay:
                 self._recovery.settle(conn, self._leases)
             shards = self._leases.deliverable if self._leases.valid else frozenset()
             batch: list[store.Deliverable] = []
+            saw_all = False  # the fetch returned every deliverable row it could see
             if shards:
                 self._holds.revisit(conn, shards)
             if shards and recorder.wait_for_room(PIPELINE_DEPTH):
@@ -205,7 +206,8 @@ class Relay:
                         promote_at = time.monotonic() + min(poll, next_due_in or poll)
                     batch = store.fetch_deliverable(
                         conn, self.schema, shards, limit, in_flight=recorder.in_flight_ids(),
-                        max_bytes=self.settings.relay_batch_bytes, held=self._holds.topics)
+                        max_bytes=batch_bytes, held=self._holds.topics)
+                saw_all = len(batch) < limit and _payload_bytes(batch) < batch_bytes
                 batch = self._holds.admit(conn, shards, batch)
             if woken:
                 wakeup.found_work(bool(batch))
@@ -217,8 +219,12 @@ class Relay:
             if batch:
                 metrics.topics_seen(row.topic for row in batch)
                 recorder.submit(self._send(transport, batch))
-                continue
-            if shards and not wakeup.asleep_on:
+                if not (saw_all and wakeup.asleep_on):
+                    continue
+                # Asleep since before the fetch: every commit it could not see notifies, so
+                # fetching again now would find nothing (a round trip and a core's time each
+                # wake-up, under a trickle).
+            elif shards and not wakeup.asleep_on:
                 # publishers did not notify while it was awake: fetch once more, asleep
                 notes = wakeup.fall_asleep(shards)
                 if notes is not None and self._heed(notes):
@@ -227,6 +233,8 @@ class Relay:
             due = promote_at - time.monotonic() if shards else poll
             notes = wakeup.wait(max(0.0, min(poll, due)), self.stopping)
             woken = bool(notes)
+            if wakeup.waited:
+                busy_since = 0.0  # a pause: not delivering without one
             if self._heed(notes):
                 promote_at = 0.0
 
@@ -420,6 +428,10 @@ def _autocommit(engine: Engine) -> Connection:
     promote, mark delivered) are each one statement, and BEGIN and COMMIT would double their
     round trips. A multi-statement block (``with conn.begin()``) commits each statement."""
     return engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+
+
+def _payload_bytes(batch: list[store.Deliverable]) -> int:
+    return sum(len(row.payload) for row in batch)
 
 
 def _headers(row: store.Deliverable) -> list[tuple[str, bytes]]:

@@ -47,6 +47,8 @@ class Wakeup:
         self._schema = schema
         #: The shards whose wake locks this relay holds (empty: awake).
         self.asleep_on: frozenset[int] = frozenset()
+        #: Whether the last :meth:`wait` found nothing that had arrived already.
+        self.waited = False
         self._conn = psycopg.connect(dsn, autocommit=True)
         self._conn.execute(sql.SQL("SET lock_timeout = {}").format(
             sql.Literal(f"{FALL_ASLEEP_WAIT_MS}ms")))
@@ -71,17 +73,20 @@ class Wakeup:
     def wait(self, timeout: float, stop: threading.Event, slice_seconds: float = 0.1
              ) -> set[str]:
         """Block until notified, ``timeout`` or ``stop``; returns the payloads received
-        (``""`` for a commit, ``"rebalance"`` when a relay joined or left)."""
+        (``""`` for a commit, ``"rebalance"`` when a relay joined or left). Sets ``waited``:
+        whether nothing had arrived yet (the relay paused)."""
+        payloads = self.drain()
+        self.waited = not payloads
         remaining = timeout
-        while remaining > 0 and not stop.is_set():
+        while not payloads and remaining > 0 and not stop.is_set():
             step = min(slice_seconds, remaining)
             payloads = {n.payload for n in self._conn.notifies(timeout=step, stop_after=1)}
-            if payloads:
-                if pause := self._pause():
-                    stop.wait(pause)
-                return payloads | self.drain()
             remaining -= step
-        return set()
+        if payloads:
+            if pause := self._pause():
+                stop.wait(pause)
+            payloads |= self.drain()
+        return payloads
 
     def found_work(self, found: bool) -> None:
         """Whether the fetch after the last notification found anything to deliver."""

@@ -80,16 +80,21 @@ def test_falling_asleep_waits_for_the_publishers_that_did_not_notify(
     assert wake_locks(engine) == SHARDS
 
 
+@pytest.mark.parametrize(("rise_after", "batch_size"), [
+    (0.0, 2000),  # rises at every batch: publishers stop notifying, it must fetch again
+    (60.0, 5),  # never rises: it waits after a batch that saw every row, not after a full one
+], ids=["rising", "asleep"])
 def test_no_wake_up_is_lost_while_publishers_and_the_relay_race(
     engine: Engine, outbox: Outbox, topic: str, schema: str, settings: Settings,
-    monkeypatch: pytest.MonkeyPatch
+    monkeypatch: pytest.MonkeyPatch, rise_after: float, batch_size: int
 ) -> None:
     """Four threads publish in bursts and pauses, some transactions staying open after
-    publishing past the relay's wait for their wake lock. The relay rises at every batch
-    (publishers stop notifying), falls asleep at every empty fetch, and would otherwise poll
-    every 30 s. Every message is delivered within seconds of the last commit."""
-    monkeypatch.setattr(relay_module, "BUSY_BEFORE_RISING", 0.0)
-    slow_poll = settings.model_copy(update={"relay_poll_interval": 30.0})
+    publishing past the relay's wait for their wake lock. The relay falls asleep at every
+    empty fetch, and would otherwise poll every 30 s. Every message is delivered within
+    seconds of the last commit."""
+    monkeypatch.setattr(relay_module, "BUSY_BEFORE_RISING", rise_after)
+    slow_poll = settings.model_copy(update={"relay_poll_interval": 30.0,
+                                            "relay_batch_size": batch_size})
     stop_at, published = time.monotonic() + 5, [0] * 4
 
     def publisher(slot: int) -> None:
@@ -113,3 +118,18 @@ def test_no_wake_up_is_lost_while_publishers_and_the_relay_race(
             thread.join()
         wait_delivered(engine, schema, sum(published), timeout=10)
     assert sum(published) > 500
+
+
+def test_a_sleeping_relay_fetches_again_after_a_full_batch(
+    engine: Engine, outbox: Outbox, topic: str, schema: str, settings: Settings,
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One commit of 12 messages sends one notification; batches of 5 take three fetches.
+    A sleeping relay waits for notifications only after a fetch that saw every row."""
+    monkeypatch.setattr(relay_module, "BUSY_BEFORE_RISING", 60.0)
+    small_batches = settings.model_copy(update={"relay_poll_interval": 30.0,
+                                                "relay_batch_size": 5})
+    with running(Relay(small_batches), "relay"):
+        wait_until(lambda: wake_locks(engine) == SHARDS, 10, "the relay to fall asleep")
+        publish_orders(engine, outbox, topic, [(f"k{n % 3}", n) for n in range(12)])
+        wait_delivered(engine, schema, 12, timeout=10)
