@@ -10,7 +10,9 @@ exactly what the kafka-python transport parks and a parked message's reason read
 from __future__ import annotations
 
 import logging
+import re
 import threading
+import time
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -32,6 +34,9 @@ from outbox.relay.transport import Delivery, Headers
 from outbox.settings import RelaySettings
 
 log = logging.getLogger("outbox.relay.librdkafka")
+#: librdkafka logs each failed connection attempt (several a second while a broker is down);
+#: a line is repeated at most this often, with the count of those left out since.
+REPEAT_SECONDS = 60.0
 #: librdkafka's own (negative) error codes with a kafka-python twin; any other local error
 #: (connection, timeout, queue) is retriable.
 LOCAL_ERRORS: dict[int, type[kafka.errors.KafkaError]] = {
@@ -43,6 +48,35 @@ LOCAL_ERRORS: dict[int, type[kafka.errors.KafkaError]] = {
 }
 #: How long the reporter thread waits for a report before checking whether to stop.
 POLL_SECONDS = 0.2
+
+
+class Repeats(logging.Filter):
+    """Lets a log line through once per ``REPEAT_SECONDS`` (lines differing only in numbers,
+    such as "after 3ms", are the same line); the next one says how many were left out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.Lock()
+        #: per line: when it last went through, and how many were left out since
+        self._seen: dict[str, tuple[float, int]] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        line = re.sub(r"\d+", "N", record.getMessage())
+        now = time.monotonic()
+        with self._lock:
+            shown_at, left_out = self._seen.get(line, (-REPEAT_SECONDS, 0))
+            if now - shown_at < REPEAT_SECONDS:
+                self._seen[line] = (shown_at, left_out + 1)
+                return False
+            self._seen[line] = (now, 0)
+        if left_out:
+            record.msg = f"{record.getMessage()} (and {left_out} like it in the last " \
+                         f"{now - shown_at:.0f}s)"
+            record.args = None
+        return True
+
+
+log.addFilter(Repeats())
 
 
 def librdkafka_config(settings: RelaySettings) -> dict[str, Any]:

@@ -3,6 +3,7 @@ are classified like kafka-python's. No broker needed."""
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import kafka.errors
@@ -10,6 +11,7 @@ import pytest
 from confluent_kafka import KafkaError
 
 from outbox.exceptions import ConfigurationError
+from outbox.relay import confluent
 from outbox.relay.confluent import librdkafka_config, translate
 from outbox.relay.transport import Delivery, UnknownOffset, is_permanent, make_transport
 from outbox.settings import Settings
@@ -98,3 +100,26 @@ def test_an_acknowledgement_without_an_offset_is_retried_not_recorded() -> None:
     delivery.landed(1, -1)
     assert settled == [delivery] and delivery.offset == -1
     assert isinstance(delivery.error, UnknownOffset) and not is_permanent(delivery.error)
+
+
+def test_librdkafka_lines_repeat_at_most_once_a_minute(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [1000.0]
+    monkeypatch.setattr(confluent.time, "monotonic", lambda: clock[0])
+    repeats = confluent.Repeats()
+
+    def passes(line: str, *args: object) -> str | None:
+        record = logging.LogRecord("outbox.relay.librdkafka", logging.ERROR, "", 0, line, args,
+                                   None)
+        return record.getMessage() if repeats.filter(record) else None
+
+    refused = "FAIL [%s]: Connect to 127.0.0.1:%d failed (after %dms in state CONNECT)"
+    assert passes(refused, "producer-1", 9092, 0) is not None
+    clock[0] += 1
+    assert passes(refused, "producer-1", 9092, 3) is None, "the same line but for a number"
+    assert passes("another line") is not None
+    clock[0] += 58
+    assert passes(refused, "producer-1", 9092, 1) is None
+    clock[0] += 1
+    assert passes(refused, "producer-1", 9092, 0) == (
+        "FAIL [producer-1]: Connect to 127.0.0.1:9092 failed (after 0ms in state CONNECT) "
+        "(and 2 like it in the last 60s)")
