@@ -315,7 +315,7 @@ def main() -> None:
     parser.add_argument("--latency-only", action="store_true",
                         help="only the latency run (implies --no-write)")
     parser.add_argument("--retention-only", action="store_true",
-                        help="only the retention run (implies --no-write)")
+                        help="only the retention run (it has its own block in BENCHMARKS.md)")
     parser.add_argument("--client", choices=("kafka-python", "confluent"),
                         default="kafka-python", help="the relay's Kafka transport")
     parser.add_argument("--fraction", type=float, default=0.7,
