@@ -45,14 +45,17 @@ class Verdict:
 
 def run_chaos(tmp_path: Path, schedule: list[tuple[float, str]], *, writers: int = 3,
               relays: int = 3, seconds: float = 25, sizes: str = "1,1,2,3",
-              seed: int = 20261122) -> Verdict:
-    """Run the writers for ``seconds`` and the ``schedule`` of ``(second, action)``, action
+              at_least: int = 0, seed: int = 20261122) -> Verdict:
+    """Run the writers for ``seconds`` (and on until they committed ``at_least`` messages
+    between them, on a slow machine) and the ``schedule`` of ``(second, action)``, action
     one of ``kill`` (a random relay, restarted soon after), ``cut`` (the broker's
     connections, for 5 s) and ``restart-postgres``; wait for every committed message."""
     rng = random.Random(seed)
     with isolated_services(partitions=6) as iso:
         running = [start_relay(iso, n) for n in range(relays)]
-        writing = [start_writer(iso, tmp_path, n, seconds, sizes) for n in range(writers)]
+        share = -(-at_least // writers)
+        writing = [start_writer(iso, tmp_path, n, seconds, sizes, share)
+                   for n in range(writers)]
         events: list[str] = []
         try:
             started = time.monotonic()
@@ -60,7 +63,7 @@ def run_chaos(tmp_path: Path, schedule: list[tuple[float, str]], *, writers: int
                 time.sleep(max(0.0, started + second - time.monotonic()))
                 events.append(f"{second}s " + act(iso, action, running, rng))
             for writer in writing:
-                assert writer.wait(120) == 0
+                assert writer.wait(5 * seconds + 60) == 0
             wait_until(lambda: undelivered(iso) == 0, 180, "every committed message delivered")
         finally:
             for process in running + writing:
@@ -126,12 +129,13 @@ def start_relay(iso: Isolated, n: int) -> subprocess.Popen[str]:
                         OUTBOX_LOG_LEVEL="WARNING")
 
 
-def start_writer(iso: Isolated, tmp_path: Path, n: int, seconds: float, sizes: str
-                 ) -> subprocess.Popen[bytes]:
+def start_writer(iso: Isolated, tmp_path: Path, n: int, seconds: float, sizes: str,
+                 at_least: int) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-m", "tests.chaos_writer", "--url",
                              iso.settings.database_url, "--schema", "outbox", "--topic",
                              iso.topic, "--seconds", str(seconds), "--seed", str(n), "--sizes",
-                             sizes, "--out", str(tmp_path / f"writer-{n}.jsonl")])
+                             sizes, "--at-least", str(at_least),
+                             "--out", str(tmp_path / f"writer-{n}.jsonl")])
 
 
 def undelivered(iso: Isolated) -> int:

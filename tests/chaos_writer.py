@@ -24,6 +24,9 @@ def main() -> None:
         parser.add_argument(name, required=True)
     parser.add_argument("--seconds", type=float, required=True)
     parser.add_argument("--seed", type=int, required=True)
+    parser.add_argument("--at-least", type=int, default=0,
+                        help="go on after --seconds until this many messages are committed "
+                             "(a slow machine still reaches the volume; capped at 5x --seconds)")
     parser.add_argument("--sizes", default="1,1,2,3",
                         help="messages per transaction, one of these at random")
     args = parser.parse_args()
@@ -31,9 +34,11 @@ def main() -> None:
     engine = create_engine(sqlalchemy_url(args.url), pool_pre_ping=True)
     outbox = Outbox(schema=args.schema)
     sizes = [int(size) for size in args.sizes.split(",")]
-    end = time.monotonic() + args.seconds
+    started = time.monotonic()
+    end, cap = started + args.seconds, started + 5 * args.seconds
+    committed = 0
     with open(args.out, "w") as out:
-        while time.monotonic() < end:
+        while time.monotonic() < end or (committed < args.at_least and time.monotonic() < cap):
             tags = [uuid.uuid4().hex for _ in range(rng.choice(sizes))]
             # keys in a consistent order, as the docs advise: random orders deadlock on the
             # key locks of big transactions
@@ -57,6 +62,7 @@ def main() -> None:
                       file=sys.stderr)
                 outcome = "uncertain"
                 time.sleep(0.2)
+            committed += len(tags) if outcome == "commit" else 0
             for tag in tags:
                 out.write(json.dumps({"tag": tag, "outcome": outcome}) + "\n")
             out.flush()
