@@ -1,8 +1,9 @@
-"""Issue 10's two long figures, one minute at a time, on fresh embedded services.
+"""Issue 10's long figures (latency, retention), on fresh embedded services.
 
     python bench/soak.py [--minutes 10] [--rate 1000] [--no-write]      (or `make soak`)
     python bench/soak.py --retention-only [--fraction 0.5] [--partition-seconds 10]
     python bench/soak.py --pass-cost 10000 1000000
+    python bench/soak.py --curve 100,300,600,1000 [--curve-seconds 60] [--client confluent]
 
 1. Latency: applications publish ``--rate`` messages a second (one per transaction, 4
    threads, durable commits) for ``--minutes``; one `outbox relay` (``--client`` transport)
@@ -19,6 +20,9 @@
    the size of message + pending + op_record with their indexes (every partition), and the
    number of partitions.
 3. ``--pass-cost``: the time one retention pass takes to remove a partition of N old rows.
+4. ``--curve 100,300,1000``: the latency at each rate for ``--curve-seconds``, next to a
+   dual write's (the publishing threads produce after their COMMIT, librdkafka): what the
+   outbox adds, and where the machine itself saturates.
 """
 
 from __future__ import annotations
@@ -27,12 +31,15 @@ import argparse
 import datetime
 import os
 import platform
+import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from confluent_kafka import Producer
 from relay_bench import (
     KEYS,
     PAYLOAD,
@@ -53,11 +60,13 @@ from outbox import Outbox, migrate, store
 from outbox.dev import services as devservices
 from outbox.dev.topics import create_topic
 from outbox.relay import retention
+from outbox.relay.confluent import librdkafka_config
 from outbox.settings import RelaySettings, sqlalchemy_url
 
 ROOT = Path(__file__).resolve().parent.parent
 RETENTION_SECONDS = 120
 TABLES = ("message", "pending", "op_record")
+PARTITIONS = 6
 
 
 @dataclass(frozen=True)
@@ -71,29 +80,29 @@ class LatencyMinute:
     p50_from_begin: float
 
 
-def latency_soak(services: devservices.Services, engine: Engine, env: dict[str, str],
-                 rate: int, minutes: float, threads: int = 4) -> list[LatencyMinute]:
-    schema, topic = "soak_latency", "soak-latency"
-    migrate.upgrade(services.database_url, schema)
-    create_topic(services.kafka_bootstrap, topic, partitions=6)
-    relays = start_relays(env, schema, 1)
-    outbox = Outbox(schema=schema)
-    time.sleep(3)  # the relay is up and owns its shards
-    with engine.connect() as conn:
-        started_at = conn.execute(text("SELECT now()")).scalar_one()
-    end = time.perf_counter() + minutes * 60
-    sent = [0] * threads
+#: Called by a publishing thread after each COMMIT: message id, key, the moment it returned.
+AfterCommit = Callable[[int, str, float], None]
+
+
+def publish_at_rate(engine: Engine, outbox: Outbox, topic: str, rate: int, seconds: float,
+                    threads: int = 4, after_commit: AfterCommit | None = None
+                    ) -> list[tuple[int, float]]:
+    """``rate`` messages a second for ``seconds``, one per transaction, from ``threads``
+    threads; returns each message's id and the moment its COMMIT returned (``time.time``)."""
+    end = time.perf_counter() + seconds
     committed: list[list[tuple[int, float]]] = [[] for _ in range(threads)]
 
     def publisher(slot: int) -> None:
         interval, next_at = threads / rate, time.perf_counter() + slot / rate
         with Session(engine) as session:
             while next_at < end:
+                key = f"key-{(len(committed[slot]) * threads + slot) % KEYS}"
                 with session.begin():
-                    key = f"key-{(sent[slot] * threads + slot) % KEYS}"
                     message_id = outbox.publish(session, topic, PAYLOAD, key=key)
-                committed[slot].append((message_id, time.time()))
-                sent[slot] += 1
+                at = time.time()
+                committed[slot].append((message_id, at))
+                if after_commit is not None:
+                    after_commit(message_id, key, at)
                 next_at += interval
                 pause = next_at - time.perf_counter()
                 if pause > 0:
@@ -109,13 +118,29 @@ def latency_soak(services: devservices.Services, engine: Engine, env: dict[str, 
             w.start()
         for w in workers:
             w.join()
-        deadline = time.monotonic() + 60
-        while delivered(engine, schema) < sum(sent) and time.monotonic() < deadline:
-            time.sleep(0.2)
     finally:
         sys.setswitchinterval(switch_interval)
+    return [pair for slot in committed for pair in slot]
+
+
+def latency_soak(services: devservices.Services, engine: Engine, env: dict[str, str],
+                 rate: int, minutes: float, threads: int = 4) -> list[LatencyMinute]:
+    schema, topic = f"soak_latency_{rate}", f"soak-latency-{rate}"
+    migrate.upgrade(services.database_url, schema)
+    create_topic(services.kafka_bootstrap, topic, partitions=PARTITIONS)
+    relays = start_relays(env, schema, 1)
+    outbox = Outbox(schema=schema)
+    time.sleep(3)  # the relay is up and owns its shards
+    with engine.connect() as conn:
+        started_at = conn.execute(text("SELECT now()")).scalar_one()
+    try:
+        committed = publish_at_rate(engine, outbox, topic, rate, minutes * 60, threads)
+        deadline = time.monotonic() + 60
+        while delivered(engine, schema) < len(committed) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
         stop(relays)
-    ids, times = zip(*(pair for slot in committed for pair in slot), strict=True)
+    ids, times = zip(*committed, strict=True)
     with engine.connect() as conn:
         rows = conn.execute(text(f"""
             WITH c AS (SELECT * FROM unnest(CAST(:ids AS bigint[]),
@@ -137,6 +162,68 @@ def latency_soak(services: devservices.Services, engine: Engine, env: dict[str, 
     return [LatencyMinute(r.minute + 1, r.n, *(x * 1000 for x in (r.p50, r.p99, r.worst,
                                                                    r.p50_from_begin)))
             for r in rows if r.minute < minutes]
+
+
+def direct_latency(services: devservices.Services, engine: Engine, rate: int,
+                   seconds: float) -> list[float]:
+    """The floor under any relay: the same publishing threads commit the same publish, then
+    each produces its message itself with librdkafka (the relay's producer settings): a dual
+    write, unsafe, here only as a baseline. Returns commit → delivery report, in ms."""
+    schema, topic = f"soak_direct_{rate}", f"soak-direct-{rate}"
+    migrate.upgrade(services.database_url, schema)
+    create_topic(services.kafka_bootstrap, topic, partitions=PARTITIONS)
+    producer = Producer(librdkafka_config(RelaySettings(
+        kafka_bootstrap=services.kafka_bootstrap)))
+    latencies: list[float] = []
+    polling = threading.Event()
+
+    def produce(_message_id: int, key: str, committed_at: float) -> None:
+        def acked(error: object, _message: object) -> None:
+            assert error is None, error
+            latencies.append((time.time() - committed_at) * 1000)
+        producer.produce(topic, PAYLOAD, key.encode(), on_delivery=acked)
+
+    def reports() -> None:  # as the relay's transport does: a thread serving poll()
+        while not polling.is_set():
+            producer.poll(0.1)
+
+    # As the relay is warmed before it is measured: without this the first second of
+    # messages waits for the producer's connection, id and metadata (up to 1 s each).
+    for partition in range(PARTITIONS):
+        producer.produce(topic, b"warm-up", partition=partition)
+    producer.flush(30)
+    reporter = threading.Thread(target=reports)
+    reporter.start()
+    try:
+        sent = len(publish_at_rate(engine, Outbox(schema=schema), topic, rate, seconds,
+                                   after_commit=produce))
+        producer.flush(30)
+    finally:
+        polling.set()
+        reporter.join()
+    assert len(latencies) == sent, (len(latencies), sent)
+    return latencies
+
+
+@dataclass(frozen=True)
+class CurvePoint:
+    rate: int
+    outbox: LatencyMinute
+    #: commit → ack of the dual write, p50 and p99 in ms
+    direct: tuple[float, float]
+
+
+def latency_curve(services: devservices.Services, engine: Engine, env: dict[str, str],
+                  rates: list[int], seconds: float) -> list[CurvePoint]:
+    """At each rate: the relay's commit → recorded ack, then the dual write's commit → ack."""
+    points = []
+    for rate in rates:
+        outbox = latency_soak(services, engine, env, rate, seconds / 60)[0]
+        cuts = statistics.quantiles(direct_latency(services, engine, rate, seconds), n=100)
+        points.append(CurvePoint(rate, outbox, (cuts[49], cuts[98])))
+        say(f"   {rate:5,} msg/s: outbox p50 {outbox.p50:5.1f} ms, p99 {outbox.p99:5.1f} ms; "
+            f"dual write p50 {cuts[49]:5.1f} ms, p99 {cuts[98]:5.1f} ms")
+    return points
 
 
 @dataclass(frozen=True)
@@ -203,7 +290,7 @@ def retention_soak(services: devservices.Services, engine: Engine, env: dict[str
     if pending_storage:
         with engine.begin() as conn:
             conn.execute(text(f"ALTER TABLE {schema}.pending SET ({pending_storage})"))
-    create_topic(services.kafka_bootstrap, topic, partitions=6)
+    create_topic(services.kafka_bootstrap, topic, partitions=PARTITIONS)
     env = {**env, "OUTBOX_RETENTION_HOURS": str(RETENTION_SECONDS / 3600),
            "OUTBOX_PRUNE_INTERVAL": "10", "OUTBOX_PARTITION_SIZE": str(partition_size)}
     relays = start_relays(env, schema, 1)
@@ -305,6 +392,45 @@ def pass_cost(sizes: list[int], file: Path | None) -> None:
     say(f"updated {file}")
 
 
+def curve(rates: list[int], seconds: float, client: str, file: Path | None) -> None:
+    """Run ``latency_curve`` on fresh services and write its table."""
+    load = os.getloadavg()
+    say("starting fresh embedded PostgreSQL (durable: fsync on) and Kafka broker ...")
+    services = devservices.start(durable=True)
+    env = {**os.environ, **services.env(), "OUTBOX_KAFKA_CLIENT": client}
+    engine = create_engine(sqlalchemy_url(services.database_url), pool_size=10)
+    say(f"commit → ack by rate, {seconds:g} s each: the outbox ({client} relay), then a dual "
+        "write (the publishing thread produces after its COMMIT, librdkafka)")
+    try:
+        points = latency_curve(services, engine, env, rates, seconds)
+    finally:
+        engine.dispose()
+        devservices.stop(services)
+    if file is None:
+        return
+    block = "\n".join([
+        f"`python bench/soak.py {' '.join(sys.argv[1:])}`. Run of "
+        f"{datetime.date.today().isoformat()} on {platform.node() or 'this machine'}: nproc "
+        f"{os.cpu_count()}, load average {load[0]:.1f} at the start; fresh durable embedded "
+        f"PostgreSQL and Tansu; 4 publishing threads, one 1 KiB message per transaction, "
+        f"1,000 keys, {PARTITIONS} partitions; {seconds:g} s per rate and variant. The "
+        f"outbox: 1 relay ({client} transport), commit → recorded ack (the op record's "
+        "time). The dual write: the same threads commit the same publish (no relay runs), "
+        "then produce the message themselves with librdkafka and the relay's producer "
+        "settings (warmed first, as the relay is); commit → delivery report.",
+        "",
+        "| rate | outbox p50 | outbox p99 | dual write p50 | dual write p99 | the outbox adds "
+        "(p50) |",
+        "|---|---|---|---|---|---|",
+        *(f"| {p.rate:,} msg/s | {p.outbox.p50:.1f} ms | {p.outbox.p99:.1f} ms | "
+          f"{p.direct[0]:.1f} ms | {p.direct[1]:.1f} ms | {p.outbox.p50 - p.direct[0]:+.1f} ms |"
+          for p in points),
+    ])
+    file.write_text(replace_block(file.read_text(), block, "latency curve",
+                                  "Latency by rate, next to a dual write"))
+    say(f"updated {file}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=10.0)
@@ -328,7 +454,16 @@ def main() -> None:
                              "e.g. 'autovacuum_vacuum_scale_factor = 0'")
     parser.add_argument("--pass-cost", type=int, nargs="*", metavar="ROWS",
                         help="only time one retention pass removing each number of old rows")
+    parser.add_argument("--curve", metavar="RATES",
+                        help="only the latency at each of these rates (e.g. 100,300,1000), "
+                             "next to a dual write's at the same rate")
+    parser.add_argument("--curve-seconds", type=float, default=60.0,
+                        help="seconds of publishing per rate and per variant of --curve")
     args = parser.parse_args()
+    if args.curve:
+        curve([int(r) for r in args.curve.split(",")], args.curve_seconds, args.client,
+              None if args.no_write else args.file)
+        return
     if args.pass_cost:
         pass_cost(args.pass_cost, None if args.no_write else args.file)
         return
@@ -408,7 +543,7 @@ def main() -> None:
         f"{datetime.date.today().isoformat()} on {platform.node() or 'this machine'}: "
         f"nproc {os.cpu_count()}, load average {load[0]:.1f} at the start; fresh durable "
         f"embedded PostgreSQL and Tansu, 1 relay ({args.client} transport), 1 KiB payloads, "
-        "1,000 keys, 6 partitions.",
+        f"1,000 keys, {PARTITIONS} partitions.",
         "",
         f"Commit → recorded ack at {args.rate:,} msg/s (4 publishing threads, one message per "
         f"transaction): target p50 ≤ 5 ms and p99 ≤ 25 ms in every minute — "
