@@ -35,7 +35,8 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,6 +68,19 @@ ROOT = Path(__file__).resolve().parent.parent
 RETENTION_SECONDS = 120
 TABLES = ("message", "pending", "op_record")
 PARTITIONS = 6
+
+
+@contextmanager
+def fresh_services(pool_size: int) -> Iterator[tuple[devservices.Services, Engine]]:
+    """Fresh durable embedded PostgreSQL and broker, and an engine on them; stopped after."""
+    say("starting fresh embedded PostgreSQL (durable: fsync on) and Kafka broker ...")
+    services = devservices.start(durable=True)
+    engine = create_engine(sqlalchemy_url(services.database_url), pool_size=pool_size)
+    try:
+        yield services, engine
+    finally:
+        engine.dispose()
+        devservices.stop(services)
 
 
 @dataclass(frozen=True)
@@ -358,19 +372,13 @@ def growth(samples: list[RetentionSample], minutes: float, tail: float = 3.0) ->
 
 def pass_cost(sizes: list[int], file: Path | None) -> None:
     """Time one retention pass per size, each on its own schema, and write the table."""
-    say("starting fresh embedded PostgreSQL (durable: fsync on) and Kafka broker ...")
-    services = devservices.start(durable=True)
-    engine = create_engine(sqlalchemy_url(services.database_url), pool_size=2)
     costs = []
-    try:
+    with fresh_services(pool_size=2) as (services, engine):
         for rows in sizes:
             drop, seconds, removed = retention_pass_cost(services, engine, rows)
             say(f"   {rows:,} old rows: {removed:,} messages removed; dropping the partition "
                 f"{drop * 1000:.1f} ms, the whole pass {seconds * 1000:.1f} ms")
             costs.append((rows, removed, drop, seconds))
-    finally:
-        engine.dispose()
-        devservices.stop(services)
     if file is None:
         return
     block = "\n".join([
@@ -395,17 +403,11 @@ def pass_cost(sizes: list[int], file: Path | None) -> None:
 def curve(rates: list[int], seconds: float, client: str, file: Path | None) -> None:
     """Run ``latency_curve`` on fresh services and write its table."""
     load = os.getloadavg()
-    say("starting fresh embedded PostgreSQL (durable: fsync on) and Kafka broker ...")
-    services = devservices.start(durable=True)
-    env = {**os.environ, **services.env(), "OUTBOX_KAFKA_CLIENT": client}
-    engine = create_engine(sqlalchemy_url(services.database_url), pool_size=10)
-    say(f"commit → ack by rate, {seconds:g} s each: the outbox ({client} relay), then a dual "
-        "write (the publishing thread produces after its COMMIT, librdkafka)")
-    try:
+    with fresh_services(pool_size=10) as (services, engine):
+        env = {**os.environ, **services.env(), "OUTBOX_KAFKA_CLIENT": client}
+        say(f"commit → ack by rate, {seconds:g} s each: the outbox ({client} relay), then a "
+            "dual write (the publishing thread produces after its COMMIT, librdkafka)")
         points = latency_curve(services, engine, env, rates, seconds)
-    finally:
-        engine.dispose()
-        devservices.stop(services)
     if file is None:
         return
     block = "\n".join([
@@ -469,11 +471,8 @@ def main() -> None:
         return
 
     load = os.getloadavg()
-    say("starting fresh embedded PostgreSQL (durable: fsync on) and Kafka broker ...")
-    services = devservices.start(durable=True)
-    env = {**os.environ, **services.env(), "OUTBOX_KAFKA_CLIENT": args.client}
-    engine = create_engine(sqlalchemy_url(services.database_url), pool_size=10)
-    try:
+    with fresh_services(pool_size=10) as (services, engine):
+        env = {**os.environ, **services.env(), "OUTBOX_KAFKA_CLIENT": args.client}
         minutes = []
         if not args.retention_only:
             say(f"1. commit → ack at {args.rate:,} msg/s for {args.minutes:g} minutes")
@@ -493,9 +492,6 @@ def main() -> None:
         say(f"   partitions of {size:,} message ids ({args.partition_seconds:g} s of writes)")
         samples = retention_soak(services, engine, env, rate, args.minutes, size,
                                  args.pending_storage)
-    finally:
-        engine.dispose()
-        devservices.stop(services)
 
     grew = growth(samples, args.minutes)
     latency_ok = bool(minutes) and all(m.p50 <= 5 and m.p99 <= 25 for m in minutes)
@@ -532,7 +528,8 @@ def main() -> None:
             f"`python bench/soak.py {' '.join(sys.argv[1:])}`. Run of "
             f"{datetime.date.today().isoformat()} on {platform.node() or 'this machine'}: "
             f"nproc {os.cpu_count()}, load average {load[0]:.1f} at the start; fresh durable "
-            "embedded PostgreSQL and Tansu, 1 relay (kafka-python transport), 1 KiB payloads.",
+            f"embedded PostgreSQL and Tansu, 1 relay ({args.client} transport), 1 KiB "
+            "payloads.",
             "", retention_line, "", *table])
         args.file.write_text(replace_block(args.file.read_text(), block, name,
                                            f"Retention at {args.fraction:.0%} of the drain rate"))
