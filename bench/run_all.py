@@ -12,10 +12,11 @@ On fresh embedded services (durable: fsync on), in this order:
    (Python threads), while relays are awake (no NOTIFY) and while one sleeps (every commit
    NOTIFYs); then the same transactions from pgbench, whose C clients leave the database as
    the bound (publish_bench.pgbench_publish);
-3. raw kafka-python produce, then one relay with the kafka-python and with the confluent
-   transport draining --messages committed rows, then two relays with the confluent
-   transport (relay_bench's functions); --rounds times, interleaved, medians reported (the
-   raw baseline alone moved between 21k and 30k msg/s from run to run on the 2-core VM);
+3. raw kafka-python produce (in a fresh process, as each relay runs), then one relay with
+   the kafka-python and with the confluent transport draining --messages committed rows, then
+   two relays with the confluent transport (relay_bench's functions); --rounds times,
+   interleaved, medians reported (the raw baseline alone moved between 21k and 30k msg/s from
+   run to run on the 2-core VM);
 4. one relay draining --messages rows beside --history delivered rows still retained (the
    fetch must not read them: a plan that did cost 0.4 s a batch at 300,000).
 
