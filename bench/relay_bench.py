@@ -33,7 +33,7 @@ from outbox import Outbox, migrate, store
 from outbox.dev import services as devservices
 from outbox.dev.topics import create_topic
 from outbox.relay.confluent import librdkafka_config
-from outbox.relay.producer import PRODUCER_DEFAULTS
+from outbox.relay.producer import PRODUCER_DEFAULTS, KeyHashPartitioner
 from outbox.relay.wakeup import Wakeup
 from outbox.schema import SHARDS
 from outbox.settings import RelaySettings, sqlalchemy_url
@@ -46,20 +46,24 @@ def say(line: str) -> None:
     print(line, flush=True)
 
 
-def raw_produce(bootstrap: str, topic: str, n: int, client: str = "kafka-python") -> float:
-    """Records per second of the bare client with the relay's producer settings, measured in a
+def raw_produce(bootstrap: str, topic: str, n: int, client: str = "kafka-python",
+                key_memo: bool = False) -> float:
+    """Records per second of the bare client with the relay's producer settings (kafka-python's
+    own partitioner unless ``key_memo``: the relay's KeyHashPartitioner), measured in a
     fresh process with its start-up heap frozen, as each relay runs: in the benchmark's own
     long-lived process the baseline lost a quarter to a half of its rate over a run (27,297 →
     14,601 msg/s, its CPU per record up a third) while the relays' rates held."""
     child = ("import gc, sys; from relay_bench import produce_here; gc.freeze(); "
-             "print(produce_here(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]))")
-    done = subprocess.run([sys.executable, "-c", child, bootstrap, topic, str(n), client],
+             "print(produce_here(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], "
+             "sys.argv[5] == 'memo'))")
+    done = subprocess.run([sys.executable, "-c", child, bootstrap, topic, str(n), client,
+                           "memo" if key_memo else "-"],
                           cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True,
                           text=True, check=True)
     return float(done.stdout.split()[-1])
 
 
-def produce_here(bootstrap: str, topic: str, n: int, client: str) -> float:
+def produce_here(bootstrap: str, topic: str, n: int, client: str, key_memo: bool) -> float:
     """:func:`raw_produce` in this process."""
     records = [(b"key-%d" % (i % KEYS), [("outbox-id", str(i).encode()),
                                          ("content-type", b"application/octet-stream")])
@@ -84,7 +88,8 @@ def produce_here(bootstrap: str, topic: str, n: int, client: str) -> float:
         producer.flush()
         assert acked[0] == n
         return n / (time.perf_counter() - started)
-    kafka = KafkaProducer(bootstrap_servers=bootstrap, **PRODUCER_DEFAULTS)
+    memo = {"partitioner": KeyHashPartitioner()} if key_memo else {}
+    kafka = KafkaProducer(bootstrap_servers=bootstrap, **PRODUCER_DEFAULTS, **memo)
     started = time.perf_counter()
     futures = [kafka.send(topic, value=PAYLOAD, key=key, headers=headers)
                for key, headers in records]

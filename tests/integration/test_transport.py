@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import uuid
 
+from kafka.partitioner.default import DefaultPartitioner
+
 from outbox.dev import services as devservices
 from outbox.dev.topics import create_topic
+from outbox.relay.producer import KeyHashPartitioner
 from outbox.relay.transport import Delivery, make_transport
 from outbox.settings import Settings
 from tests.conftest import TRANSPORTS
@@ -34,3 +37,24 @@ def test_a_key_lands_on_the_same_partition_with_either_transport(
     placed = {client: partitions_of(settings, client, topic, keys) for client in TRANSPORTS}
     assert len(set(placed["kafka-python"].values())) == 12, "keys spread over every partition"
     assert placed["confluent"] == placed["kafka-python"]
+
+
+def test_the_relay_s_remembered_key_hashes_place_keys_as_kafka_python_s_partitioner(
+    services: devservices.Services, settings: Settings
+) -> None:
+    """The memo of key hashes (also once it has been emptied) chooses what kafka-python's
+    DefaultPartitioner chooses, over the real broker's metadata."""
+    topic = f"keys-{uuid.uuid4().hex[:8]}"
+    create_topic(services.kafka_bootstrap, topic, partitions=7)
+    transport = make_transport(settings.model_copy(update={"kafka_client": "kafka-python"}))
+    try:
+        assert transport.available([topic], 10) == {topic}
+        cluster = transport.producer._metadata  # type: ignore[attr-defined]
+        keys = [f"order-{n}".encode() for n in range(200)] + [uuid.uuid4().bytes for _ in range(50)]
+        remembered, default = KeyHashPartitioner(size=16), DefaultPartitioner()
+        for _ in range(2):
+            chosen = [remembered.partition(topic, k, k, b"", b"", cluster) for k in keys]
+            assert chosen == [default.partition(topic, k, k, b"", b"", cluster) for k in keys]
+        assert len(set(chosen)) == 7 and 0 < len(remembered.hashes) <= 16
+    finally:
+        transport.close(10)
