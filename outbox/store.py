@@ -249,11 +249,13 @@ def mark_delivered(
     if not acks:
         return []
     ids, partitions, offsets = (int_array(column) for column in zip(*acks, strict=True))
-    rows = conn.execute(
-        query("mark_delivered", schema),
-        {"ids": ids, "partitions": partitions, "offsets": offsets, "actor": actor},
-    )
-    return [(row.topic, float(row.latency)) for row in rows]
+    params = {"ids": ids, "partitions": partitions, "offsets": offsets, "actor": actor}
+    driver = conn.connection.driver_connection  # plain tuples: a batch returns 2,000 rows
+    assert driver is not None
+    with driver.cursor() as cursor:
+        cursor.execute(_driver_sql("mark_delivered", schema), params)
+        closed: list[tuple[str, float]] = cursor.fetchall()
+    return closed
 
 
 @dataclass(frozen=True, slots=True)

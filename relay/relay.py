@@ -20,7 +20,7 @@ import functools
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -282,9 +282,11 @@ class Relay:
             parked = store.record_failures(conn, self.schema, self.worker_id, failures,
                                            self.settings.relay_max_attempts)
         self.delivered += len(closed)
-        for topic, latency in closed:
-            metrics.DELIVERED.labels(topic).inc()
-            metrics.LATENCY.observe(latency)
+        for topic, count in Counter(topic for topic, _ in closed).items():
+            metrics.DELIVERED.labels(topic).inc(count)
+        observe = metrics.LATENCY.observe
+        for _, latency in closed:
+            observe(latency)
         for message_id, topic in parked:
             metrics.PARKED.labels(topic).inc()
             reason = next(f.error for f in failures if f.id == message_id)

@@ -113,7 +113,9 @@ WITH delivered AS (
                 CAST(:offsets AS bigint[])) AS a(id, kafka_partition, kafka_offset)
       ON a.id = d.message_id
 )
-SELECT topic, extract(epoch FROM clock_timestamp() - created_at) AS latency FROM delivered;
+SELECT topic, CAST(extract(epoch FROM clock_timestamp() - created_at) AS double precision)
+       AS latency
+FROM delivered;
 
 -- name: unrecorded_candidates
 -- The messages of :shards that a previous owner (or a failed pass of this relay) may have

@@ -54,7 +54,7 @@ def test_the_fetch_reads_its_batch_not_the_retained_history(
         batch = store.fetch_deliverable(conn, schema, range(SHARDS), 2000)
     assert [row.id for row in batch] == ids[2900:]
     plan = explained(engine, schema, "fetch_deliverable", {
-        "shards": list(range(SHARDS)), "limit": 2000, "in_flight": [], "held": [],
+        "shards": store.int_array(range(SHARDS)), "limit": 2000, "in_flight": "{}", "held": [],
         "max_bytes": 1 << 24})
     assert len(ranges(engine, schema)) >= 11
     assert rows_read(plan) <= 2 * 100, plan
@@ -113,9 +113,11 @@ def test_recording_a_batch_reads_its_rows_not_the_backlog(
         conn.execute(text(f"ANALYZE {schema}.message, {schema}.pending"))
     acked = ids[:150]  # a batch of 2,000 at a 40,000 backlog
     plan = explained(engine, schema, "mark_delivered", {
-        "ids": acked, "partitions": [0] * len(acked), "offsets": acked, "actor": "test"})
+        "ids": store.int_array(acked), "partitions": store.int_array([0] * len(acked)),
+        "offsets": store.int_array(acked), "actor": "test"})
     assert rows_read(plan, "pending") <= len(acked), plan
     plan = explained(engine, schema, "record_failures", {
-        "ids": acked, "errors": ["no"] * len(acked), "permanent": [True] * len(acked),
+        "ids": store.int_array(acked), "errors": ["no"] * len(acked),
+        "permanent": [True] * len(acked),
         "actor": "test", "max_attempts": 3})
     assert rows_read(plan, "pending") <= len(acked), plan
