@@ -169,11 +169,21 @@ def fetch_deliverable(
     of hex text, which more than halves the cost of the hot fetch."""
     params = {"shards": int_array(shards), "limit": limit, "in_flight": int_array(in_flight),
               "max_bytes": max_bytes, "held": list(held)}
+    rows = _driver_rows(conn, "fetch_deliverable", schema, params, binary=True)
+    return list(map(Deliverable._make, rows))
+
+
+def _driver_rows(conn: Connection, name: str, schema: str, params: dict[str, Any],
+                 *, binary: bool = False) -> list[Any]:
+    """The named query's rows as plain tuples, run on the driver connection under ``conn``
+    (in its transaction): for the relay's hot statements, whose thousands of rows a batch
+    cost more as SQLAlchemy rows than the statements' own work."""
     driver = conn.connection.driver_connection
     assert driver is not None
-    with driver.cursor(binary=True) as cursor:
-        cursor.execute(_driver_sql("fetch_deliverable", schema), params)
-        return list(map(Deliverable._make, cursor.fetchall()))
+    with driver.cursor(binary=binary) as cursor:
+        cursor.execute(_driver_sql(name, schema), params)
+        rows: list[Any] = cursor.fetchall()
+    return rows
 
 
 def int_array(values: Iterable[int]) -> str:
@@ -250,12 +260,7 @@ def mark_delivered(
         return []
     ids, partitions, offsets = (int_array(column) for column in zip(*acks, strict=True))
     params = {"ids": ids, "partitions": partitions, "offsets": offsets, "actor": actor}
-    driver = conn.connection.driver_connection  # plain tuples: a batch returns 2,000 rows
-    assert driver is not None
-    with driver.cursor() as cursor:
-        cursor.execute(_driver_sql("mark_delivered", schema), params)
-        closed: list[tuple[str, float]] = cursor.fetchall()
-    return closed
+    return _driver_rows(conn, "mark_delivered", schema, params)
 
 
 @dataclass(frozen=True, slots=True)

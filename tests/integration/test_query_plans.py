@@ -54,7 +54,8 @@ def test_the_fetch_reads_its_batch_not_the_retained_history(
         batch = store.fetch_deliverable(conn, schema, range(SHARDS), 2000)
     assert [row.id for row in batch] == ids[2900:]
     plan = explained(engine, schema, "fetch_deliverable", {
-        "shards": store.int_array(range(SHARDS)), "limit": 2000, "in_flight": "{}", "held": [],
+        "shards": store.int_array(range(SHARDS)), "limit": 2000, "in_flight": store.int_array(()),
+        "held": [],
         "max_bytes": 1 << 24})
     assert len(ranges(engine, schema)) >= 11
     assert rows_read(plan) <= 2 * 100, plan
