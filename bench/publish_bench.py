@@ -146,12 +146,15 @@ def asleep_if(mode: str, database_url: str) -> contextlib.AbstractContextManager
     return relay_asleep(database_url, SCHEMA) if mode == "asleep" else contextlib.nullcontext()
 
 
-def pgbench_script(schema: str, publish: bool, notify_always: bool = False) -> str:
+def pgbench_script(schema: str, publish: bool, notify_always: bool = False,
+                   inserts: int = 1) -> str:
     """The business INSERT transaction for pgbench, with the publish statement's own text
     when ``publish``: its varying parameters become pgbench variables, NULLs are written in,
     the rest are set once with -D (:func:`pgbench_defines`). ``notify_always``: every commit
-    notifies, as before relays slept on shards (the comparison's baseline)."""
-    statements = [BUSINESS.text.replace(":c", "'c'")]
+    notifies, as before relays slept on shards (the comparison's baseline). ``inserts``: the
+    business INSERT that many times (2: the cost of any one more row, the floor a publish
+    that writes a row can reach)."""
+    statements = [BUSINESS.text.replace(":c", "'c'")] * inserts
     if publish:
         sql = "\n".join(line for line in store.query("publish", schema).text.splitlines()
                         if not line.lstrip().startswith("--")).rstrip(";")
@@ -180,9 +183,10 @@ def pgbench_defines(schema: str) -> list[str]:
 
 
 def pgbench_publish(services: devservices.Services, clients: int, seconds: float,
-                    schema: str = SCHEMA) -> tuple[float, float, float]:
+                    schema: str = SCHEMA) -> tuple[float, float, float, float]:
     """TPS of pgbench's ``clients``: business INSERT alone, with a publish while relays are
-    awake, with a publish while a relay sleeps (durable commits)."""
+    awake, with a publish while a relay sleeps, and with a second business INSERT instead
+    of a publish (durable commits)."""
     migrate.upgrade(services.database_url, schema)
     engine = create_engine(sqlalchemy_url(services.database_url))
     with engine.begin() as conn:
@@ -193,7 +197,9 @@ def pgbench_publish(services: devservices.Services, clients: int, seconds: float
         with asleep_if(mode, services.database_url):
             rates.append(pgbench_tps(services, clients, seconds,
                                      pgbench_script(schema, publish=mode != "bare"), schema))
-    return rates[0], rates[1], rates[2]
+    rates.append(pgbench_tps(services, clients, seconds,
+                             pgbench_script(schema, publish=False, inserts=2), schema))
+    return rates[0], rates[1], rates[2], rates[3]
 
 
 def pgbench_tps(services: devservices.Services, clients: int, seconds: float, script: str,
@@ -271,7 +277,8 @@ def main() -> None:
             print(f"3. pgbench, {writers} clients, {args.seconds:g} s each, durable commits",
                   flush=True)
             rates = pgbench_publish(services, writers, args.seconds)
-            for label, rate in zip(MODES.values(), rates, strict=True):
+            labels = [*MODES.values(), "a 2nd INSERT, no publish"]
+            for label, rate in zip(labels, rates, strict=True):
                 print(f"   {label:26} {rate:7,.0f} TPS  {rate / rates[0]:.2f}x", flush=True)
         for writers in args.writers:
             print(f"4. pgbench, {writers} clients, {args.seconds:g} s each, beside a relay "

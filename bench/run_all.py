@@ -11,7 +11,8 @@ On fresh embedded services (durable: fsync on), in this order:
 2. business insert + publish vs business insert alone, at 4 and at 16 concurrent writers
    (Python threads), while relays are awake (no NOTIFY) and while one sleeps (every commit
    NOTIFYs); then the same transactions from pgbench, whose C clients leave the database as
-   the bound (publish_bench.pgbench_publish);
+   the bound (publish_bench.pgbench_publish), and there the business insert twice: what
+   any one more row costs the transaction, the floor for a publish that writes one;
 3. raw kafka-python produce (in a fresh process, as each relay runs; with kafka-python's own
    partitioner, and again with the relay's memo of key hashes), then one relay with
    the kafka-python and with the confluent transport draining --messages committed rows, then
@@ -181,12 +182,14 @@ def main() -> None:
                                       tps, "TPS", bare, "insert alone", (">=", 0.8)))
             say(f"   the same from pgbench (C clients: the database is the bound), {seconds:g} s "
                 "each")
-            bare, awake, asleep = pgbench_publish(services, writers, seconds)
+            bare, awake, asleep, second = pgbench_publish(services, writers, seconds)
             say(f"   alone {bare:,.0f} TPS, + publish {awake:,.0f} (relays awake), "
-                f"{asleep:,.0f} (a relay asleep)")
+                f"{asleep:,.0f} (a relay asleep), + a 2nd business INSERT {second:,.0f}")
             for label, tps in (("relays awake", awake), ("a relay asleep", asleep)):
                 figures.append(Figure(f"pgbench: insert + publish, {writers} writers, {label}",
                                       tps, "TPS", bare, "insert alone", (">=", 0.8)))
+            figures.append(Figure(f"pgbench: the insert twice, no publish, {writers} writers "
+                                  "(any one more row)", second, "TPS", bare, "insert alone"))
 
         say(f"3. relay throughput, {messages:,} messages of 1 KiB, median of {rounds} rounds "
             "(raw, relays, raw, relays, ...: the machine's drift hits baseline and relay alike)")

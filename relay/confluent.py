@@ -13,7 +13,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import kafka.errors
@@ -30,7 +30,7 @@ from confluent_kafka import (
 from outbox.exceptions import ConfigurationError, ServiceUnavailable
 from outbox.relay.producer import PRODUCER_DEFAULTS
 from outbox.relay.tails import STALL_SECONDS, Stall, Tail
-from outbox.relay.transport import Delivery, Headers
+from outbox.relay.transport import Delivery, Headers, Report
 from outbox.settings import RelaySettings
 
 log = logging.getLogger("outbox.relay.librdkafka")
@@ -141,13 +141,14 @@ class ConfluentTransport:
         except KafkaException:
             raise settings.kafka_unreachable() from None
         self._closing = threading.Event()
+        #: notified after each poll that served delivery reports (:meth:`wait`)
+        self._reports = threading.Condition()
         self._reporter = threading.Thread(target=self._report, daemon=True,
                                           name=f"kafka-reports-{settings.worker_id}")
         self._reporter.start()
 
-    def send(self, topic: str, key: bytes | None, value: bytes, headers: Headers,
-             done: Callable[[], None]) -> Delivery:
-        delivery = Delivery(done)
+    def send(self, topic: str, key: bytes | None, value: bytes, headers: Headers) -> Delivery:
+        delivery = Report()
 
         def reported(error: KafkaError | None, message: Message) -> None:
             if error is None:
@@ -162,10 +163,23 @@ class ConfluentTransport:
                                       on_delivery=reported)
                 return delivery
             except BufferError:  # librdkafka's queue is full: wait for reports to free it
-                self.producer.poll(POLL_SECONDS)
+                self._poll()
             except KafkaException as exc:  # refused before sending: size, unknown topic, ...
                 delivery.failed(translate(exc.args[0]))
                 return delivery
+
+    def wait(self, deliveries: Sequence[Delivery], timeout: float) -> bool:
+        """Woken after each poll that served reports; looks on from the first unsettled."""
+        waiting = iter(deliveries)
+        first: list[Any] = [next(waiting, None)]
+
+        def settled() -> bool:
+            while first[0] is not None and first[0].settled:
+                first[0] = next(waiting, None)
+            return first[0] is None
+
+        with self._reports:
+            return self._reports.wait_for(settled, timeout)
 
     def available(self, topics: Collection[str], timeout: float) -> set[str]:
         """One metadata request per topic (the relay asks only about topics it has not
@@ -195,7 +209,12 @@ class ConfluentTransport:
     def _report(self) -> None:
         """Serve delivery reports (and librdkafka's log lines) as they come."""
         while not self._closing.is_set():
-            self.producer.poll(POLL_SECONDS)
+            self._poll()
+
+    def _poll(self) -> None:
+        if self.producer.poll(POLL_SECONDS):
+            with self._reports:
+                self._reports.notify_all()
 
 
 class ConfluentTailReader:

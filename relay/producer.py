@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Collection
+import time
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from kafka import KafkaProducer
 from kafka.errors import KafkaError, KafkaTimeoutError
+from kafka.future import Future
 from kafka.partitioner.default import DefaultPartitioner, murmur2
 
 from outbox.exceptions import ServiceUnavailable
-from outbox.relay.transport import Delivery, Headers
+from outbox.relay.transport import Delivery, Headers, unknown_offset
 from outbox.settings import RelaySettings
 
 PRODUCER_DEFAULTS: dict[str, Any] = {
@@ -77,16 +79,26 @@ class KafkaPythonTransport:
     def __init__(self, settings: RelaySettings) -> None:
         self.producer = make_producer(settings)
 
-    def send(self, topic: str, key: bytes | None, value: bytes, headers: Headers,
-             done: Callable[[], None]) -> Delivery:
-        delivery = Delivery(done)
+    def send(self, topic: str, key: bytes | None, value: bytes, headers: Headers) -> Delivery:
         try:
-            future = self.producer.send(topic, value=value, key=key, headers=list(headers))
+            future = self.producer.send(topic, value=value, key=key, headers=headers
+                                        if type(headers) is list else list(headers))
         except KafkaError as exc:  # refused before sending: size, metadata, ...
-            delivery.failed(exc)
-        else:
-            future.add_callback(_landed, delivery).add_errback(delivery.failed)
-        return delivery
+            future = Future().failure(exc)
+        return Sent(future)
+
+    def wait(self, deliveries: Sequence[Delivery], timeout: float) -> bool:
+        """Looks at each record's future, waiting on its producer batch's latch while it is
+        not done (a batch split for size moves the record to a new batch and sets the old
+        latch: the loop waits again on the new one)."""
+        deadline = time.monotonic() + timeout
+        for delivery in deliveries:
+            future = delivery.future  # type: ignore[attr-defined]  # only Sent is sent here
+            while not future.is_done:
+                left = deadline - time.monotonic()
+                if left <= 0 or not future._produce_future.wait(left):
+                    return False
+        return True
 
     def available(self, topics: Collection[str], timeout: float) -> set[str]:
         """Known topics answer from the producer's cache; for the others, one metadata
@@ -127,5 +139,29 @@ class KafkaPythonTransport:
         self.producer.close(timeout=0)
 
 
-def _landed(delivery: Delivery, metadata: Any) -> None:
-    delivery.landed(metadata.partition, metadata.offset)
+class Sent:
+    """A record handed to kafka-python: its future, read once settled. No callbacks: adding
+    two per record and running them took a fifth to a quarter of raw kafka-python's rate
+    (bench/relay_bench.py's loop), and the relay drained 1.09-1.18x faster without them."""
+
+    __slots__ = ("future",)
+
+    def __init__(self, future: Any) -> None:
+        self.future = future
+
+    @property
+    def error(self) -> BaseException | None:
+        future = self.future
+        if future.exception is not None:
+            return future.exception  # type: ignore[no-any-return]
+        if future.is_done and future.value.offset < 0:
+            return unknown_offset(future.value.partition)
+        return None
+
+    @property
+    def partition(self) -> int:
+        return self.future.value.partition  # type: ignore[no-any-return]
+
+    @property
+    def offset(self) -> int:
+        return self.future.value.offset  # type: ignore[no-any-return]

@@ -61,18 +61,18 @@ class Abandoned(Exception):
 class InFlight:
     """A batch handed to the transport, waiting for its acknowledgements."""
 
+    transport: Transport
     rows: list[store.Deliverable]
     #: per row: its delivery, or None if held back
-    deliveries: list[Delivery | None]
-    done: threading.Event = field(default_factory=threading.Event)
-    remaining: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    deliveries: list[Delivery | None] = field(default_factory=list)
+    #: the deliveries of the rows sent
+    sent: list[Delivery] = field(default_factory=list)
+    acked: bool = False
 
-    def arrived(self) -> None:
-        with self.lock:
-            self.remaining -= 1
-            if self.remaining == 0:
-                self.done.set()
+    def settled(self, timeout: float) -> bool:
+        """Whether every record sent has landed or failed, waiting up to ``timeout``."""
+        self.acked = self.acked or self.transport.wait(self.sent, timeout)
+        return self.acked
 
 
 class Relay:
@@ -245,15 +245,14 @@ class Relay:
         return store.DELAYED_NOTE in notes
 
     def _send(self, transport: Transport, batch: list[store.Deliverable]) -> InFlight:
-        flight = InFlight(rows=batch, deliveries=[], remaining=len(batch))
+        flight = InFlight(transport, batch)
         blocked: set[tuple[str, bytes]] = set()
         for row in batch:
             delivery: Delivery | None = None
-            if row.key is not None and (row.topic, row.key) in blocked:
-                flight.arrived()  # held back behind a refused message of its key: stays pending
-            else:
-                delivery = transport.send(row.topic, row.key, row.payload, _headers(row),
-                                          flight.arrived)
+            # else held back behind a refused message of its key: stays pending
+            if row.key is None or (row.topic, row.key) not in blocked:
+                delivery = transport.send(row.topic, row.key, row.payload, _headers(row))
+                flight.sent.append(delivery)
                 if delivery.error is not None and row.key is not None:
                     blocked.add((row.topic, row.key))
             flight.deliveries.append(delivery)
@@ -305,7 +304,7 @@ class Relay:
     def _await_acks(self, flight: InFlight) -> None:
         started = time.monotonic()
         warned = False
-        while not flight.done.wait(0.25):
+        while not flight.settled(0.25):
             if self.lifecycle.abandon.is_set():
                 raise Abandoned
             if not warned and time.monotonic() - started > SLOW_ACK_SECONDS:
@@ -394,7 +393,7 @@ class Recorder(threading.Thread):
         rows = len(first.rows)
         with self._changed:
             while self._waiting and (flight := self._waiting[0]) is not None \
-                    and flight.done.is_set() and rows + len(flight.rows) <= self._rows_per_record:
+                    and rows + len(flight.rows) <= self._rows_per_record and flight.settled(0):
                 rows += len(flight.rows)
                 taken.append(flight)
                 self._waiting.popleft()

@@ -10,7 +10,7 @@ so one function (:func:`is_permanent`) decides which records are parked.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from typing import Protocol
 
 from kafka.errors import KafkaError
@@ -31,35 +31,55 @@ class UnknownOffset(KafkaError):  # type: ignore[misc]  # kafka-python is untype
     description = "the broker acknowledged the record without its offset"
 
 
-class Delivery:
-    """Where one record landed, or why it did not; filled in once, from any thread, which
-    then calls the ``done`` the relay passed to :meth:`Transport.send`."""
+class Delivery(Protocol):
+    """Where one record landed, or why it did not: read once the transport's :meth:`wait`
+    says it settled (``error`` may be set at once: a record refused before sending)."""
 
-    __slots__ = ("_done", "error", "offset", "partition")
+    @property
+    def error(self) -> BaseException | None: ...
+    @property
+    def partition(self) -> int: ...
+    @property
+    def offset(self) -> int: ...
 
-    def __init__(self, done: Callable[[], None]) -> None:
-        self._done = done
+
+class Report:
+    """A delivery filled in once, from any thread, by a client's delivery report."""
+
+    __slots__ = ("error", "offset", "partition", "settled")
+
+    def __init__(self) -> None:
         self.partition = -1
         self.offset = -1
         self.error: BaseException | None = None
+        self.settled = False
 
     def landed(self, partition: int, offset: int) -> None:
         if offset < 0:
-            self.failed(UnknownOffset(f"partition {partition}"))
+            self.failed(unknown_offset(partition))
             return
         self.partition, self.offset = partition, offset
-        self._done()
+        self.settled = True
 
     def failed(self, error: BaseException) -> None:
         self.error = error
-        self._done()
+        self.settled = True
+
+
+def unknown_offset(partition: int) -> UnknownOffset:
+    return UnknownOffset(f"partition {partition}")
 
 
 class Transport(Protocol):
-    def send(self, topic: str, key: bytes | None, value: bytes, headers: Headers,
-             done: Callable[[], None]) -> Delivery:
+    def send(self, topic: str, key: bytes | None, value: bytes, headers: Headers) -> Delivery:
         """Hand one record over; a record refused before sending (too large, ...) comes back
         already failed."""
+        ...
+
+    def wait(self, deliveries: Sequence[Delivery], timeout: float) -> bool:
+        """Whether every one of ``deliveries`` (sent here) has settled, landed or failed,
+        waiting up to ``timeout`` seconds (0: just look): one wait for a batch instead of a
+        callback per record (relay/producer.py's ``Sent`` says what those cost)."""
         ...
 
     def available(self, topics: Collection[str], timeout: float) -> set[str]:

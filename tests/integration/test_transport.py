@@ -19,9 +19,8 @@ def partitions_of(settings: Settings, client: str, topic: str, keys: list[bytes]
                   ) -> dict[bytes, int]:
     transport = make_transport(settings.model_copy(update={"kafka_client": client}))
     try:
-        sent: list[Delivery] = [transport.send(topic, key, b"{}", [], lambda: None)
-                                for key in keys]
-        transport.flush(30)
+        sent: list[Delivery] = [transport.send(topic, key, b"{}", []) for key in keys]
+        assert transport.wait(sent, 30)
     finally:
         transport.close(10)
     assert [d.error for d in sent if d.error] == []

@@ -9,11 +9,13 @@ import sys
 import kafka.errors
 import pytest
 from confluent_kafka import KafkaError
+from kafka.producer.future import FutureProduceResult, FutureRecordMetadata
 
 from outbox.exceptions import ConfigurationError
 from outbox.relay import confluent
 from outbox.relay.confluent import librdkafka_config, translate
-from outbox.relay.transport import Delivery, UnknownOffset, is_permanent, make_transport
+from outbox.relay.producer import Sent
+from outbox.relay.transport import Report, UnknownOffset, is_permanent, make_transport
 from outbox.settings import Settings
 
 
@@ -94,12 +96,34 @@ def test_an_acknowledgement_without_an_offset_is_retried_not_recorded() -> None:
     """Both clients report a DUPLICATE_SEQUENCE_NUMBER answer as success at offset -1; a broker
     that restarted with its producer state but not its records answers so (seen on Tansu with
     object storage, tests/integration/test_broker_modes.py's history): recording it would
-    lose the message."""
-    settled: list[Delivery] = []
-    delivery = Delivery(lambda: settled.append(delivery))
+    lose the message. librdkafka's report fills a Report; kafka-python's future is read."""
+    delivery = Report()
     delivery.landed(1, -1)
-    assert settled == [delivery] and delivery.offset == -1
+    assert delivery.settled and delivery.offset == -1
     assert isinstance(delivery.error, UnknownOffset) and not is_permanent(delivery.error)
+    sent = kafka_python_sent(offset=-1)
+    assert isinstance(sent.error, UnknownOffset) and not is_permanent(sent.error)
+
+
+def kafka_python_sent(*, offset: int | None = None, error: Exception | None = None) -> Sent:
+    """What kafka-python's producer hands back for one record, settled as a broker would."""
+    batch = FutureProduceResult(("orders", 2))
+    sent = Sent(FutureRecordMetadata(batch, 4, 0, None, 1, 1, -1))
+    if error is None:
+        batch.success((offset, -1, None))
+    else:
+        batch.failure(error)
+    return sent
+
+
+def test_kafka_python_s_answer_is_read_from_its_future() -> None:
+    landed = kafka_python_sent(offset=96)  # the batch's base offset; the record is 5th in it
+    assert (landed.error, landed.partition, landed.offset) == (None, 2, 100)
+    refused = kafka_python_sent(error=kafka.errors.MessageSizeTooLargeError("1 MB"))
+    assert isinstance(refused.error, kafka.errors.MessageSizeTooLargeError)
+    assert is_permanent(refused.error)
+    waiting = Sent(FutureRecordMetadata(FutureProduceResult(("orders", 0)), 0, 0, None, 1, 1, -1))
+    assert waiting.error is None, "not settled yet: no error to act on"
 
 
 def test_librdkafka_lines_repeat_at_most_once_a_minute(monkeypatch: pytest.MonkeyPatch) -> None:
