@@ -249,7 +249,7 @@ class Relay:
         blocked: set[tuple[str, bytes]] = set()
         for row in batch:
             delivery: Delivery | None = None
-            # else held back behind a refused message of its key: stays pending
+            # a row behind a refused message of its key is held back (stays pending)
             if row.key is None or (row.topic, row.key) not in blocked:
                 delivery = transport.send(row.topic, row.key, row.payload, _headers(row))
                 flight.sent.append(delivery)
