@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import uuid
 
+import pytest
 from kafka.partitioner.default import DefaultPartitioner
 
 from outbox.dev import services as devservices
@@ -13,6 +14,7 @@ from outbox.relay.producer import KeyHashPartitioner
 from outbox.relay.transport import Delivery, make_transport
 from outbox.settings import Settings
 from tests.conftest import TRANSPORTS
+from tests.kafka_proxy import KafkaProxy
 
 
 def partitions_of(settings: Settings, client: str, topic: str, keys: list[bytes]
@@ -57,3 +59,30 @@ def test_the_relay_s_remembered_key_hashes_place_keys_as_kafka_python_s_partitio
         assert len(set(chosen)) == 7 and 0 < len(remembered.hashes) <= 16
     finally:
         transport.close(10)
+
+
+@pytest.mark.parametrize("client", TRANSPORTS)
+def test_waiting_for_a_batch_gives_up_at_its_timeout_and_sees_it_land_later(
+    services: devservices.Services, settings: Settings, client: str
+) -> None:
+    """The relay's one wait per batch (Transport.wait): while the broker is cut off it
+    answers False at the timeout (0: at once), and True once every record has landed."""
+    topic = f"wait-{uuid.uuid4().hex[:8]}"
+    create_topic(services.kafka_bootstrap, topic, partitions=3)
+    proxy = KafkaProxy(services.kafka_port)
+    transport = make_transport(settings.model_copy(
+        update={"kafka_client": client, "kafka_bootstrap": proxy.bootstrap}))
+    try:
+        assert transport.available([topic], 10) == {topic}
+        proxy.cut()
+        sent = [transport.send(topic, b"k%d" % n, b"{}", []) for n in range(20)]
+        assert not transport.wait(sent, 0)
+        assert not transport.wait(sent, 0.5)
+        assert [d.error for d in sent] == [None] * 20, "retriable: not failed, waiting"
+        proxy.restore()
+        assert transport.wait(sent, 30)
+        assert [d.error for d in sent] == [None] * 20
+        assert sorted(d.offset for d in sent if d.partition == sent[0].partition)[0] == 0
+    finally:
+        transport.close(10)
+        proxy.close()
