@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Collection, Sequence
@@ -88,16 +89,19 @@ class KafkaPythonTransport:
         return Sent(future)
 
     def wait(self, deliveries: Sequence[Delivery], timeout: float) -> bool:
-        """Looks at each record's future, waiting on its producer batch's latch while it is
-        not done (a batch split for size moves the record to a new batch and sets the old
-        latch: the loop waits again on the new one)."""
+        """Looks at each record's future; waits in ``get()`` on the first not done (which
+        follows the record into a new batch if kafka-python splits its batch for size)."""
         deadline = time.monotonic() + timeout
         for delivery in deliveries:
             future = delivery.future  # type: ignore[attr-defined]  # only Sent is sent here
-            while not future.is_done:
-                left = deadline - time.monotonic()
-                if left <= 0 or not future._produce_future.wait(left):
-                    return False
+            if future.is_done:
+                continue
+            left = deadline - time.monotonic()
+            if left > 0:
+                with contextlib.suppress(Exception):  # a failed record has settled too
+                    future.get(left)
+            if not future.is_done:
+                return False
         return True
 
     def available(self, topics: Collection[str], timeout: float) -> set[str]:
