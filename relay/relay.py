@@ -65,9 +65,12 @@ class InFlight:
     rows: list[store.Deliverable]
     #: per row: its delivery, or None if held back
     deliveries: list[Delivery | None] = field(default_factory=list)
-    #: the deliveries of the rows sent
-    sent: list[Delivery] = field(default_factory=list)
     acked: bool = False
+
+    @functools.cached_property
+    def sent(self) -> list[Delivery]:
+        """The deliveries of the rows sent (listed once, on the recorder's thread)."""
+        return [delivery for delivery in self.deliveries if delivery is not None]
 
     def settled(self, timeout: float) -> bool:
         """Whether every record sent has landed or failed, waiting up to ``timeout``."""
@@ -252,7 +255,6 @@ class Relay:
             # a row behind a refused message of its key is held back (stays pending)
             if row.key is None or (row.topic, row.key) not in blocked:
                 delivery = transport.send(row.topic, row.key, row.payload, _headers(row))
-                flight.sent.append(delivery)
                 if delivery.error is not None and row.key is not None:
                     blocked.add((row.topic, row.key))
             flight.deliveries.append(delivery)
