@@ -11,7 +11,7 @@ import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from functools import cache
+from functools import cache, partial
 from importlib import resources
 from typing import Any, NamedTuple
 
@@ -123,7 +123,7 @@ class Deliverable(NamedTuple):
         return list(zip(self.header_keys or (), self.header_values or (), strict=True))
 
 
-def engine(url: str, **options: Any) -> Engine:
+def engine(url: str, *, delivery: bool = False, **options: Any) -> Engine:
     """An engine for the outbox's own processes (relay, sweeper, retention, console, CLI),
     whose sessions plan every statement for its parameters and never JIT-compile:
 
@@ -136,21 +136,29 @@ def engine(url: str, **options: Any) -> Engine:
     * ``jit = off``: the planner prices a lookup into partitioned ``message`` as if it visited
       every partition, so past ``jit_above_cost`` PostgreSQL compiled the fetch for 1.3 s
       (43 partitions) to run it in 9 ms.
+    * ``enable_sort = off``, on the relay's delivery connection only (``delivery``): the
+      fetch must walk pending's index in id order and stop at its LIMIT, and every other way
+      to its batch sorts. A queue's statistics are a snapshot: analyzed while nearly empty,
+      then refilled in the space its vacuum freed, ``pending`` looked like a few rows, and
+      the planner read and sorted the whole backlog for every batch (a merge anti-join, or
+      a sequential scan): the longer the backlog, the slower each batch.
 
     SETs after connecting rather than startup options, which connection poolers such as
     PgBouncer refuse."""
     made = create_engine(url, **options)
-    event.listen(made, "connect", _session_settings)
+    settings = DELIVERY_SETTINGS if delivery else SESSION_SETTINGS
+    event.listen(made, "connect", partial(_session_settings, settings))
     return made
 
 
-#: What :func:`engine` sets on each new connection.
+#: What :func:`engine` sets on each new connection, and on the relay's delivery connection.
 SESSION_SETTINGS = {"jit": "off", "plan_cache_mode": "force_custom_plan"}
+DELIVERY_SETTINGS = {**SESSION_SETTINGS, "enable_sort": "off"}
 
 
-def _session_settings(dbapi_connection: Any, _record: Any) -> None:
+def _session_settings(settings: dict[str, str], dbapi_connection: Any, _record: Any) -> None:
     with dbapi_connection.cursor() as cursor:
-        for name, value in SESSION_SETTINGS.items():
+        for name, value in settings.items():
             cursor.execute(f"SET {name} = {value}")
     dbapi_connection.commit()
 

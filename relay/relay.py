@@ -91,8 +91,8 @@ class Relay:
         self.delivered = 0
         self._transport = transport
         self._engine: Engine = store.engine(
-            settings.sqlalchemy_url, pool_size=2, max_overflow=0, pool_pre_ping=True
-        )
+            settings.sqlalchemy_url, delivery=True, pool_size=2, max_overflow=0,
+            pool_pre_ping=True)
         self._leases = Leases(self.schema, self.worker_id, settings.relay_lease_seconds)
         self._keeper = LeaseKeeper(settings, self._leases, in_flight=self.in_flight)
         self._identity = WorkerIdentity(settings)

@@ -51,6 +51,7 @@ RETURNING message_id AS id,
 -- backlog), then each message row is read by primary key, one partition each (the LATERAL
 -- with OFFSET 0 keeps it a lookup: joined as a set, the planner merge-joined or hash-joined
 -- pending with every partition of `message`, reading the whole retained history per batch).
+-- The relay runs it with enable_sort off (store.engine): every way but that walk sorts.
 SELECT id, topic, key, header_keys, header_values, payload, content_type
 FROM (
     SELECT m.id, m.topic, m.key, m.header_keys, m.header_values, m.payload, m.content_type,
