@@ -14,7 +14,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import Engine, MetaData, inspect, text
 
-from outbox import Outbox, migrate
+from outbox import Outbox, migrate, store
 from outbox.dev import services as devservices
 from outbox.dev.topics import read_topic
 from outbox.migrations import target_metadata
@@ -316,5 +316,37 @@ def test_upgrade_from_0005_keeps_rows_in_place_and_they_keep_flowing_and_downgra
                                      f"'{name}.message'::regclass")).scalar_one()
         assert kind == "r"
         migrate.upgrade(services.database_url, name)
+    finally:
+        drop_schema(engine, name)
+
+
+def test_upgrade_to_0010_leaves_the_ranges_of_history_to_retention_and_downgrade_back(
+    services: devservices.Services, engine: Engine
+) -> None:
+    """Ranges made before 0010 lose autovacuum as new ones are made without it; the default
+    partitions keep it; the downgrade gives it back to them all."""
+    name = f"m_{uuid.uuid4().hex[:12]}"
+    migrate.upgrade(services.database_url, name, "0009")
+
+    def options() -> dict[str, object]:
+        with engine.connect() as conn:
+            return dict(conn.execute(text(
+                "SELECT c.relname, c.reloptions FROM pg_inherits AS h "
+                "JOIN pg_class AS c ON c.oid = h.inhrelid "
+                "WHERE h.inhparent IN (CAST(:m AS regclass), CAST(:o AS regclass))"),
+                {"m": f"{name}.message", "o": f"{name}.op_record"}).all())
+
+    try:
+        before = options()
+        assert len(before) >= 4 and set(before.values()) == {None}, before
+        migrate.upgrade(services.database_url, name)
+        with engine.begin() as conn:
+            store.ensure_partitions(conn, name, 1_000_000, ahead=4)
+        after = options()
+        assert set(after) > set(before), "a range made since"
+        assert after == {part: None if part.endswith("_default") else
+                         ["autovacuum_enabled=false"] for part in after}
+        migrate.downgrade(services.database_url, name, "0009")
+        assert set(options().values()) == {None}
     finally:
         drop_schema(engine, name)
