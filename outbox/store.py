@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from functools import cache, partial
@@ -123,7 +123,14 @@ class Deliverable(NamedTuple):
         return list(zip(self.header_keys or (), self.header_values or (), strict=True))
 
 
-def engine(url: str, *, delivery: bool = False, **options: Any) -> Engine:
+#: What :func:`engine` sets on each new connection, and on the relay's hot ones.
+SESSION_SETTINGS = {"jit": "off", "plan_cache_mode": "force_custom_plan"}
+DELIVERY_SETTINGS = {**SESSION_SETTINGS, "enable_sort": "off"}
+RECORDING_SETTINGS = {**SESSION_SETTINGS, "enable_seqscan": "off"}
+
+
+def engine(url: str, *, settings: Mapping[str, str] = SESSION_SETTINGS, **options: Any
+           ) -> Engine:
     """An engine for the outbox's own processes (relay, sweeper, retention, console, CLI),
     whose sessions plan every statement for its parameters and never JIT-compile:
 
@@ -136,27 +143,26 @@ def engine(url: str, *, delivery: bool = False, **options: Any) -> Engine:
     * ``jit = off``: the planner prices a lookup into partitioned ``message`` as if it visited
       every partition, so past ``jit_above_cost`` PostgreSQL compiled the fetch for 1.3 s
       (43 partitions) to run it in 9 ms.
-    * ``enable_sort = off``, on the relay's delivery connection only (``delivery``): the
-      fetch must walk pending's index in id order and stop at its LIMIT, and every other way
-      to its batch sorts. A queue's statistics are a snapshot: analyzed while nearly empty,
-      then refilled in the space its vacuum freed, ``pending`` looked like a few rows, and
-      the planner read and sorted the whole backlog for every batch (a merge anti-join, or
-      a sequential scan): the longer the backlog, the slower each batch.
+
+    The relay's two hot connections plan for a queue (``settings``). ``pending``'s statistics
+    are a snapshot: analyzed while nearly empty, then refilled in the space its vacuum freed,
+    it looks to the planner like a few rows, and each batch read the whole backlog:
+
+    * ``enable_sort = off`` for the delivery connection (:data:`DELIVERY_SETTINGS`): the fetch
+      must walk pending's index in id order and stop at its LIMIT, the one plan without a
+      sort; the planner sorted the whole backlog instead (a merge anti-join, or a
+      sequential scan), so the longer the backlog, the slower each batch.
+    * ``enable_seqscan = off`` for the recording connection (:data:`RECORDING_SETTINGS`): it
+      closes a batch's rows by key, and the planner scanned every pending row to find them.
 
     SETs after connecting rather than startup options, which connection poolers such as
     PgBouncer refuse."""
     made = create_engine(url, **options)
-    settings = DELIVERY_SETTINGS if delivery else SESSION_SETTINGS
     event.listen(made, "connect", partial(_session_settings, settings))
     return made
 
 
-#: What :func:`engine` sets on each new connection, and on the relay's delivery connection.
-SESSION_SETTINGS = {"jit": "off", "plan_cache_mode": "force_custom_plan"}
-DELIVERY_SETTINGS = {**SESSION_SETTINGS, "enable_sort": "off"}
-
-
-def _session_settings(settings: dict[str, str], dbapi_connection: Any, _record: Any) -> None:
+def _session_settings(settings: Mapping[str, str], dbapi_connection: Any, _record: Any) -> None:
     with dbapi_connection.cursor() as cursor:
         for name, value in settings.items():
             cursor.execute(f"SET {name} = {value}")

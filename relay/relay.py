@@ -91,8 +91,8 @@ class Relay:
         self.delivered = 0
         self._transport = transport
         self._engine: Engine = store.engine(
-            settings.sqlalchemy_url, delivery=True, pool_size=2, max_overflow=0,
-            pool_pre_ping=True)
+            settings.sqlalchemy_url, settings=store.DELIVERY_SETTINGS, pool_size=2,
+            max_overflow=0, pool_pre_ping=True)
         self._leases = Leases(self.schema, self.worker_id, settings.relay_lease_seconds)
         self._keeper = LeaseKeeper(settings, self._leases, in_flight=self.in_flight)
         self._identity = WorkerIdentity(settings)
@@ -337,7 +337,8 @@ class Recorder(threading.Thread):
     def __init__(self, settings: RelaySettings, await_acks: Callable[[InFlight], None],
                  settle: Callable[[Connection, list[InFlight], bool], None]) -> None:
         super().__init__(name=f"recorder-{settings.worker_id}", daemon=True)
-        self._url = settings.sqlalchemy_url
+        self.engine = store.engine(settings.sqlalchemy_url, settings=store.RECORDING_SETTINGS,
+                                   pool_size=1, max_overflow=0, pool_pre_ping=True)
         self._rows_per_record = settings.relay_batch_size
         self._await_acks = await_acks
         self._settle = settle
@@ -402,9 +403,8 @@ class Recorder(threading.Thread):
         return taken
 
     def run(self) -> None:
-        engine = store.engine(self._url, pool_size=1, max_overflow=0, pool_pre_ping=True)
         try:
-            with _autocommit(engine) as conn:
+            with _autocommit(self.engine) as conn:
                 while (flight := self._next()) is not None:
                     flights = [flight]
                     try:
@@ -423,7 +423,7 @@ class Recorder(threading.Thread):
                 self._unsettled.clear()
                 self._changed.notify_all()
         finally:
-            engine.dispose()
+            self.engine.dispose()
 
 
 def _autocommit(engine: Engine) -> Connection:

@@ -10,7 +10,7 @@ from sqlalchemy.orm import Session
 
 from outbox import Outbox, store
 from outbox.dev import services as devservices
-from outbox.relay.relay import Relay
+from outbox.relay.relay import Recorder, Relay
 from outbox.schema import SHARDS
 from outbox.settings import Settings, sqlalchemy_url
 from tests.conftest import ranges, use_ranges
@@ -103,27 +103,41 @@ def test_the_fetch_reads_its_batch_whatever_the_statistics_say_of_the_backlog(
               "in_flight": store.int_array(()), "held": [], "max_bytes": 1 << 24}
     assert rows_read(explained(engine, schema, "fetch_deliverable", params), "pending") \
         > 30_000, "the planner no longer takes this snapshot for a few rows: a weaker test"
-    relays = store.engine(sqlalchemy_url(services.database_url), delivery=True,
-                          poolclass=NullPool)  # as the relay connects
+    relays = store.engine(sqlalchemy_url(services.database_url),
+                          settings=store.DELIVERY_SETTINGS, poolclass=NullPool)
     try:
         plan = explained(relays, schema, "fetch_deliverable", params)
+        promote = explained(relays, schema, "promote_due",
+                            {"shards": store.int_array(range(SHARDS))})
     finally:
         relays.dispose()
     assert rows_read(plan, "pending") <= 2 * 100, plan
+    assert rows_read(promote, "pending") == 0, promote  # none is DELAYED
 
 
 def test_recording_a_batch_reads_its_rows_whatever_the_statistics_say_of_the_backlog(
-        engine: Engine, schema: str, topic: str) -> None:
-    """The recorder's statements (its own connection, sorting allowed) on the same snapshot."""
+        services: devservices.Services, engine: Engine, schema: str, topic: str) -> None:
+    """On the same snapshot, the recorder's statements scanned every pending row to close a
+    batch's (a hashed `= ANY`): the longer the backlog, the slower each batch."""
     acked = stale_queue(engine, schema, topic)[:2000]
-    plan = explained(engine, schema, "mark_delivered", {
-        "ids": store.int_array(acked), "partitions": store.int_array([0] * len(acked)),
-        "offsets": store.int_array(acked), "actor": "test"})
-    assert rows_read(plan, "pending") <= len(acked), plan
-    plan = explained(engine, schema, "record_failures", {
-        "ids": store.int_array(acked), "errors": ["no"] * len(acked),
-        "permanent": [True] * len(acked), "actor": "test", "max_attempts": 3})
-    assert rows_read(plan, "pending") <= len(acked), plan
+    statements = {
+        "mark_delivered": {"ids": store.int_array(acked), "actor": "test",
+                           "partitions": store.int_array([0] * len(acked)),
+                           "offsets": store.int_array(acked)},
+        "record_failures": {"ids": store.int_array(acked), "errors": ["no"] * len(acked),
+                            "permanent": [True] * len(acked), "actor": "test",
+                            "max_attempts": 3}}
+    assert rows_read(explained(engine, schema, "mark_delivered",
+                               statements["mark_delivered"]), "pending") > 30_000, \
+        "the planner no longer takes this snapshot for a few rows: a weaker test"
+    recorders = store.engine(sqlalchemy_url(services.database_url),
+                             settings=store.RECORDING_SETTINGS, poolclass=NullPool)
+    try:
+        for name, params in statements.items():
+            plan = explained(recorders, schema, name, params)
+            assert rows_read(plan, "pending") <= len(acked), (name, plan)
+    finally:
+        recorders.dispose()
 
 
 def test_the_outbox_processes_run_without_jit_and_with_custom_plans(
@@ -139,15 +153,17 @@ def test_the_outbox_processes_run_without_jit_and_with_custom_plans(
         made.dispose()
 
 
-def test_the_relay_fetches_on_a_connection_that_plans_without_sorting(
-        settings: Settings) -> None:
-    """The walk the fetch needs (above) is the only plan without a sort."""
+def test_the_relay_plans_its_hot_statements_for_a_queue(settings: Settings) -> None:
+    """Its delivery and recording connections carry the settings the two tests above use."""
     relay = Relay(settings)
+    recorder = Recorder(settings, lambda _: None, lambda *_: None)
     try:
-        with relay._engine.connect() as conn:
-            assert conn.execute(text("SHOW enable_sort")).scalar_one() == "off"
+        with relay._engine.connect() as delivery, recorder.engine.connect() as recording:
+            assert delivery.execute(text("SHOW enable_sort")).scalar_one() == "off"
+            assert recording.execute(text("SHOW enable_seqscan")).scalar_one() == "off"
     finally:
         relay._engine.dispose()
+        recorder.engine.dispose()
 
 
 def test_the_fetch_is_planned_for_its_parameters_however_often_it_runs(
