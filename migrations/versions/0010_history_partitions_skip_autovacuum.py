@@ -3,8 +3,8 @@
 A range partition of ``message`` or ``op_record`` is written once, never updated, and dropped
 whole by retention, yet autovacuum visited each one as its inserts piled up (PostgreSQL's
 insert-triggered VACUUM ANALYZE: every page read and dirtied again, throttled, 15-20 s for a
-range of 230 MB). At 23,000 msg/s (`bench/soak.py --retention-only`) its workers were busy on
-such ranges in 74% of the samples, one of them was at work on the very range retention
+range of 230 MB). At 18,000 msg/s (`bench/soak.py --retention-only`) its workers were busy on
+such ranges in 74% of the samples; at 23,000 one of them was at work on the very range retention
 wanted to drop (a drop takes its range without waiting, so that pass dropped nothing), and
 partitions piled up from 16 to 27. Ranges now have ``autovacuum_enabled = false``: no
 VACUUM, no ANALYZE (their lookups are by primary key), and still the VACUUM PostgreSQL forces
