@@ -230,6 +230,16 @@ def use_ranges(engine: Engine, schema: str, size: int, ahead: int) -> None:
         store.ensure_partitions(conn, schema, size, ahead=ahead)
 
 
+def partition_options(engine: Engine, schema: str) -> dict[str, list[str] | None]:
+    """Each partition of ``message`` and ``op_record`` and its storage parameters."""
+    with engine.connect() as conn:
+        return dict(conn.execute(text(
+            "SELECT c.relname, c.reloptions FROM pg_inherits AS h "
+            "JOIN pg_class AS c ON c.oid = h.inhrelid "
+            "WHERE h.inhparent IN (CAST(:m AS regclass), CAST(:o AS regclass))"),
+            {"m": f"{schema}.message", "o": f"{schema}.op_record"}).all())
+
+
 def ranges(engine: Engine, schema: str) -> list[str]:
     """The range partitions of ``message``, lowest first."""
     with engine.connect() as conn:

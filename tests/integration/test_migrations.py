@@ -23,6 +23,7 @@ from outbox.settings import Settings
 from tests.conftest import (
     drop_schema,
     fresh_schema,
+    partition_options,
     publish_orders,
     running_relay,
     wait_delivered,
@@ -327,26 +328,17 @@ def test_upgrade_to_0010_leaves_the_ranges_of_history_to_retention_and_downgrade
     partitions keep it; the downgrade gives it back to them all."""
     name = f"m_{uuid.uuid4().hex[:12]}"
     migrate.upgrade(services.database_url, name, "0009")
-
-    def options() -> dict[str, object]:
-        with engine.connect() as conn:
-            return dict(conn.execute(text(
-                "SELECT c.relname, c.reloptions FROM pg_inherits AS h "
-                "JOIN pg_class AS c ON c.oid = h.inhrelid "
-                "WHERE h.inhparent IN (CAST(:m AS regclass), CAST(:o AS regclass))"),
-                {"m": f"{name}.message", "o": f"{name}.op_record"}).all())
-
     try:
-        before = options()
+        before = partition_options(engine, name)
         assert len(before) >= 4 and set(before.values()) == {None}, before
         migrate.upgrade(services.database_url, name)
         with engine.begin() as conn:
             store.ensure_partitions(conn, name, 1_000_000, ahead=4)
-        after = options()
+        after = partition_options(engine, name)
         assert set(after) > set(before), "a range made since"
         assert after == {part: None if part.endswith("_default") else
                          ["autovacuum_enabled=false"] for part in after}
         migrate.downgrade(services.database_url, name, "0009")
-        assert set(options().values()) == {None}
+        assert set(partition_options(engine, name).values()) == {None}
     finally:
         drop_schema(engine, name)

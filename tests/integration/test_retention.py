@@ -14,6 +14,7 @@ from outbox.relay import retention
 from outbox.settings import Settings
 from tests.conftest import (
     count_status,
+    partition_options,
     publish_orders,
     ranges,
     running_relay,
@@ -112,13 +113,7 @@ def test_ranges_of_history_are_left_to_retention_not_to_autovacuum(
     range of 230 MB at 23,000 msg/s), and while at work on the range retention wanted to
     drop, that pass dropped nothing: partitions piled up from 16 to 27. A range is written
     once and dropped whole; the default partitions, which retention deletes from, keep it."""
-    with engine.connect() as conn:
-        options = dict(conn.execute(text(
-            "SELECT c.relname, c.reloptions FROM pg_inherits AS h "
-            "JOIN pg_class AS c ON c.oid = h.inhrelid "
-            "WHERE h.inhparent IN (CAST(:m AS regclass), CAST(:o AS regclass))"),
-            {"m": f"{schema}.message", "o": f"{schema}.op_record"}).all())
-    assert options == {
+    assert partition_options(engine, schema) == {
         **{f"{table}_p{low}": ["autovacuum_enabled=false"]
            for table in ("message", "op_record") for low in (1, 11, 21)},
         "message_default": None, "op_record_default": None}
