@@ -440,6 +440,17 @@ def ensure_partitions(conn: Connection, schema: str, size: int,
                             {"size": size, "ahead": ahead}).scalar_one())
 
 
+def history_ranges(conn: Connection, schema: str) -> list[str]:
+    """The range partitions of ``message`` and ``op_record``, by name."""
+    return list(conn.execute(query("history_ranges", schema)).scalars())
+
+
+def tend_range(conn: Connection, schema: str, name: str) -> str:
+    """Summarize a range's new BRIN block ranges and analyze it if due; returns what it did
+    (``untouched``, ``summarized``, ``analyzed`` or ``busy``)."""
+    return str(conn.execute(query("tend_range", schema), {"name": name}).scalar_one())
+
+
 def drop_expired_partition(conn: Connection, schema: str, retention_seconds: float
                            ) -> DroppedPartition | None:
     """Drop the oldest partition past the window (None when none is)."""

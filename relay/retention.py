@@ -5,8 +5,11 @@ however many rows it removes.
 pass (the relay's pruner thread and ``outbox prune`` run the same one) first creates the
 ranges the next ids need, then drops the oldest ranges whose rows are all past the window
 (their unfinished messages move to the default partition first), then deletes the default
-partition's expired finished rows in bounded batches. Every step is its own short
-transaction, on a thread and a connection of its own, so the relay's loop never waits.
+partition's expired finished rows in bounded batches, and last gives the ranges written to
+since the pass before what autovacuum no longer does for them (revision 0011): BRIN summaries
+and statistics, without which every read of a window of history reads every range. Every
+step is its own short transaction, on a thread and a connection of its own, so the relay's
+loop never waits.
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ class Pruned:
     #: Finished messages and op records deleted row by row from the default partitions.
     messages: int = 0
     op_records: int = 0
+    #: Ranges of history whose new block ranges were summarized, and of those, analyzed.
+    summarized: int = 0
+    analyzed: int = 0
 
     @property
     def kept(self) -> int:
@@ -42,7 +48,8 @@ class Pruned:
     def summary(self, retention_hours: float) -> str:
         return (f"dropped {len(self.partitions)} partitions older than {retention_hours:g} h "
                 f"(kept {self.kept} unfinished messages); pruned {self.messages} messages and "
-                f"{self.op_records} op records of the default partition")
+                f"{self.op_records} op records of the default partition; summarized "
+                f"{self.summarized} ranges of history (analyzed {self.analyzed})")
 
 
 def prune(settings: RelaySettings, stop: threading.Event | None = None) -> Pruned:
@@ -54,6 +61,7 @@ def prune(settings: RelaySettings, stop: threading.Event | None = None) -> Prune
                 store.ensure_partitions(conn, settings.schema_name, settings.partition_size)
             pruned = _drop_partitions(conn, settings, stop)
             _prune_default(conn, settings, pruned, stop)
+            _tend_ranges(conn, settings, pruned, stop)
     finally:
         engine.dispose()
     if pruned.partitions or pruned.messages:
@@ -85,6 +93,19 @@ def _prune_default(conn: Connection, settings: RelaySettings, pruned: Pruned,
         pruned.op_records += op_records
         if messages < settings.prune_batch_size:
             break
+
+
+def _tend_ranges(conn: Connection, settings: RelaySettings, pruned: Pruned,
+                 stop: threading.Event | None) -> None:
+    with conn.begin():
+        names = store.history_ranges(conn, settings.schema_name)
+    for name in names:
+        if stop is not None and stop.is_set():
+            return
+        with conn.begin():  # one short transaction a range: an ANALYZE holds a snapshot
+            done = store.tend_range(conn, settings.schema_name, name)
+        pruned.summarized += done in ("summarized", "analyzed")
+        pruned.analyzed += done == "analyzed"
 
 
 class Pruner(threading.Thread):

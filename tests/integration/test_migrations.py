@@ -342,3 +342,30 @@ def test_upgrade_to_0010_leaves_the_ranges_of_history_to_retention_and_downgrade
         assert set(partition_options(engine, name).values()) == {None}
     finally:
         drop_schema(engine, name)
+
+
+def test_upgrade_to_0011_lets_a_relay_role_made_before_it_tend_ranges_and_downgrade_back(
+    services: devservices.Services, engine: Engine
+) -> None:
+    """Relays already running as the relay role keep their retention passes, whose last
+    step calls the function 0011 adds, without `outbox db roles` being run again."""
+    name = f"m_{uuid.uuid4().hex[:12]}"
+    migrate.upgrade(services.database_url, name, "0010")
+    with engine.begin() as conn:
+        conn.execute(text(f"CREATE ROLE {name}_relay NOLOGIN"))
+    function = f"{name}.tend_range(text)"
+    try:
+        migrate.upgrade(services.database_url, name)
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT has_function_privilege(:role, :f, 'EXECUTE')"),
+                                {"role": f"{name}_relay", "f": function}).scalar_one()
+            assert not conn.execute(text("SELECT has_function_privilege('public', :f, "
+                                         "'EXECUTE')"), {"f": function}).scalar_one()
+        migrate.downgrade(services.database_url, name, "0010")
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT to_regprocedure(:f)"),
+                                {"f": function}).scalar_one() is None
+    finally:
+        drop_schema(engine, name)
+        with engine.begin() as conn:
+            conn.execute(text(f"DROP ROLE {name}_relay"))

@@ -3,8 +3,6 @@ tables grow and however often they run."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from sqlalchemy import Engine, NullPool, text
 from sqlalchemy.orm import Session
 
@@ -14,29 +12,7 @@ from outbox.relay.relay import Recorder, Relay
 from outbox.schema import SHARDS
 from outbox.settings import Settings, sqlalchemy_url
 from tests.conftest import ranges, use_ranges
-
-
-def rows_read(plan: dict[str, Any], table: str = "message") -> int:
-    """Rows an EXPLAIN ANALYZE plan read from ``table`` (or its partitions), over all loops."""
-    read = 0
-    if str(plan.get("Relation Name", "")).startswith(table) and "Actual Rows" in plan \
-            and plan["Node Type"] not in ("Delete", "Update", "Insert", "ModifyTable"):
-        read += (plan["Actual Rows"] + plan.get("Rows Removed by Filter", 0)) * plan["Actual Loops"]
-    return read + sum(rows_read(child, table) for child in plan.get("Plans", []))
-
-
-def explained(engine: Engine, schema: str, name: str, params: dict[str, Any]) -> Any:
-    """The EXPLAIN ANALYZE plan (JSON) of the named statement, run then rolled back."""
-    raw = engine.raw_connection()
-    try:
-        with raw.cursor() as cursor:
-            sql = store.driver_sql(store.query(name, schema))
-            cursor.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + sql, params)
-            plan = cursor.fetchone()[0][0]["Plan"]
-        raw.rollback()
-    finally:
-        raw.close()
-    return plan
+from tests.plans import explained, queue, rows_read
 
 
 def test_the_fetch_reads_its_batch_not_the_retained_history(
@@ -60,22 +36,6 @@ def test_the_fetch_reads_its_batch_not_the_retained_history(
         "max_bytes": 1 << 24})
     assert len(ranges(engine, schema)) >= 11
     assert rows_read(plan) <= 2 * 100, plan
-
-
-def queue(engine: Engine, schema: str, topic: str, n: int) -> list[int]:
-    """``n`` committed messages with their pending rows, 50 keys, written in one statement."""
-    with engine.begin() as conn:
-        return list(conn.execute(text(f"""
-            WITH written AS (
-                INSERT INTO {schema}.message (topic, key, payload, content_type, shard)
-                SELECT :topic, convert_to('k' || (i % 50), 'UTF8'), :payload, 'text/plain', 0
-                FROM generate_series(1, :n) AS i
-                RETURNING id, topic, key, created_at)
-            INSERT INTO {schema}.pending
-                (message_id, shard, topic, key, producer_group, status, resolution, created_at)
-            SELECT id, 0, topic, key, 'default', 'PENDING', 'COMMIT', created_at FROM written
-            RETURNING message_id"""),
-            {"topic": topic, "payload": b"x" * 200, "n": n}).scalars())
 
 
 def stale_queue(engine: Engine, schema: str, topic: str) -> list[int]:
@@ -138,6 +98,28 @@ def test_recording_a_batch_reads_its_rows_whatever_the_statistics_say_of_the_bac
             assert rows_read(plan, "pending") <= len(acked), (name, plan)
     finally:
         recorders.dispose()
+
+
+def test_the_sweeper_reads_its_due_rows_whatever_the_statistics_say_of_the_backlog(
+        engine: Engine, schema: str, topic: str) -> None:
+    """The sweeper keeps the default settings: on the same snapshot its statements must still
+    find the few UNKNOWN rows among the relay's backlog through pending_check_idx."""
+    unknown = stale_queue(engine, schema, topic)[:50]
+    with engine.begin() as conn:  # 50 UNKNOWN rows due for a check-back, among 30,020
+        conn.execute(text(f"UPDATE {schema}.pending SET resolution = 'UNKNOWN', "
+                          f"next_check_at = now() - interval '1 second' "
+                          f"WHERE message_id = ANY(:ids)"), {"ids": unknown})
+    statements = {
+        "claim_checks": {"groups": ["default"], "limit": 10, "claim_seconds": 30},
+        "next_check_in": {"groups": ["default"]},
+        "unchecked_groups": {"groups": ["other"]},
+        "record_checks": {"ids": store.int_array(unknown[:10]), "tokens": ["2026-01-01"] * 10,
+                          "resolutions": ["UNKNOWN"] * 10, "details": ["?"] * 10,
+                          "check_max": 15, "check_interval": 60, "actor": "test",
+                          "channel": "test"}}
+    for name, params in statements.items():
+        plan = explained(engine, schema, name, params)
+        assert rows_read(plan, "pending") <= 2 * len(unknown), (name, plan)
 
 
 def test_the_outbox_processes_run_without_jit_and_with_custom_plans(

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from sqlalchemy import Engine, text
 
-from outbox import Outbox
+from outbox import Outbox, store
 from outbox.dev import services as devservices
 from outbox.dev.topics import read_topic
 from outbox.relay import retention
@@ -22,6 +22,7 @@ from tests.conftest import (
     wait_delivered,
     wait_until,
 )
+from tests.plans import explained, queue, rows_read
 from tests.processes import run_outbox
 
 
@@ -145,6 +146,29 @@ def test_retention_summarizes_the_range_it_reads_first(
     assert "dropped 0 partitions" in prune(settings.model_copy(update={"partition_size": 2000}))
     # PostgreSQL leaves the partial last block range unsummarized (the drop reads it).
     assert brin_ranges_to_summarize(engine, schema, "message_p1") == 0
+
+
+def test_a_pass_gives_ranges_what_reading_a_window_of_history_needs(
+    engine: Engine, settings: Settings, schema: str, topic: str
+) -> None:
+    """Without autovacuum, ranges had neither statistics nor BRIN summaries, and every read
+    of a window of history (a takeover's recorded offsets, `outbox status`, the console,
+    Spark) read every range whole: 150,000 op records here to find none."""
+    use_ranges(engine, schema, 50_000, ahead=3)
+    for _ in range(3):
+        ids = queue(engine, schema, topic, 50_000)
+        with engine.begin() as conn:
+            store.mark_delivered(conn, schema, "test", [(i, 0, i) for i in ids])
+    window = {"since": "2020-01-01", "before": "2020-01-02", "topic": topic,
+              "partitions": store.int_array([0])}
+    assert rows_read(explained(engine, schema, "recorded_offsets", window),
+                     "op_record") == 150_000, "untended, the whole history is read"
+
+    pruned = retention.prune(settings.model_copy(update={"partition_size": 50_000}))
+    assert (pruned.summarized, pruned.analyzed) == (6, 6)  # 3 ranges each of message, op_record
+    # Only each range's partial last block range is left unsummarized (at most 128 pages).
+    assert rows_read(explained(engine, schema, "recorded_offsets", window),
+                     "op_record") <= 3 * 128 * 100
 
 
 def test_publish_beyond_every_partition_lands_in_the_default_partition_and_is_delivered(

@@ -208,6 +208,9 @@ def test_relay_role_prunes_partitions_without_rights_on_them(
     assert result.returncode == 0, result.stderr
     assert "dropped 1 partitions older than 72 h" in result.stdout
     assert ranges(engine, schema)[0] == "message_p11"
+    with engine.connect() as conn:  # tended (revision 0011) by the relay's role too
+        assert conn.execute(text("SELECT reltuples FROM pg_class WHERE oid = CAST(:t AS regclass)"),
+                            {"t": f"{schema}.message_p11"}).scalar_one() == 2
     assert_refused(logins["relay"], [f"SELECT FROM {schema}.message_p11",
                                      f"DELETE FROM {schema}.message",
                                      f"DELETE FROM {schema}.op_record"])

@@ -1,0 +1,49 @@
+"""What a statement's plan read, and the rows to plan it on."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import Engine, text
+
+from outbox import store
+
+
+def rows_read(plan: dict[str, Any], table: str = "message") -> int:
+    """Rows an EXPLAIN ANALYZE plan read from ``table`` (or its partitions), over all loops."""
+    read = 0
+    if str(plan.get("Relation Name", "")).startswith(table) and "Actual Rows" in plan \
+            and plan["Node Type"] not in ("Delete", "Update", "Insert", "ModifyTable"):
+        read += (plan["Actual Rows"] + plan.get("Rows Removed by Filter", 0)
+                 + plan.get("Rows Removed by Index Recheck", 0)) * plan["Actual Loops"]
+    return read + sum(rows_read(child, table) for child in plan.get("Plans", []))
+
+
+def explained(engine: Engine, schema: str, name: str, params: dict[str, Any]) -> Any:
+    """The EXPLAIN ANALYZE plan (JSON) of the named statement, run then rolled back."""
+    raw = engine.raw_connection()
+    try:
+        with raw.cursor() as cursor:
+            sql = store.driver_sql(store.query(name, schema))
+            cursor.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + sql, params)
+            plan = cursor.fetchone()[0][0]["Plan"]
+        raw.rollback()
+    finally:
+        raw.close()
+    return plan
+
+
+def queue(engine: Engine, schema: str, topic: str, n: int) -> list[int]:
+    """``n`` committed messages with their pending rows, 50 keys, written in one statement."""
+    with engine.begin() as conn:
+        return list(conn.execute(text(f"""
+            WITH written AS (
+                INSERT INTO {schema}.message (topic, key, payload, content_type, shard)
+                SELECT :topic, convert_to('k' || (i % 50), 'UTF8'), :payload, 'text/plain', 0
+                FROM generate_series(1, :n) AS i
+                RETURNING id, topic, key, created_at)
+            INSERT INTO {schema}.pending
+                (message_id, shard, topic, key, producer_group, status, resolution, created_at)
+            SELECT id, 0, topic, key, 'default', 'PENDING', 'COMMIT', created_at FROM written
+            RETURNING message_id"""),
+            {"topic": topic, "payload": b"x" * 200, "n": n}).scalars())
