@@ -43,38 +43,45 @@ RETURNING message_id AS id,
           END;
 
 -- name: fetch_deliverable
--- The relay's next batch: committed, undelivered rows of the shards it owns, in id order,
--- skipping rows held back by an earlier row of their key that is still DELAYED or UNKNOWN,
--- the rows of the batch it has in flight and those of topics it holds (relay/holds.py); at
--- most :limit rows, and no more payload bytes than :max_bytes (but always the first row).
--- The batch is chosen in the pending table alone (its partial index: the cost follows the
--- backlog), then each message row is read by primary key, one partition each (the LATERAL
--- with OFFSET 0 keeps it a lookup: joined as a set, the planner merge-joined or hash-joined
--- pending with every partition of `message`, reading the whole retained history per batch).
--- The relay runs it with enable_sort off (store.engine): every way but that walk sorts.
+-- The relay's next batch, step 1: the ids of committed, undelivered rows of the shards it
+-- owns, in id order, skipping rows held back by an earlier row of their key that is still
+-- DELAYED or UNKNOWN, the rows of the batch it has in flight and those of topics it holds
+-- (relay/holds.py); at most :limit. Chosen in the pending table alone (its partial index:
+-- the cost follows the backlog). The relay runs it with enable_sort off (store.engine):
+-- every way but that walk sorts.
+SELECT p.message_id
+FROM {schema}.pending AS p
+WHERE p.status = 'PENDING' AND p.resolution = 'COMMIT'
+  AND p.shard = ANY(CAST(:shards AS smallint[]))
+  AND NOT EXISTS (
+      SELECT FROM {schema}.pending AS h
+      WHERE h.topic = p.topic AND h.key = p.key AND h.message_id < p.message_id
+        AND h.key IS NOT NULL
+        AND (h.status = 'DELAYED' OR (h.status = 'PENDING' AND h.resolution = 'UNKNOWN')))
+  AND p.message_id <> ALL(CAST(:in_flight AS bigint[]))
+  AND p.topic <> ALL(CAST(:held AS text[]))
+ORDER BY p.message_id
+LIMIT :limit;
+
+-- name: read_deliverable
+-- Step 2: the messages of those ids (:ids, ascending, from :low to :high), in id order, no
+-- more payload bytes than :max_bytes (but always the first row). Each is read by primary
+-- key (the LATERAL with OFFSET 0 keeps it a lookup: joined as a set, the planner merge-joined
+-- or hash-joined the ids with every partition of `message`, reading the whole retained
+-- history per batch), and the bounds are constants of the statement, so PostgreSQL plans
+-- only the partitions between them, one or two. In one statement with step 1 every
+-- partition of retained history was planned, locked and started for every batch: at 257
+-- partitions (72 h of 1,000 msg/s) a fetch of 4 rows took 7.6 ms instead of 0.6. As
+-- `= ANY(:ids)` the planner weighed each of 2,000 ids: 2 ms of planning.
 SELECT id, topic, key, header_keys, header_values, payload, content_type
 FROM (
     SELECT m.id, m.topic, m.key, m.header_keys, m.header_values, m.payload, m.content_type,
-           sum(octet_length(m.payload)) OVER (ORDER BY p.message_id) AS bytes_so_far
-    FROM (
-        SELECT p.message_id
-        FROM {schema}.pending AS p
-        WHERE p.status = 'PENDING' AND p.resolution = 'COMMIT'
-          AND p.shard = ANY(CAST(:shards AS smallint[]))
-          AND NOT EXISTS (
-              SELECT FROM {schema}.pending AS h
-              WHERE h.topic = p.topic AND h.key = p.key AND h.message_id < p.message_id
-                AND h.key IS NOT NULL
-                AND (h.status = 'DELAYED' OR (h.status = 'PENDING' AND h.resolution = 'UNKNOWN')))
-          AND p.message_id <> ALL(CAST(:in_flight AS bigint[]))
-          AND p.topic <> ALL(CAST(:held AS text[]))
-        ORDER BY p.message_id
-        LIMIT :limit
-    ) AS p
+           sum(octet_length(m.payload)) OVER (ORDER BY i.id) AS bytes_so_far
+    FROM unnest(CAST(:ids AS bigint[])) AS i(id)
     CROSS JOIN LATERAL (
         SELECT m.id, m.topic, m.key, m.header_keys, m.header_values, m.payload, m.content_type
         FROM {schema}.message AS m
-        WHERE m.id = p.message_id
+        WHERE m.id = i.id AND m.id BETWEEN :low AND :high
         OFFSET 0
     ) AS m
 ) AS batch

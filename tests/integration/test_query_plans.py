@@ -3,6 +3,8 @@ tables grow and however often they run."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlalchemy import Engine, NullPool, text
 from sqlalchemy.orm import Session
 
@@ -30,12 +32,41 @@ def test_the_fetch_reads_its_batch_not_the_retained_history(
     with engine.connect() as conn:
         batch = store.fetch_deliverable(conn, schema, range(SHARDS), 2000)
     assert [row.id for row in batch] == ids[2900:]
-    plan = explained(engine, schema, "fetch_deliverable", {
+    picked = explained(engine, schema, "fetch_deliverable", {
         "shards": store.int_array(range(SHARDS)), "limit": 2000, "in_flight": store.int_array(()),
-        "held": [],
+        "held": []})
+    assert rows_read(picked, "pending") <= 2 * 100, picked
+    plan = explained(engine, schema, "read_deliverable", {
+        "ids": store.int_array(ids[2900:]), "low": ids[2900], "high": ids[-1],
         "max_bytes": 1 << 24})
     assert len(ranges(engine, schema)) >= 11
-    assert rows_read(plan) <= 2 * 100, plan
+    assert rows_read(plan) <= 300, plan  # at most the range of 300 ids the batch is in
+
+
+def partitions_planned(plan: dict[str, Any], table: str = "message") -> set[str]:
+    """The partitions of ``table`` a plan holds a node for (each planned, locked, started)."""
+    own = {plan["Relation Name"]} if str(plan.get("Relation Name", "")).startswith(
+        f"{table}_") else set()
+    return own.union(*(partitions_planned(child, table) for child in plan.get("Plans", [])))
+
+
+def test_the_fetch_plans_the_partitions_of_its_batch_not_of_the_retained_history(
+        engine: Engine, outbox: Outbox, schema: str, topic: str) -> None:
+    """Looked up row by row, the messages of a batch were read through a plan of every
+    partition of `message`: at 257 partitions (72 h of 1,000 msg/s) a fetch of 4 rows spent
+    6 ms planning and 7.6 ms in all, against 0.6 ms at 5 partitions."""
+    use_ranges(engine, schema, 100, ahead=40)
+    with Session(engine) as session, session.begin():
+        ids = [outbox.publish(session, topic, b"x", key=f"k{i % 5}") for i in range(3900)]
+    with engine.begin() as conn:
+        store.mark_delivered(conn, schema, "test", [(i, 0, n) for n, i in enumerate(ids[:3850])])
+        batch = store.fetch_deliverable(conn, schema, range(SHARDS), 2000)
+    assert [row.id for row in batch] == ids[3850:]
+    plan = explained(engine, schema, "read_deliverable", {
+        "ids": store.int_array(ids[3850:]), "low": ids[3850], "high": ids[-1],
+        "max_bytes": 1 << 24})
+    assert len(ranges(engine, schema)) >= 40
+    assert partitions_planned(plan) == {"message_p3801"}, plan
 
 
 def stale_queue(engine: Engine, schema: str, topic: str) -> list[int]:
