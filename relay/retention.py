@@ -26,6 +26,9 @@ from outbox.exceptions import first_line
 from outbox.settings import RelaySettings
 
 log = logging.getLogger("outbox.retention")
+#: Ranges of ``message`` past which a relay warns once: statements planned over every range
+#: cost more with each (BENCHMARKS.md, "Partitions of retained history").
+MANY_RANGES = 100
 
 
 @dataclass
@@ -39,6 +42,8 @@ class Pruned:
     #: Ranges of history whose new block ranges were summarized, and of those, analyzed.
     summarized: int = 0
     analyzed: int = 0
+    #: Range partitions of ``message`` after the pass.
+    ranges: int = 0
 
     @property
     def kept(self) -> int:
@@ -99,6 +104,7 @@ def _tend_ranges(conn: Connection, settings: RelaySettings, pruned: Pruned,
                  stop: threading.Event | None) -> None:
     with conn.begin():
         names = store.history_ranges(conn, settings.schema_name)
+    pruned.ranges = sum(name.startswith("message_") for name in names)
     for name in names:
         if stop is not None and stop.is_set():
             return
@@ -121,9 +127,19 @@ class Pruner(threading.Thread):
         self._halt.set()
 
     def run(self) -> None:
+        warned = False
         while not self._halt.is_set():
             try:
-                prune(self._settings, self._halt)
+                ranges = prune(self._settings, self._halt).ranges
+                if ranges > MANY_RANGES and not warned:
+                    warned = True
+                    log.warning(
+                        "retention keeps %d ranges of message history (partition_size %s "
+                        "ids): a publish from a session that plans generically locks every "
+                        "one of them until it commits, and reads of message_state plan over "
+                        "all; a larger OUTBOX_PARTITION_SIZE keeps the window to tens of "
+                        "ranges (docs/operations.md, Sizing)",
+                        ranges, f"{self._settings.partition_size:,}")
             except DBAPIError as exc:
                 log.warning("retention pass failed (%s); trying again in %.0fs",
                             first_line(exc), self._settings.prune_interval)
