@@ -381,7 +381,8 @@ class RelaySettings(DatabaseSettings, KafkaSettings):
     )
     partition_size: int = Field(
         default=PARTITION_SIZE, gt=0,
-        description="message ids per new partition; retention drops whole partitions"
+        description="message ids per new partition, at least (a multiple at high rates, so "
+                    "the window holds about 24); retention drops whole partitions"
     )
 
 

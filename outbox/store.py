@@ -445,6 +445,13 @@ def ensure_partitions(conn: Connection, schema: str, size: int,
                             {"size": size, "ahead": ahead}).scalar_one())
 
 
+def written_span(conn: Connection, schema: str) -> tuple[int, float] | None:
+    """Ids from the oldest range's first message to the newest one, and the seconds between
+    them (None when no message is written)."""
+    row = conn.execute(query("written_span", schema)).one_or_none()
+    return None if row is None else (int(row.ids), float(row.seconds))
+
+
 def history_ranges(conn: Connection, schema: str) -> list[str]:
     """The range partitions of ``message`` and ``op_record``, by name."""
     return list(conn.execute(query("history_ranges", schema)).scalars())

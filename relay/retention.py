@@ -29,6 +29,10 @@ log = logging.getLogger("outbox.retention")
 #: Ranges of ``message`` past which a relay warns once: statements planned over every range
 #: cost more with each (BENCHMARKS.md, "Partitions of retained history").
 MANY_RANGES = 100
+#: New ranges are sized so that the window holds about this many at the rate seen.
+RANGES_PER_WINDOW = 24
+#: Less history than this says too little about the rate: ranges keep ``partition_size``.
+MIN_SPAN_SECONDS = 60.0
 
 
 @dataclass
@@ -63,7 +67,13 @@ def prune(settings: RelaySettings, stop: threading.Event | None = None) -> Prune
     try:
         with engine.connect() as conn:
             with conn.begin():
-                store.ensure_partitions(conn, settings.schema_name, settings.partition_size)
+                size = range_size(conn, settings)
+                made = store.ensure_partitions(conn, settings.schema_name, size)
+            if made and size > settings.partition_size:
+                log.info("made %d ranges of %s message ids (partition_size %s): the window of "
+                         "%g h holds about %d at the rate seen", made, f"{size:,}",
+                         f"{settings.partition_size:,}", settings.retention_hours,
+                         RANGES_PER_WINDOW)
             pruned = _drop_partitions(conn, settings, stop)
             _prune_default(conn, settings, pruned, stop)
             _tend_ranges(conn, settings, pruned, stop)
@@ -72,6 +82,20 @@ def prune(settings: RelaySettings, stop: threading.Event | None = None) -> Prune
     if pruned.partitions or pruned.messages:
         log.info("%s", pruned.summary(settings.retention_hours))
     return pruned
+
+
+def range_size(conn: Connection, settings: RelaySettings) -> int:
+    """Ids per new range: ``partition_size``, or a multiple of it so large that the window
+    holds about RANGES_PER_WINDOW ranges at the rate of the history kept (the average over
+    the window, so a burst counts for its volume). Every range is planned and locked by the
+    statements that read ``message`` by a joined id, so at 1,000 msg/s and 72 h the default
+    size would keep 259 of them."""
+    span = store.written_span(conn, settings.schema_name)
+    if span is None or span[1] < MIN_SPAN_SECONDS:
+        return settings.partition_size
+    ids, seconds = span
+    wanted = ids / seconds * settings.retention_hours * 3600 / RANGES_PER_WINDOW
+    return settings.partition_size * max(1, round(wanted / settings.partition_size))
 
 
 def _drop_partitions(conn: Connection, settings: RelaySettings,

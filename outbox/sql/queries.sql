@@ -375,6 +375,19 @@ ORDER BY r.worker_id;
 -- waiting for a lock, until the next pass. Returns how many ranges it made.
 SELECT {schema}.ensure_partitions(:size, :ahead) AS made;
 
+-- name: written_span
+-- How many ids the ranges of history hold and over how long: from the first message of the
+-- oldest range to the newest message (each read by key; once a pass, so planning over every
+-- partition is fine). No row when nothing is written.
+SELECT newest.id - oldest.id AS ids,
+       extract(epoch FROM newest.created_at - oldest.created_at) AS seconds
+FROM (SELECT m.id, m.created_at FROM {schema}.message AS m
+      WHERE m.id >= (SELECT coalesce(min(coalesce(b.low, -9223372036854775808)),
+                                     -9223372036854775808)
+                     FROM {schema}.partition_bounds('{schema}.message') AS b)
+      ORDER BY m.id LIMIT 1) AS oldest,
+     (SELECT m.id, m.created_at FROM {schema}.message AS m ORDER BY m.id DESC LIMIT 1) AS newest;
+
 -- name: history_ranges
 -- Every range partition of ``message`` and ``op_record`` (the catalog's list), oldest first.
 SELECT b.name FROM {schema}.partition_bounds('{schema}.message') AS b

@@ -174,6 +174,29 @@ def test_a_pass_gives_ranges_what_reading_a_window_of_history_needs(
                      "op_record") <= 3 * 128 * 100
 
 
+def test_new_ranges_are_sized_for_the_window_at_the_rate_seen(
+    engine: Engine, settings: Settings, schema: str, topic: str
+) -> None:
+    """At the default size, 72 h of 1,000 msg/s would keep 259 ranges, each planned and
+    locked by every statement reading `message` by a joined id. New ranges are a multiple of
+    partition_size large enough that the window holds about 24."""
+    use_ranges(engine, schema, 1000, ahead=2)
+    with engine.begin() as conn:  # 1,500 messages over 150 s: 10 msg/s
+        conn.execute(text(
+            f"INSERT INTO {schema}.message (topic, payload, content_type, shard, created_at) "
+            f"SELECT :topic, 'x', 'text/plain', 0, now() - make_interval(secs => 150 - i / 10.0) "
+            f"FROM generate_series(1, 1500) AS i"), {"topic": topic})
+    base = settings.model_copy(update={"partition_size": 1000})
+    with engine.connect() as conn:
+        assert retention.range_size(conn, base.model_copy(update={"retention_hours": 0.5})) \
+            == 1000, "750 ids a range would do: partition_size is the least"
+        assert retention.range_size(conn, base.model_copy(update={"retention_hours": 2})) \
+            == 3000, "7,200 s of 10 msg/s in 24 ranges"
+    retention.prune(base.model_copy(update={"retention_hours": 2}))
+    assert ranges(engine, schema) == ["message_p1", "message_p1001", "message_p2001",
+                                      "message_p5001"]
+
+
 def test_a_relay_warns_when_retention_keeps_too_many_ranges(
     engine: Engine, settings: Settings, schema: str, caplog: pytest.LogCaptureFixture
 ) -> None:
