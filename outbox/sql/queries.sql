@@ -389,27 +389,28 @@ FROM (SELECT m.id, m.created_at FROM {schema}.message AS m
      (SELECT m.id, m.created_at FROM {schema}.message AS m ORDER BY m.id DESC LIMIT 1) AS newest;
 
 -- name: history_ranges
--- Every range partition of ``message`` and ``op_record`` (the catalog's list), oldest first.
+-- Every range partition of ``message`` and ``op_record`` (the catalog's list), by name.
 SELECT b.name FROM {schema}.partition_bounds('{schema}.message') AS b
 UNION ALL
 SELECT b.name FROM {schema}.partition_bounds('{schema}.op_record') AS b
 ORDER BY 1;
 
 -- name: tend_range
--- Retention, step 2: statistics and BRIN summaries for one range, which autovacuum leaves
--- alone (revision 0011): without them every read of a window of history read every range.
+-- Retention, step 4 (the pass's last): statistics and BRIN summaries for one range, which
+-- autovacuum leaves alone (revision 0011): without them every read of a window of history
+-- read every range.
 -- Returns what it did: untouched, summarized, analyzed, or busy (locked by someone else).
 SELECT {schema}.tend_range(:name);
 
 -- name: drop_expired_partition
--- Retention, step 3: drop the oldest range partition of ``message`` (with its op records'
+-- Retention, step 2: drop the oldest range partition of ``message`` (with its op records'
 -- partition) whose every id is handed out and whose every row is older than the window: a
 -- catalog change, whatever the rows. Its unfinished messages (a pending row) and their op
 -- records first move to the default partitions. Returns the partition dropped, or no row.
 SELECT name, low, high, kept FROM {schema}.drop_expired_partition(:retention_seconds);
 
 -- name: prune_default
--- Retention, step 4: delete up to :limit finished messages (no pending row) of the default
+-- Retention, step 3: delete up to :limit finished messages (no pending row) of the default
 -- partition older than the window, with their op records (the default partition holds only
 -- moved unfinished messages and rows published while no range partition covered them).
 SELECT messages, op_records FROM {schema}.prune_default(:retention_seconds, :limit);
