@@ -66,6 +66,8 @@ class InFlight:
     #: per row: its delivery, or None if held back
     deliveries: list[Delivery | None] = field(default_factory=list)
     acked: bool = False
+    #: the producer refused a keyed record of it before sending
+    refused: bool = False
 
     @functools.cached_property
     def sent(self) -> list[Delivery]:
@@ -221,7 +223,10 @@ class Relay:
                 wakeup.rise()  # delivering without a pause, or asleep on shards not its own
             if batch:
                 metrics.topics_seen(row.topic for row in batch)
-                recorder.submit(self._send(transport, batch))
+                flight = self._send(transport, batch)
+                recorder.submit(flight)
+                if flight.refused:
+                    recorder.drain()  # see _send
                 if not (saw_all and wakeup.asleep_on):
                     continue
                 # Asleep since before the fetch: every commit it could not see notifies, so
@@ -248,16 +253,21 @@ class Relay:
         return store.DELAYED_NOTE in notes
 
     def _send(self, transport: Transport, batch: list[store.Deliverable]) -> InFlight:
+        """Hands the batch's rows to the transport in id order. A keyed row the producer
+        refuses before sending holds back the rest of its key in the batch (they stay
+        pending), and the flight is marked ``refused``: the loop then fetches again only once
+        every flight is recorded, so the refused row leads its key's next batch. (A batch
+        fetched while it was in flight would skip it and the rows held back behind it.)"""
         flight = InFlight(transport, batch)
         blocked: set[tuple[str, bytes]] = set()
         for row in batch:
             delivery: Delivery | None = None
-            # a row behind a refused message of its key is held back (stays pending)
             if row.key is None or (row.topic, row.key) not in blocked:
                 delivery = transport.send(row.topic, row.key, row.payload, _headers(row))
                 if delivery.error is not None and row.key is not None:
                     blocked.add((row.topic, row.key))
             flight.deliveries.append(delivery)
+        flight.refused = bool(blocked)
         metrics.BATCH_SIZE.observe(len(batch))
         return flight
 

@@ -154,6 +154,28 @@ def test_permanently_rejected_message_is_parked_and_other_keys_flow(
     assert delivered == {after_it, other}
 
 
+def test_a_refused_message_holds_its_key_back_in_the_batches_sent_behind_it(
+    engine: Engine, settings: Settings, schema: str, topic: str
+) -> None:
+    """A record the producer refuses before sending (too large) holds back the later records
+    of its key also in the batches already fetched behind it, not only in its own: until it
+    is parked they stay pending, then they go out in id order."""
+    strict = settings.model_copy(update={"kafka_max_request_size": 20_000,
+                                         "relay_max_attempts": 3, "relay_batch_size": 3})
+    outbox = Outbox(settings=strict)
+    with Session(engine) as session, session.begin():
+        too_big = outbox.publish(session, topic, b"x" * 50_000, key="a")
+        behind = [outbox.publish(session, topic, b"small", key="a") for _ in range(30)]
+    with running_relay(strict):
+        wait_delivered(engine, schema, len(behind), timeout=60)
+    with engine.connect() as conn:
+        parked = conn.execute(text(f"SELECT id FROM {schema}.message_state "
+                                   f"WHERE status = 'PARKED'")).scalars().all()
+    assert parked == [too_big]
+    records = read_topic(settings.kafka_bootstrap, topic)
+    assert [r.message_id for r in records] == behind, "in id order, each once"
+
+
 def _ops(engine: Engine, schema: str, message_id: int) -> list[str]:
     with engine.connect() as conn:
         return list(conn.execute(text(

@@ -53,19 +53,37 @@ def publish_concurrently(engine: Engine, outbox: Outbox, topic: str, writers: in
     return ids
 
 
-def assert_per_key_order(engine: Engine, schema: str, bootstrap: str, topic: str) -> Counter[int]:
-    """Each key's first occurrences in Kafka follow its ids; returns how often each id came."""
+def assert_per_key_order(engine: Engine, schema: str, bootstrap: str, topic: str,
+                         logs: str = "") -> Counter[int]:
+    """Each key's first occurrences in Kafka follow its ids; returns how often each id came.
+    A failure says, for each key out of order, where its first id is in the topic and what
+    its op records say, then ``logs`` (the relays' output)."""
     with engine.connect() as conn:
         expected = {bytes(k): list(ids) for k, ids in conn.execute(text(
             f"SELECT key, array_agg(id ORDER BY id) FROM {schema}.message GROUP BY key"))}
     firsts: dict[bytes, list[int]] = {}
     seen: Counter[int] = Counter()
+    where: dict[int, list[tuple[int, int]]] = {}
     for record in read_topic(bootstrap, topic):
         assert record.key is not None and record.message_id is not None
         if not seen[record.message_id]:
             firsts.setdefault(record.key, []).append(record.message_id)
         seen[record.message_id] += 1
-    assert firsts == expected
+        where.setdefault(record.message_id, []).append((record.partition, record.offset))
+    wrong = [key for key in expected if firsts.get(key) != expected[key]]
+    if wrong:
+        first_ids = [expected[key][0] for key in wrong]
+        with engine.connect() as conn:
+            ops = conn.execute(text(
+                f"SELECT message_id, action, actor, kafka_partition, kafka_offset, created_at, "
+                f"detail FROM {schema}.op_record WHERE message_id = ANY(:ids) ORDER BY id"),
+                {"ids": first_ids}).all()
+        report = [f"{key!r}: ids {expected[key][:4]}..., first in Kafka "
+                  f"{firsts.get(key, [])[:4]}...; id {expected[key][0]} is at (partition, "
+                  f"offset) {where.get(expected[key][0], 'nowhere')}" for key in wrong]
+        raise AssertionError("\n".join([f"{len(wrong)} keys out of order", *report,
+                                         "op records of their first ids:",
+                                         *map(str, ops), logs]))
     return seen
 
 
@@ -110,6 +128,7 @@ def test_killed_relay_is_replaced_within_its_lease_and_nothing_is_lost(
 ) -> None:
     relays = [start_outbox(settings, "relay", OUTBOX_WORKER_ID=name,
                            OUTBOX_RELAY_LEASE_SECONDS="2") for name in ("doomed", "survivor")]
+    logs = ""
     try:
         wait_until(lambda: owners(engine, schema) == Counter(
             {"doomed": SHARDS // 2, "survivor": SHARDS // 2}), 30, "an even split")
@@ -125,6 +144,7 @@ def test_killed_relay_is_replaced_within_its_lease_and_nothing_is_lost(
             process.send_signal(signal.SIGTERM)
         for process in relays:
             process.wait(30)
+            logs += process.stdout.read() if process.stdout else ""
     assert took_over < 2 * 3, "a dead relay's shards move once its 2 s leases expire"
-    seen = assert_per_key_order(engine, schema, settings.kafka_bootstrap, topic)
+    seen = assert_per_key_order(engine, schema, settings.kafka_bootstrap, topic, logs)
     assert set(seen) == set(ids)
