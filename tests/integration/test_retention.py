@@ -147,7 +147,7 @@ def test_retention_summarizes_the_range_it_reads_first(
             f"SELECT :topic, NULL, :payload, 'text/plain', 0 FROM generate_series(1, 2000)"),
             {"topic": topic, "payload": b"x" * 600})
     assert "dropped 0 partitions" in prune(settings.model_copy(update={"partition_size": 2000}))
-    # PostgreSQL leaves the partial last block range unsummarized (the drop reads it).
+    # The drop summarized every block range of its candidate, the partial last one too.
     assert brin_ranges_to_summarize(engine, schema, "message_p1") == 0
 
 
@@ -169,9 +169,8 @@ def test_a_pass_gives_ranges_what_reading_a_window_of_history_needs(
 
     pruned = retention.prune(settings.model_copy(update={"partition_size": 50_000}))
     assert (pruned.summarized, pruned.analyzed) == (6, 6)  # 3 ranges each of message, op_record
-    # Only each range's partial last block range is left unsummarized (at most 128 pages).
-    assert rows_read(explained(engine, schema, "recorded_offsets", window),
-                     "op_record") <= 3 * 128 * 100
+    # Every block range is summarized, the partial last one of each range too.
+    assert rows_read(explained(engine, schema, "recorded_offsets", window), "op_record") == 0
 
 
 def test_new_ranges_are_sized_for_the_window_at_the_rate_seen(
