@@ -30,7 +30,7 @@ from confluent_kafka import (
 from outbox.exceptions import ConfigurationError, ServiceUnavailable
 from outbox.relay.producer import PRODUCER_DEFAULTS
 from outbox.relay.tails import STALL_SECONDS, Stall, Tail
-from outbox.relay.transport import Delivery, Headers, Report
+from outbox.relay.transport import PRODUCER_STATE_ERRORS, Delivery, Headers, Report
 from outbox.settings import RelaySettings
 
 log = logging.getLogger("outbox.relay.librdkafka")
@@ -141,6 +141,9 @@ class ConfluentTransport:
         except KafkaException:
             raise settings.kafka_unreachable() from None
         self._closing = threading.Event()
+        #: a fatal error, or one about the producer's own id (PRODUCER_STATE_ERRORS): this
+        #: producer sends nothing more
+        self._fatal = False
         #: notified after each poll that served delivery reports (:meth:`wait`)
         self._reports = threading.Condition()
         self._reporter = threading.Thread(target=self._report, daemon=True,
@@ -155,7 +158,10 @@ class ConfluentTransport:
                 offset = message.offset()
                 delivery.landed(message.partition() or 0, -1 if offset is None else offset)
             else:
-                delivery.failed(translate(error))
+                failure = translate(error)
+                self._fatal = self._fatal or error.fatal() or isinstance(
+                    failure, PRODUCER_STATE_ERRORS)
+                delivery.failed(failure)
 
         while True:
             try:
@@ -165,6 +171,7 @@ class ConfluentTransport:
             except BufferError:  # librdkafka's queue is full: wait for reports to free it
                 self._poll()
             except KafkaException as exc:  # refused before sending: size, unknown topic, ...
+                self._fatal = self._fatal or exc.args[0].fatal()
                 delivery.failed(translate(exc.args[0]))
                 return delivery
 
@@ -196,7 +203,13 @@ class ConfluentTransport:
         return found
 
     def flush(self, timeout: float) -> None:
-        self.producer.flush(timeout)
+        try:
+            self.producer.flush(timeout)
+        except KafkaException:  # a fatal error: the records fail, see broken()
+            self._fatal = True
+
+    def broken(self) -> bool:
+        return self._fatal
 
     def close(self, timeout: float) -> None:
         if timeout > 0:
@@ -212,7 +225,11 @@ class ConfluentTransport:
             self._poll()
 
     def _poll(self) -> None:
-        if self.producer.poll(POLL_SECONDS):
+        try:
+            served = self.producer.poll(POLL_SECONDS)
+        except KafkaException:  # a fatal error, raised once; the reports of the records it
+            self._fatal = served = True  # failed still come
+        if served:
             with self._reports:
                 self._reports.notify_all()
 

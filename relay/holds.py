@@ -51,7 +51,7 @@ class TopicHolds:
         self._schema = settings.schema_name
         self._actor = settings.worker_id
         self._park_after = settings.topic_hold_park_after
-        self._transport = transport
+        self.transport = transport
         self._known: set[str] = set()
         self._held: dict[str, Hold] = {}
 
@@ -66,7 +66,7 @@ class TopicHolds:
         new = {row.topic for row in batch} - self._known
         if not new:
             return batch
-        found = self._transport.available(new, PROBE_SECONDS)
+        found = self.transport.available(new, PROBE_SECONDS)
         self._known |= found
         for topic in new - found:
             self._hold(conn, shards, topic)
@@ -79,7 +79,7 @@ class TopicHolds:
         due = [topic for topic, hold in self._held.items() if hold.retry_at <= now]
         if not due:
             return
-        found = self._transport.available(due, PROBE_SECONDS)
+        found = self.transport.available(due, PROBE_SECONDS)
         for topic in due:
             hold = self._held[topic]
             if topic in found:

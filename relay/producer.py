@@ -132,6 +132,10 @@ class KafkaPythonTransport:
     def flush(self, timeout: float) -> None:
         self.producer.flush(timeout)
 
+    def broken(self) -> bool:
+        manager = self.producer._transaction_manager  # None unless idempotent
+        return manager is not None and bool(manager.has_fatal_error())
+
     def close(self, timeout: float) -> None:
         try:
             self.producer.flush(timeout)

