@@ -16,6 +16,7 @@ own while the others flow (relay/holds.py).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
@@ -25,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import psycopg
+from kafka.errors import KafkaError
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
@@ -299,12 +301,13 @@ class Relay:
         return flight
 
     def _send_alone(self, transport: Transport, row: store.Deliverable) -> Delivery:
-        timeout = self.settings.kafka_delivery_timeout_ms / 1000
-        transport.flush(timeout)
+        """Sends ``row`` between two flushes, each waiting ``SLOW_ACK_SECONDS`` at most (a
+        broker that does not answer fails the pass through the acks, not here)."""
+        with contextlib.suppress(KafkaError):  # kafka-python: not flushed in time
+            transport.flush(SLOW_ACK_SECONDS)
         delivery = transport.send(row.topic, row.key, row.payload, _headers(row))
-        transport.flush(timeout)
-        if delivery.error is None:
-            self._suspects.discard(row.id)
+        with contextlib.suppress(KafkaError):
+            transport.flush(SLOW_ACK_SECONDS)
         return delivery
 
     def _settle(self, conn: Connection, flights: list[InFlight], salvaging: bool = False
@@ -331,6 +334,8 @@ class Relay:
                 failures.append(store.Failure(row.id, describe(delivery.error), permanent))
         if salvaging:
             failures = []  # the pass failed already: its failures are not these rows' own
+        if self._suspects:
+            self._suspects.difference_update(message_id for message_id, _, _ in acks)
         with conn.begin():
             closed = store.mark_delivered(conn, self.schema, self.worker_id, acks)
             parked = store.record_failures(conn, self.schema, self.worker_id, failures,
@@ -342,6 +347,7 @@ class Relay:
         for _, latency in closed:
             observe(latency)
         for message_id, topic in parked:
+            self._suspects.discard(message_id)
             metrics.PARKED.labels(topic).inc()
             reason = next(f.error for f in failures if f.id == message_id)
             log.error("message %d parked after %d permanent rejections: %s (resume it with "

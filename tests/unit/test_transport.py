@@ -74,6 +74,15 @@ def test_librdkafkas_own_connection_and_timeout_errors_are_retriable(code: int) 
     assert not is_permanent(translate(KafkaError(code)))
 
 
+@pytest.mark.parametrize("code", [KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH,
+                                  KafkaError.OUT_OF_ORDER_SEQUENCE_NUMBER,
+                                  KafkaError.UNKNOWN_PRODUCER_ID])
+def test_errors_about_the_producer_itself_never_park_a_record(code: int) -> None:
+    """Not retriable for kafka-python, but a new producer sends the record fine."""
+    error = translate(KafkaError(code))
+    assert not kafka.errors.for_code(code).retriable and not is_permanent(error)
+
+
 def test_a_too_large_record_reads_the_same_with_both_transports() -> None:
     error = translate(KafkaError(KafkaError.MSG_SIZE_TOO_LARGE))
     assert isinstance(error, kafka.errors.MessageSizeTooLargeError) and is_permanent(error)
