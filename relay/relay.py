@@ -285,16 +285,16 @@ class Relay:
         for row in batch:
             delivery: Delivery | None = None
             if not stopped and (row.key is None or (row.topic, row.key) not in blocked):
-                if row.id in self._suspects:
-                    delivery = self._send_alone(transport, row)
+                suspect = row.id in self._suspects
+                delivery = self._send_alone(transport, row) if suspect else \
+                    transport.send(row.topic, row.key, row.payload, _headers(row))
+                if delivery.error is not None:  # refused before sending, or failed alone
                     flight.alone.add(row.id)
-                    stopped = delivery.error is not None
-                else:
-                    delivery = transport.send(row.topic, row.key, row.payload, _headers(row))
-                    if delivery.error is not None:  # refused before sending: its own
-                        flight.alone.add(row.id)
-                if delivery.error is not None and row.key is not None:
-                    blocked.add((row.topic, row.key))
+                    stopped = suspect
+                    if row.key is not None:
+                        blocked.add((row.topic, row.key))
+                elif suspect:
+                    flight.alone.add(row.id)
             flight.deliveries.append(delivery)
         flight.refused = bool(blocked) or stopped
         metrics.BATCH_SIZE.observe(len(batch))
