@@ -227,8 +227,8 @@ class ConfluentTransport:
     def _poll(self) -> None:
         try:
             served = self.producer.poll(POLL_SECONDS)
-        except KafkaException:  # a fatal error, raised once; the reports of the records it
-            self._fatal = served = True  # failed still come
+        except KafkaException:  # a fatal error (see broken()); the records it failed are
+            self._fatal = served = True  # still reported by later polls
         if served:
             with self._reports:
                 self._reports.notify_all()

@@ -192,6 +192,13 @@ def count_status(engine: Engine, schema: str, status: str) -> int:
         ).scalar_one())
 
 
+def ids_with_status(engine: Engine, schema: str, status: str) -> list[int]:
+    with engine.connect() as conn:
+        return list(conn.execute(text(
+            f"SELECT id FROM {schema}.message_state WHERE status = :s ORDER BY id"),
+            {"s": status}).scalars())
+
+
 def wait_delivered(engine: Engine, schema: str, expected: int, timeout: float = 60) -> None:
     wait_until(lambda: count_status(engine, schema, "DELIVERED") >= expected, timeout,
                f"{expected} messages delivered")

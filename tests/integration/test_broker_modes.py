@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 from outbox import Outbox
@@ -41,6 +41,7 @@ from tests.certificates import make_certificates
 from tests.conftest import (
     both_transports,
     count_status,
+    ids_with_status,
     publish_orders,
     running_relay,
     wait_delivered,
@@ -284,10 +285,7 @@ def test_a_record_the_broker_rejects_is_parked_alone_and_the_relay_goes_on(
             wait_delivered(engine, schema, len(ids) - 1, timeout=60)
             wait_until(lambda: count_status(engine, schema, "PARKED") == 1, 30, "parking")
         records = read_topic(tansu.bootstrap, topic)
-    with engine.connect() as conn:
-        parked = conn.execute(text(f"SELECT id FROM {schema}.message_state "
-                                   f"WHERE status = 'PARKED'")).scalars().all()
-    assert parked == [ids[3]]
+    assert ids_with_status(engine, schema, "PARKED") == [ids[3]]
     assert {r.message_id for r in records} == set(ids) - {ids[3]}
 
 

@@ -19,6 +19,7 @@ from outbox.settings import Settings
 from tests.conftest import (
     both_transports,
     count_status,
+    ids_with_status,
     publish_orders,
     running_relay,
     wait_delivered,
@@ -168,10 +169,7 @@ def test_a_refused_message_holds_its_key_back_in_the_batches_sent_behind_it(
         behind = [outbox.publish(session, topic, b"small", key="a") for _ in range(30)]
     with running_relay(strict):
         wait_delivered(engine, schema, len(behind), timeout=60)
-    with engine.connect() as conn:
-        parked = conn.execute(text(f"SELECT id FROM {schema}.message_state "
-                                   f"WHERE status = 'PARKED'")).scalars().all()
-    assert parked == [too_big]
+    assert ids_with_status(engine, schema, "PARKED") == [too_big]
     records = read_topic(settings.kafka_bootstrap, topic)
     assert [r.message_id for r in records] == behind, "in id order, each once"
 
