@@ -5,6 +5,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
+import weakref
+from pathlib import Path
+from typing import Any
 
 from outbox.settings import Settings
 
@@ -25,14 +29,25 @@ def outbox_env(settings: Settings, **extra: str) -> dict[str, str]:
     }
 
 
-def start_outbox(settings: Settings, *args: str, **extra: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "outbox", *args],
-        env=outbox_env(settings, **extra),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+class OutboxProcess(subprocess.Popen[str]):
+    """An ``outbox`` command whose output (stdout and stderr) goes to a file, not a pipe: a
+    pipe nobody reads fills up and blocks a chatty process in the middle of a test.
+    ``communicate`` waits for it and returns what it printed, as with a pipe."""
+
+    def __init__(self, args: list[str], env: dict[str, str]) -> None:
+        descriptor, self.log = tempfile.mkstemp(prefix="outbox-", suffix=".log")
+        weakref.finalize(self, os.unlink, self.log)
+        with os.fdopen(descriptor, "w") as log:
+            super().__init__(args, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+
+    def communicate(self, input: Any = None, timeout: float | None = None) -> tuple[str, None]:
+        assert input is None, "an outbox command reads no input"
+        self.wait(timeout)
+        return Path(self.log).read_text(), None
+
+
+def start_outbox(settings: Settings, *args: str, **extra: str) -> OutboxProcess:
+    return OutboxProcess([sys.executable, "-m", "outbox", *args], outbox_env(settings, **extra))
 
 
 def run_outbox(settings: Settings | None, *args: str, env: dict[str, str] | None = None
