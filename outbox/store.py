@@ -292,7 +292,8 @@ class Failure:
 def record_failures(
     conn: Connection, schema: str, actor: str, failures: Sequence[Failure], max_attempts: int
 ) -> list[tuple[int, str]]:
-    """Count failed attempts; returns ``(id, topic)`` of the rows parked by this call."""
+    """Note failed sends, counting the permanent rejections; returns ``(id, topic)`` of the
+    rows parked by this call."""
     if not failures:
         return []
     rows = conn.execute(

@@ -327,8 +327,8 @@ class Relay:
                     continue
                 permanent = is_permanent(delivery.error)
                 if permanent and row.id not in flight.alone:
-                    # maybe only the neighbour of a bad record: counted, never parked, and
-                    # sent alone next time
+                    # maybe only the neighbour of a bad record: not counted towards
+                    # parking, and sent alone next time
                     self._suspects.add(row.id)
                     permanent = False
                 failures.append(store.Failure(row.id, describe(delivery.error), permanent))

@@ -160,11 +160,13 @@ WHERE p.message_id = ANY(CAST(:ids AS bigint[])) AND p.status = 'PENDING'
   AND l.owner = :worker_id AND l.expires_at > now();
 
 -- name: record_failures
--- Count failed attempts and keep the broker's reason; a row rejected permanently
--- :max_attempts times is PARKED with an op record, so it never blocks the relay again.
+-- Keep the broker's reason for each failed send and count the permanent rejections
+-- (`attempts`): a row rejected permanently :max_attempts times is PARKED with an op record, so
+-- it never blocks the relay again. Retriable failures (a broker away, a request timed out)
+-- are not counted: they say nothing about the message.
 WITH failed AS (
     UPDATE {schema}.pending AS m
-    SET attempts = m.attempts + 1, last_error = f.error,
+    SET attempts = m.attempts + CASE WHEN f.permanent THEN 1 ELSE 0 END, last_error = f.error,
         status = CASE WHEN f.permanent AND m.attempts + 1 >= :max_attempts
                       THEN 'PARKED' ELSE m.status END
     FROM unnest(CAST(:ids AS bigint[]), CAST(:errors AS text[]),

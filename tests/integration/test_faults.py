@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
-from outbox import Outbox
+from outbox import Outbox, store
 from outbox.dev import services as devservices
 from outbox.dev.topics import Record, read_topic
 from outbox.settings import Settings
@@ -153,6 +153,29 @@ def test_permanently_rejected_message_is_parked_and_other_keys_flow(
                    20, "the resumed message to be tried and parked again")
     delivered = {r.message_id for r in read_topic(settings.kafka_bootstrap, topic)}
     assert delivered == {after_it, other}
+
+
+def test_only_permanent_rejections_count_towards_parking(
+    engine: Engine, outbox: Outbox, schema: str, topic: str
+) -> None:
+    """OUTBOX_RELAY_MAX_ATTEMPTS counts permanent rejections (docs/configuration.md). The
+    retriable failures a relay records while the broker is away, and rejections of a record
+    sent beside a bad one (recorded as retriable, see Relay._settle), must not bring a
+    message's first rejection of its own closer to parking."""
+    with Session(engine) as session, session.begin():
+        message_id = outbox.publish(session, topic, b"x", key="k")
+
+    def fail(permanent: bool) -> list[tuple[int, str]]:
+        failure = store.Failure(message_id, "permanent" if permanent else "retriable", permanent)
+        with engine.begin() as conn:
+            return store.record_failures(conn, schema, "test", [failure], max_attempts=3)
+
+    assert [fail(permanent=False) for _ in range(5)] == [[]] * 5
+    assert [fail(permanent=True) for _ in range(3)] == [[], [], [(message_id, topic)]]
+    with engine.connect() as conn:
+        row = conn.execute(text(f"SELECT attempts, last_error FROM {schema}.pending "
+                                f"WHERE message_id = :id"), {"id": message_id}).one()
+    assert tuple(row) == (3, "permanent")
 
 
 def test_a_refused_message_holds_its_key_back_in_the_batches_sent_behind_it(
