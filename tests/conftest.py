@@ -63,7 +63,7 @@ def copy_schema(engine: Engine, script: str, name: str) -> None:
     """A schema named ``name`` exactly as ``outbox db upgrade`` would leave it."""
     with engine.begin() as conn:
         conn.exec_driver_sql(f"CREATE SCHEMA {name}")
-        conn.exec_driver_sql(script.replace(f"{PLACEHOLDER}.", f"{name}."))
+        conn.exec_driver_sql(script.replace(PLACEHOLDER, name))
 
 
 def drop_schema(engine: Engine, name: str) -> None:

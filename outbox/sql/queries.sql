@@ -401,7 +401,8 @@ ORDER BY 1;
 -- Retention, step 4 (the pass's last): statistics and BRIN summaries for one range, which
 -- autovacuum leaves alone (revision 0011): without them every read of a window of history
 -- read every range.
--- Returns what it did: untouched, summarized, analyzed, or busy (locked by someone else).
+-- Returns what it did: untouched, summarized, analyzed, busy (locked by someone else), or
+-- gone (another relay's pass dropped it since the list was read; revision 0012).
 SELECT {schema}.tend_range(:name);
 
 -- name: drop_expired_partition

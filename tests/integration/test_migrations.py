@@ -13,6 +13,7 @@ import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import Engine, MetaData, inspect, text
+from sqlalchemy.exc import DBAPIError
 
 from outbox import Outbox, migrate, store
 from outbox.dev import services as devservices
@@ -365,6 +366,32 @@ def test_upgrade_to_0011_lets_a_relay_role_made_before_it_tend_ranges_and_downgr
         with engine.connect() as conn:
             assert conn.execute(text("SELECT to_regprocedure(:f)"),
                                 {"f": function}).scalar_one() is None
+    finally:
+        drop_schema(engine, name)
+        with engine.begin() as conn:
+            conn.execute(text(f"DROP ROLE {name}_relay"))
+
+
+def test_upgrade_to_0012_tends_a_dropped_range_as_gone_and_downgrade_back(
+    services: devservices.Services, engine: Engine
+) -> None:
+    """0012 replaces 0011's function in place: the relay role keeps its grant, a range
+    dropped since it was listed answers ``gone``, and the downgrade raises for it again."""
+    name = f"m_{uuid.uuid4().hex[:12]}"
+    migrate.upgrade(services.database_url, name, "0011")
+    with engine.begin() as conn:
+        conn.execute(text(f"CREATE ROLE {name}_relay NOLOGIN"))
+        conn.execute(text(f"GRANT EXECUTE ON FUNCTION {name}.tend_range(text) TO {name}_relay"))
+    try:
+        migrate.upgrade(services.database_url, name)
+        with engine.begin() as conn:
+            assert store.tend_range(conn, name, "message_p9999") == "gone"
+            assert conn.execute(text("SELECT has_function_privilege(:role, :f, 'EXECUTE')"),
+                                {"role": f"{name}_relay",
+                                 "f": f"{name}.tend_range(text)"}).scalar_one()
+        migrate.downgrade(services.database_url, name, "0011")
+        with pytest.raises(DBAPIError, match="not a range"), engine.begin() as conn:
+            store.tend_range(conn, name, "message_p9999")
     finally:
         drop_schema(engine, name)
         with engine.begin() as conn:
