@@ -126,7 +126,8 @@ class Deliverable(NamedTuple):
 #: What :func:`engine` sets on each new connection, and on the relay's hot ones.
 SESSION_SETTINGS = {"jit": "off", "plan_cache_mode": "force_custom_plan"}
 DELIVERY_SETTINGS = {**SESSION_SETTINGS, "enable_sort": "off"}
-RECORDING_SETTINGS = {**SESSION_SETTINGS, "enable_seqscan": "off"}
+RECORDING_SETTINGS = {**SESSION_SETTINGS, "enable_seqscan": "off",
+                      "plan_cache_mode": "force_generic_plan"}
 
 
 def engine(url: str, *, settings: Mapping[str, str] = SESSION_SETTINGS, **options: Any
@@ -154,6 +155,10 @@ def engine(url: str, *, settings: Mapping[str, str] = SESSION_SETTINGS, **option
       sequential scan), so the longer the backlog, the slower each batch.
     * ``enable_seqscan = off`` for the recording connection (:data:`RECORDING_SETTINGS`): it
       closes a batch's rows by key, and the planner scanned every pending row to find them.
+      Its two statements (``mark_delivered``, ``record_failures``) read by key whatever
+      their parameters, so it plans each once (``force_generic_plan``): planning them for
+      every batch cost more server time than running them, 120-154 µs against 101-158
+      (BENCHMARKS.md, "Latency, session 17").
 
     SETs after connecting rather than startup options, which connection poolers such as
     PgBouncer refuse."""

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
+from psycopg import sql
 from sqlalchemy import Engine, text
 
 from outbox import store
@@ -47,3 +49,36 @@ def queue(engine: Engine, schema: str, topic: str, n: int) -> list[int]:
             SELECT id, 0, topic, key, 'default', 'PENDING', 'COMMIT', created_at FROM written
             RETURNING message_id"""),
             {"topic": topic, "payload": b"x" * 200, "n": n}).scalars())
+
+
+def explained_prepared(engine: Engine, schema: str, name: str, params: dict[str, Any]
+                       ) -> tuple[Any, bool]:
+    """The EXPLAIN ANALYZE plan (JSON) of the named statement prepared on a session of
+    ``engine`` and run there, as a long-running process runs it, and whether the plan was
+    generic: the session's ``plan_cache_mode`` decides (EXPLAIN of the statement itself
+    always plans for its parameters). Rolled back."""
+    statement = store.driver_sql(store.query(name, schema)).replace("%%", "%")
+    statement = re.sub(r"--[^\n]*", "", statement)  # comments name parameters too
+    names = list(dict.fromkeys(re.findall(r"%\((\w+)\)s", statement)))
+    numbered = re.sub(r"%\((\w+)\)s", lambda found: f"${names.index(found[1]) + 1}",
+                      statement)
+    raw = engine.raw_connection()
+    try:
+        with raw.cursor() as cursor:
+            cursor.execute(f"PREPARE explained AS {numbered}")
+            cursor.execute("SELECT CAST(parameter_types AS text[]) FROM pg_prepared_statements "
+                           "WHERE name = 'explained'")
+            # EXECUTE's arguments as literals: a utility statement takes no parameters.
+            arguments = sql.SQL(", ").join(
+                sql.SQL("CAST({} AS {})").format(sql.Literal(params[n]), sql.SQL(kind))
+                for n, kind in zip(names, cursor.fetchone()[0], strict=True))
+            cursor.execute(sql.SQL("EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE explained({})")
+                           .format(arguments))
+            plan = cursor.fetchone()[0][0]["Plan"]
+            cursor.execute("SELECT generic_plans > 0 FROM pg_prepared_statements "
+                           "WHERE name = 'explained'")
+            generic = cursor.fetchone()[0]
+        raw.rollback()
+    finally:
+        raw.close()
+    return plan, generic

@@ -14,7 +14,7 @@ from outbox.relay.relay import Recorder, Relay
 from outbox.schema import SHARDS
 from outbox.settings import Settings, sqlalchemy_url
 from tests.conftest import ranges, use_ranges
-from tests.plans import explained, queue, rows_read
+from tests.plans import explained, explained_prepared, queue, rows_read
 
 
 def test_the_fetch_reads_its_batch_not_the_retained_history(
@@ -109,7 +109,8 @@ def test_the_fetch_reads_its_batch_whatever_the_statistics_say_of_the_backlog(
 def test_recording_a_batch_reads_its_rows_whatever_the_statistics_say_of_the_backlog(
         services: devservices.Services, engine: Engine, schema: str, topic: str) -> None:
     """On the same snapshot, the recorder's statements scanned every pending row to close a
-    batch's (a hashed `= ANY`): the longer the backlog, the slower each batch."""
+    batch's (a hashed `= ANY`): the longer the backlog, the slower each batch. The recorder
+    plans them once (generic plans): those must read by key too."""
     acked = stale_queue(engine, schema, topic)[:2000]
     statements = {
         "mark_delivered": {"ids": store.int_array(acked), "actor": "test",
@@ -125,7 +126,8 @@ def test_recording_a_batch_reads_its_rows_whatever_the_statistics_say_of_the_bac
                              settings=store.RECORDING_SETTINGS, poolclass=NullPool)
     try:
         for name, params in statements.items():
-            plan = explained(recorders, schema, name, params)
+            plan, generic = explained_prepared(recorders, schema, name, params)
+            assert generic, name  # planned once, for no parameters in particular
             assert rows_read(plan, "pending") <= len(acked), (name, plan)
     finally:
         recorders.dispose()
@@ -174,6 +176,8 @@ def test_the_relay_plans_its_hot_statements_for_a_queue(settings: Settings) -> N
         with relay._engine.connect() as delivery, recorder.engine.connect() as recording:
             assert delivery.execute(text("SHOW enable_sort")).scalar_one() == "off"
             assert recording.execute(text("SHOW enable_seqscan")).scalar_one() == "off"
+            assert recording.execute(text("SHOW plan_cache_mode")).scalar_one() == \
+                "force_generic_plan"
     finally:
         relay._engine.dispose()
         recorder.engine.dispose()
@@ -209,7 +213,8 @@ def test_the_fetch_is_planned_for_its_parameters_however_often_it_runs(
 
 
 def test_recording_a_batch_reads_its_rows_not_the_backlog(
-        engine: Engine, outbox: Outbox, schema: str, topic: str) -> None:
+        services: devservices.Services, engine: Engine, outbox: Outbox, schema: str,
+        topic: str) -> None:
     """Joined with the acks as a set, the DELETE of delivered pending rows hash-joined them
     with every pending row: 10 ms of a batch's 20 at a 50,000-message backlog, growing with
     it. It must delete by key; so must the relay's failure count."""
@@ -218,12 +223,20 @@ def test_recording_a_batch_reads_its_rows_not_the_backlog(
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         conn.execute(text(f"ANALYZE {schema}.message, {schema}.pending"))
     acked = ids[:150]  # a batch of 2,000 at a 40,000 backlog
-    plan = explained(engine, schema, "mark_delivered", {
-        "ids": store.int_array(acked), "partitions": store.int_array([0] * len(acked)),
-        "offsets": store.int_array(acked), "actor": "test"})
-    assert rows_read(plan, "pending") <= len(acked), plan
-    plan = explained(engine, schema, "record_failures", {
-        "ids": store.int_array(acked), "errors": ["no"] * len(acked),
-        "permanent": [True] * len(acked),
-        "actor": "test", "max_attempts": 3})
-    assert rows_read(plan, "pending") <= len(acked), plan
+    statements = {
+        "mark_delivered": {"ids": store.int_array(acked), "actor": "test",
+                           "partitions": store.int_array([0] * len(acked)),
+                           "offsets": store.int_array(acked)},
+        "record_failures": {"ids": store.int_array(acked), "errors": ["no"] * len(acked),
+                            "permanent": [True] * len(acked), "actor": "test",
+                            "max_attempts": 3}}
+    recorders = store.engine(sqlalchemy_url(services.database_url),
+                             settings=store.RECORDING_SETTINGS, poolclass=NullPool)
+    try:
+        for name, params in statements.items():
+            plan = explained(engine, schema, name, params)
+            assert rows_read(plan, "pending") <= len(acked), (name, plan)
+            plan, generic = explained_prepared(recorders, schema, name, params)
+            assert generic and rows_read(plan, "pending") <= len(acked), (name, plan)
+    finally:
+        recorders.dispose()
