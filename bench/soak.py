@@ -32,6 +32,7 @@ import datetime
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -138,9 +139,14 @@ def publish_at_rate(engine: Engine, outbox: Outbox, topic: str, rate: int, secon
 
 
 def latency_soak(services: devservices.Services, engine: Engine, env: dict[str, str],
-                 rate: int, minutes: float, threads: int = 4) -> list[LatencyMinute]:
-    schema, topic = f"soak_latency_{rate}", f"soak-latency-{rate}"
-    migrate.upgrade(services.database_url, schema)
+                 rate: int, minutes: float, threads: int = 4, tag: str = ""
+                 ) -> list[LatencyMinute]:
+    """Commit → recorded ack per minute for one relay (``env``'s) at ``rate`` messages a
+    second (``tag`` keeps repeated runs in schemas and topics of their own)."""
+    schema, topic = f"soak_latency_{rate}{tag}", f"soak-latency-{rate}{tag}".replace("_", "-")
+    # Migrated by the relay's own code (an A/B's older revision may have fewer revisions).
+    subprocess.run([sys.executable, "-m", "outbox", "--schema", schema, "db", "upgrade"],
+                   env=env, check=True, capture_output=True)
     create_topic(services.kafka_bootstrap, topic, partitions=PARTITIONS)
     relays = start_relays(env, schema, 1)
     outbox = Outbox(schema=schema)

@@ -1,0 +1,91 @@
+"""A latency A/B of two revisions of the relay, alternated on one pair of services.
+
+    python bench/latency_ab.py OLD NEW [--rounds 5] [--seconds 60] [--rate 1000]
+                               [--client kafka-python]
+
+OLD and NEW are git revisions of this repository (``HEAD``, a commit, a branch; ``WORKTREE``
+for the files as they are). Each is unpacked into a package of its own; then, round after
+round, a relay of each (``PYTHONPATH`` to its package) delivers what soak.py's publishers
+commit at ``--rate`` for ``--seconds``, in a schema and topic of its own, on one pair of
+fresh durable services; each side's schema is migrated by its own code. The publishers are
+this checkout's (the two revisions must accept its publish statement). Printed per round:
+p50, p99 and max of commit → recorded ack; then the medians of each side. On 2 shared cores
+one revision's rounds spread over several milliseconds (BENCHMARKS.md, "Latency, session
+18"): compare medians over many rounds, and read a difference smaller than that spread as
+none. Prints only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import tempfile
+from pathlib import Path
+
+from relay_bench import say
+from soak import LatencyMinute, fresh_services, latency_soak
+
+REPO = Path(__file__).resolve().parent.parent
+#: The installed package's layout (pyproject.toml's package-dir): folder → subpackage.
+SUBPACKAGES = {"relay": "relay", "spark": "spark", "migrations": "migrations"}
+WORKTREE = "WORKTREE"
+
+
+def package(revision: str, into: Path) -> Path:
+    """``revision``'s ``outbox`` package laid out as installed, in ``into``; the folder to
+    put on ``PYTHONPATH``."""
+    source = into / "source"
+    if revision == WORKTREE:
+        shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(
+            ".git", ".venv", "build", "__pycache__", "*.egg-info"))
+    else:
+        source.mkdir(parents=True)
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", revision],
+                                 capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(source)], input=archive, check=True)
+    root = into / "package"
+    shutil.copytree(source / "outbox", root / "outbox")
+    for folder, name in SUBPACKAGES.items():
+        shutil.copytree(source / folder, root / "outbox" / name)
+    return root
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("old")
+    parser.add_argument("new")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--seconds", type=float, default=60.0, help="of publishing, a round")
+    parser.add_argument("--rate", type=int, default=1000)
+    parser.add_argument("--client", choices=("kafka-python", "confluent"),
+                        default="kafka-python")
+    args = parser.parse_args()
+    folder = Path(tempfile.mkdtemp(prefix="outbox-latency-ab-"))
+    try:
+        packages = {side: package(revision, folder / side)
+                    for side, revision in (("old", args.old), ("new", args.new))}
+        rounds: dict[str, list[LatencyMinute]] = {"old": [], "new": []}
+        with fresh_services(pool_size=10) as (services, engine):
+            for n in range(1, args.rounds + 1):
+                for side, path in packages.items():
+                    env = {**os.environ, **services.env(), "OUTBOX_KAFKA_CLIENT": args.client,
+                           "PYTHONPATH": str(path)}
+                    result = latency_soak(services, engine, env, args.rate, args.seconds / 60,
+                                          tag=f"_{side}_{n}")[0]
+                    rounds[side].append(result)
+                    say(f"round {n} {side:3}: p50 {result.p50:6.2f} ms  p99 {result.p99:6.2f} "
+                        f"ms  max {result.worst:7.1f} ms")
+        for side, revision in (("old", args.old), ("new", args.new)):
+            say(f"{side} ({revision}): median p50 "
+                f"{statistics.median(r.p50 for r in rounds[side]):.2f} ms, median p99 "
+                f"{statistics.median(r.p99 for r in rounds[side]):.2f} ms over "
+                f"{len(rounds[side])} rounds")
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
