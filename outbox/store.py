@@ -133,7 +133,8 @@ RECORDING_SETTINGS = {**SESSION_SETTINGS, "enable_seqscan": "off",
 def engine(url: str, *, settings: Mapping[str, str] = SESSION_SETTINGS, **options: Any
            ) -> Engine:
     """An engine for the outbox's own processes (relay, sweeper, retention, console, CLI),
-    whose sessions plan every statement for its parameters and never JIT-compile:
+    whose sessions plan every statement for its parameters (all but the relay's recording
+    connection, below) and never JIT-compile:
 
     * ``plan_cache_mode = force_custom_plan``: psycopg prepares a statement on its fifth run,
       and five runs later PostgreSQL may switch to a generic plan. The relay's generic fetch
