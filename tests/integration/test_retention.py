@@ -190,18 +190,22 @@ def test_a_pass_skips_a_range_another_relay_s_pass_dropped_after_it_listed_them(
     relay's pass may drop one in between. The pass failed on it ("not a range of ...'s
     history: op_record_p1", seen in `make bench` with two relays) and left every range
     after it untended until the next pass."""
-    ids = queue(engine, schema, topic, 15)  # ids 1-10 in p1, 11-15 in p11
+    ids = queue(engine, schema, topic, 25)  # ids 1-10 in p1, 11-20 in p11, 21-25 in p21
     with engine.begin() as conn:
         store.mark_delivered(conn, schema, "test", [(i, 0, i) for i in ids])
-    age(engine, schema)
+        for table in ("message", "op_record"):  # only p1 is past the window
+            conn.execute(text(f"UPDATE {schema}.{table}_p1 "
+                              f"SET created_at = now() - interval '100 hours'"))
     keeping = small.model_copy(update={"retention_hours": 1000})  # this pass drops nothing
 
     with ThreadPoolExecutor(1) as pool, engine.connect() as vacuum:
-        # Holds the pass at message_p11 (its lock timeout is 500 ms), after the listing.
-        vacuum.execute(text(f"LOCK TABLE {schema}.message_p11 IN SHARE UPDATE EXCLUSIVE MODE"))
+        # Holds the pass at message_p11, then message_p21 (a lock timeout of 500 ms each),
+        # after the listing and before op_record_p1.
+        vacuum.execute(text(f"LOCK TABLE {schema}.message_p11, {schema}.message_p21 "
+                            f"IN SHARE UPDATE EXCLUSIVE MODE"))
         pruning = pool.submit(retention.prune, keeping)
-        wait_until(lambda: waiting_on(engine, schema, "message_p11"),
-                   what="the pass to tend message_p11")
+        wait_until(lambda: waiting_on(engine, schema, "message_p11") or waiting_on(
+            engine, schema, "message_p21"), what="the pass to tend message_p11 or _p21")
         with engine.begin() as conn:  # the other relay's pass
             dropped = store.drop_expired_partition(conn, schema, 72 * 3600)
         vacuum.rollback()
