@@ -29,8 +29,8 @@ from relay_bench import say
 from soak import LatencyMinute, fresh_services, latency_soak
 
 REPO = Path(__file__).resolve().parent.parent
-#: The installed package's layout (pyproject.toml's package-dir): folder → subpackage.
-SUBPACKAGES = {"relay": "relay", "spark": "spark", "migrations": "migrations"}
+#: Top-level folders installed as subpackages of ``outbox`` (pyproject.toml's package-dir).
+SUBPACKAGES = ("relay", "spark", "migrations")
 WORKTREE = "WORKTREE"
 
 
@@ -48,8 +48,8 @@ def package(revision: str, into: Path) -> Path:
         subprocess.run(["tar", "-x", "-C", str(source)], input=archive, check=True)
     root = into / "package"
     shutil.copytree(source / "outbox", root / "outbox")
-    for folder, name in SUBPACKAGES.items():
-        shutil.copytree(source / folder, root / "outbox" / name)
+    for name in SUBPACKAGES:
+        shutil.copytree(source / name, root / "outbox" / name)
     return root
 
 
@@ -63,10 +63,10 @@ def main() -> None:
     parser.add_argument("--client", choices=("kafka-python", "confluent"),
                         default="kafka-python")
     args = parser.parse_args()
+    sides = {"old": args.old, "new": args.new}
     folder = Path(tempfile.mkdtemp(prefix="outbox-latency-ab-"))
     try:
-        packages = {side: package(revision, folder / side)
-                    for side, revision in (("old", args.old), ("new", args.new))}
+        packages = {side: package(revision, folder / side) for side, revision in sides.items()}
         rounds: dict[str, list[LatencyMinute]] = {"old": [], "new": []}
         with fresh_services(pool_size=10) as (services, engine):
             for n in range(1, args.rounds + 1):
@@ -78,7 +78,7 @@ def main() -> None:
                     rounds[side].append(result)
                     say(f"round {n} {side:3}: p50 {result.p50:6.2f} ms  p99 {result.p99:6.2f} "
                         f"ms  max {result.worst:7.1f} ms")
-        for side, revision in (("old", args.old), ("new", args.new)):
+        for side, revision in sides.items():
             say(f"{side} ({revision}): median p50 "
                 f"{statistics.median(r.p50 for r in rounds[side]):.2f} ms, median p99 "
                 f"{statistics.median(r.p99 for r in rounds[side]):.2f} ms over "
