@@ -77,7 +77,8 @@ def main() -> None:
                                           tag=f"_{side}_{n}")[0]
                     rounds[side].append(result)
                     say(f"round {n} {side:3}: p50 {result.p50:6.2f} ms  p99 {result.p99:6.2f} "
-                        f"ms  max {result.worst:7.1f} ms")
+                        f"ms  max {result.worst:7.1f} ms  (slowest disk flush "
+                        f"{result.slowest_fsync:.1f} ms)")
         for side, revision in sides.items():
             say(f"{side} ({revision}): median p50 "
                 f"{statistics.median(r.p50 for r in rounds[side]):.2f} ms, median p99 "
