@@ -30,6 +30,7 @@ from tests.conftest import (
     wait_delivered,
     wait_until,
 )
+from tests.plans import queue
 from tests.processes import run_outbox
 
 
@@ -47,11 +48,15 @@ CATALOG = {
                    "ON n.oid = c.connamespace WHERE n.nspname = :schema",
     "indexes": "SELECT tablename, indexname, replace(indexdef, :schema || '.', '') "
                "FROM pg_indexes WHERE schemaname = :schema",
+    "storage": "SELECT c.relname, array_to_string(c.reloptions, ', ') FROM pg_class c "
+               "JOIN pg_namespace n ON n.oid = c.relnamespace "
+               "WHERE n.nspname = :schema AND c.reloptions IS NOT NULL",
 }
 
 
 def catalog(engine: Engine, schema: str) -> dict[str, set[tuple[object, ...]]]:
-    """Columns, constraints, indexes and rows of a schema, with its name left out."""
+    """Columns, constraints, indexes, storage parameters and rows of a schema, with its name
+    left out."""
     with engine.connect() as conn:
         found = {what: {tuple(row) for row in conn.execute(text(sql), {"schema": schema})}
                  for what, sql in CATALOG.items()}
@@ -396,3 +401,31 @@ def test_upgrade_to_0012_tends_a_dropped_range_as_gone_and_downgrade_back(
         drop_schema(engine, name)
         with engine.begin() as conn:
             conn.execute(text(f"DROP ROLE {name}_relay"))
+
+
+def drained_queue_vacuumed(engine: Engine, schema: str) -> tuple[int, int]:
+    """Fill ``pending``, delete every row as a drain does, VACUUM it: its size before, after."""
+    queue(engine, schema, "t", 5000)
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(text(f"DELETE FROM {schema}.pending"))
+        size = f"SELECT pg_relation_size('{schema}.pending')"
+        before = conn.execute(text(size)).scalar_one()
+        conn.execute(text(f"VACUUM {schema}.pending"))
+        return before, conn.execute(text(size)).scalar_one()
+
+
+def test_upgrade_to_0013_keeps_a_drained_queue_s_pages_and_downgrade_back(
+    services: devservices.Services, engine: Engine
+) -> None:
+    """From 0013 VACUUM leaves a drained ``pending`` its pages (truncating them takes ACCESS
+    EXCLUSIVE, which stops every publish); the downgrade lets it truncate them again."""
+    name = f"m_{uuid.uuid4().hex[:12]}"
+    migrate.upgrade(services.database_url, name)
+    try:
+        before, after = drained_queue_vacuumed(engine, name)
+        assert before > 0 and after == before
+        migrate.downgrade(services.database_url, name, "0012")
+        before, after = drained_queue_vacuumed(engine, name)
+        assert before > 0 and after == 0
+    finally:
+        drop_schema(engine, name)
