@@ -4,10 +4,10 @@
 to the space vacuum freed at its front, so after a drain its last pages are empty and the
 next VACUUM truncates them. Truncating takes ACCESS EXCLUSIVE on the table: every publish
 and every fetch waits behind it, and a hot standby replays the lock, cancelling its readers
-of the table. With 200 MB of drained queue and four publishers at work, VACUUM took 1.0-1.3 s
-with the truncation and the publishers' slowest commit during it 76-77 ms; without it,
-0.3 s and 25 ms (BENCHMARKS.md). The next backlog then had to extend the table again, page
-by page under the relation's extension lock.
+of the table. With 200 MB of drained queue and four publishers at work, VACUUM took 0.6-1.7 s
+with the truncation and the publishers' slowest commit during it 72-77 ms; without it,
+0.3 s and 18-24 ms (`bench/queue_vacuum.py`, BENCHMARKS.md). The next backlog then had to
+extend the table again, page by page under the relation's extension lock.
 
 With ``vacuum_truncate = false`` the empty pages stay, and are reused through the free space
 map: the table keeps the size of its largest backlog, which it had reached anyway.
