@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import Engine, MetaData, inspect, text
+from sqlalchemy import Connection, Engine, MetaData, inspect, text
 from sqlalchemy.exc import DBAPIError
 
 from outbox import Outbox, migrate, store
@@ -408,16 +408,18 @@ def drained_queue(engine: Engine, schema: str) -> int:
     queue(engine, schema, "t", 5000)
     with engine.begin() as conn:
         conn.execute(text(f"DELETE FROM {schema}.pending"))
-    return vacuumed_size(engine, schema, vacuum=False)
+        return pending_size(conn, schema)
 
 
-def vacuumed_size(engine: Engine, schema: str, *, vacuum: bool = True) -> int:
+def pending_size(conn: Connection, schema: str) -> int:
+    return int(conn.execute(text(f"SELECT pg_relation_size('{schema}.pending')")).scalar_one())
+
+
+def vacuumed_size(engine: Engine, schema: str) -> int:
     """``pending``'s size after a VACUUM of it."""
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        if vacuum:
-            conn.execute(text(f"VACUUM {schema}.pending"))
-        return int(conn.execute(text(f"SELECT pg_relation_size('{schema}.pending')"))
-                   .scalar_one())
+        conn.execute(text(f"VACUUM {schema}.pending"))
+        return pending_size(conn, schema)
 
 
 def test_upgrade_to_0013_keeps_a_drained_queue_s_pages_and_downgrade_back(
