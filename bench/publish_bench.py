@@ -3,10 +3,8 @@
     python bench/publish_bench.py [--seconds 6] [--writers 4 16] [--ranges 30]
 
 1. One connection, one transaction of 3,000 statements each: the wall time of a bare
-   single-row INSERT next to a publish (advisory key lock, message and pending rows, NOTIFY),
-   then publish again with the pending table's guard trigger disabled (its share), and with
-   the trigger's lookup planned for each row (one partition locked); all again with
-   ``--ranges`` partitions of ``message``.
+   single-row INSERT next to a publish (``publish_message()``: advisory key lock, message and
+   pending rows, the wake-up), then again with ``--ranges`` partitions of ``message``.
 2. ``--writers`` processes (no shared GIL, unlike `make bench`'s threads) each running
    business INSERT (+ publish) transactions with durable commits for ``--seconds``: TPS
    alone, with publish while relays are awake (no NOTIFY) and while a relay sleeps (every
@@ -14,7 +12,7 @@
 3. the same transactions from pgbench, whose C clients cost the machine next to nothing, so
    the database is the bound (as behind many application servers): what NOTIFY costs there;
 4. pgbench again while one relay delivers the messages: the wake-up as built against every
-   commit notifying (the publish statement with its wake-lock test replaced by ``true``).
+   commit notifying (a ``pg_notify`` after each publish).
 """
 
 from __future__ import annotations
@@ -27,7 +25,7 @@ import re
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 from relay_bench import BUSINESS_TABLE, relay_asleep, start_relays, stop
@@ -72,18 +70,6 @@ def partition_count(engine: Engine) -> int:
             {"t": f"{SCHEMA}.message"}).scalar_one())
 
 
-@contextlib.contextmanager
-def altered(engine: Engine, change: str, undo: str) -> Iterator[None]:
-    """The schema with ``change`` applied for the block, then ``undo`` run."""
-    with engine.begin() as conn:
-        conn.execute(text(change))
-    try:
-        yield
-    finally:
-        with engine.begin() as conn:
-            conn.execute(text(undo))
-
-
 def per_statement(url: str) -> None:
     engine = create_engine(url)
     outbox = Outbox(schema=SCHEMA)
@@ -105,15 +91,6 @@ def per_statement(url: str) -> None:
     for _ in range(2):
         timed("bare INSERT", bare)
         timed("publish", publish)
-    trigger, function = f"{SCHEMA}.pending", f"{SCHEMA}.pending_born_pending()"
-    with altered(engine, f"ALTER TABLE {trigger} DISABLE TRIGGER pending_born_pending",
-                 f"ALTER TABLE {trigger} ENABLE TRIGGER pending_born_pending"):
-        timed("publish, guard trigger disabled", publish)
-    # Planned for each row, the trigger's lookup would lock one partition of message instead
-    # of all (a generic plan's); what that costs (revision 0009's docstring).
-    with altered(engine, f"ALTER FUNCTION {function} SET plan_cache_mode = force_custom_plan",
-                 f"ALTER FUNCTION {function} RESET plan_cache_mode"):
-        timed("publish, trigger planned per row", publish)
     engine.dispose()
 
 
@@ -158,16 +135,12 @@ def pgbench_script(schema: str, publish: bool, notify_always: bool = False,
     if publish:
         sql = "\n".join(line for line in store.query("publish", schema).text.splitlines()
                         if not line.lstrip().startswith("--")).rstrip(";")
-        swapped = {"key": "CAST(:n AS bytea)", "lock_key": ":n",
-                   "payload": "CAST(:payload AS bytea)", "shard": "CAST(:shard AS smallint)",
-                   "header_keys": "NULL", "header_values": "NULL", "deliver_at": "NULL",
-                   "check_after_seconds": "NULL"}
+        swapped = {"key": ":n", "lock_key": ":n", "header_keys": "NULL", "header_values": "NULL",
+                   "deliver_at": "NULL", "check_after_seconds": "NULL"}  # the statement casts
         sql = re.sub(r"(?<!:):(\w+)", lambda m: swapped.get(m[1], m[0]), sql)
-        if notify_always:
-            sql = re.sub(r"OR NOT pg_try_advisory_xact_lock_shared\(.*?\)\)\)", "OR true)", sql,
-                         flags=re.DOTALL)
-            assert "pg_try_advisory" not in sql
         statements.append(sql)
+        if notify_always:
+            statements.append("SELECT pg_notify(:channel, '')")
     return ("\\set n random(1, 100000)\n\\set shard random(0, 63)\nBEGIN;\n"
             + "".join(f"{statement};\n" for statement in statements) + "COMMIT;\n")
 

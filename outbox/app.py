@@ -169,7 +169,7 @@ class Outbox:
         """Run one statement in the caller's open transaction, or in an engine's own one."""
         if connectors.is_async(bind):
             return self._execute_async(bind, statement, params, read)
-        with _missing_tables(self.schema):
+        with _unmigrated(self.schema):
             return read(connectors.execute(bind, statement, params))
 
     async def _execute_async(
@@ -179,7 +179,7 @@ class Outbox:
         params: dict[str, Any],
         read: Callable[[Rows], T],
     ) -> T:
-        with _missing_tables(self.schema):
+        with _unmigrated(self.schema):
             return read(await connectors.execute_async(bind, statement, params))
 
     # Two-phase messages (RocketMQ transactional messages) -------------------------------
@@ -413,19 +413,22 @@ def _check_options(call: str, options: Mapping[str, object], allowed: frozenset[
         raise TypeError(f"{call}() got an unexpected keyword argument {min(unknown)!r}")
 
 
-#: PostgreSQL's SQLSTATE for "relation does not exist", whichever driver reports it.
-UNDEFINED_TABLE = "42P01"
+#: PostgreSQL's SQLSTATEs for a missing table, schema or function (the schema is older than
+#: this code), whichever driver reports them.
+UNMIGRATED = {"42P01": "has no outbox tables", "3F000": "does not exist",
+              "42883": "is older than this version of outbox"}
 
 
 @contextlib.contextmanager
-def _missing_tables(schema: str) -> Iterator[None]:
+def _unmigrated(schema: str) -> Iterator[None]:
     """An unmigrated schema is a setup mistake: say which command fixes it."""
     try:
         yield
     except Exception as exc:
-        if _sqlstate(exc) == UNDEFINED_TABLE:
+        state = UNMIGRATED.get(_sqlstate(exc) or "")
+        if state is not None:
             raise SchemaNotMigrated(
-                f"outbox schema {schema!r} has no outbox tables: run `outbox db upgrade` "
+                f"outbox schema {schema!r} {state}: run `outbox db upgrade` "
                 "(or outbox.migrate.upgrade) against this database first"
             ) from exc
         raise

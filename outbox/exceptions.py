@@ -55,7 +55,8 @@ def describe(exc: BaseException | None) -> str:
 
 #: SQLSTATEs that no retry can fix: the role lacks a privilege, or an object is missing.
 _SETUP_SQLSTATES = {"42501": "the database role lacks a privilege",
-                    "42P01": "a table is missing", "3F000": "the schema is missing"}
+                    "42P01": "a table is missing", "3F000": "the schema is missing",
+                    "42883": "a function is missing"}
 
 
 def setup_error(exc: BaseException) -> str | None:

@@ -2,7 +2,8 @@
 -- {schema} is replaced by the validated schema name; :name marks a bound parameter.
 
 -- name: publish
--- Write a prepare row in the caller's transaction: the message row, written once and never
+-- Write a prepare row in the caller's transaction, through publish_message() (revision 0014,
+-- the application role's only way to write one): the message row, written once and never
 -- updated, and its narrow pending row, which the relay deletes on delivery. A keyed row first
 -- takes a transaction-scoped advisory lock on its (topic, key) hash, so rows of one key get
 -- their ids in commit order and the relay's id order is the key's order. A row due later
@@ -12,35 +13,20 @@
 -- notifies only if a relay sleeps on its shard (holds the shard's wake lock, `fall_asleep`)
 -- or is DELAYED (and says so). Otherwise it holds the wake lock shared until it commits: a
 -- relay cannot fall asleep on the shard before the row is visible to its next fetch.
-WITH written AS (
-    INSERT INTO {schema}.message
-        (producer_group, topic, key, header_keys, header_values, payload, content_type, shard,
-         deliver_after)
-    SELECT :producer_group, :topic, :key, :header_keys, :header_values, :payload,
-           :content_type, :shard, due.at
-    FROM (SELECT count(pg_advisory_xact_lock(:lock_class, :lock_key))
-          FROM (SELECT WHERE CAST(:lock_key AS integer) IS NOT NULL) AS keyed) AS lock,
-         (SELECT coalesce(CAST(:deliver_at AS timestamptz),
-                          now() + make_interval(secs => CAST(:delay_seconds AS double precision)))
-                 AS at) AS due
-    RETURNING id, producer_group, topic, key, shard, deliver_after, created_at
-)
-INSERT INTO {schema}.pending
-    (message_id, shard, topic, key, producer_group, status, resolution, deliver_after,
-     next_check_at, created_at)
-SELECT id, shard, topic, key, producer_group,
-       CASE WHEN deliver_after > now() THEN 'DELAYED' ELSE 'PENDING' END,
-       :resolution, deliver_after,
-       now() + make_interval(secs => CAST(:check_after_seconds AS double precision)),
-       created_at
-FROM written
-RETURNING message_id AS id,
-          CASE WHEN CAST(:notify AS boolean)
-                    AND (status = 'DELAYED'
-                         OR NOT pg_try_advisory_xact_lock_shared(
-                             :wake_class, CAST(:wake_base AS integer) + CAST(:shard AS integer)))
-               THEN pg_notify(:channel, CASE WHEN status = 'DELAYED' THEN :delayed_note ELSE '' END)
-          END;
+-- Every argument is cast, so each driver's types resolve to the one function.
+SELECT {schema}.publish_message(
+    producer_group => CAST(:producer_group AS text), topic => CAST(:topic AS text),
+    key => CAST(:key AS bytea), header_keys => CAST(:header_keys AS text[]),
+    header_values => CAST(:header_values AS bytea[]), payload => CAST(:payload AS bytea),
+    content_type => CAST(:content_type AS text), shard => CAST(:shard AS smallint),
+    deliver_at => CAST(:deliver_at AS timestamptz),
+    delay_seconds => CAST(:delay_seconds AS double precision),
+    resolution => CAST(:resolution AS text),
+    check_after_seconds => CAST(:check_after_seconds AS double precision),
+    lock_class => CAST(:lock_class AS integer), lock_key => CAST(:lock_key AS integer),
+    notify => CAST(:notify AS boolean), wake_class => CAST(:wake_class AS integer),
+    wake_base => CAST(:wake_base AS integer), channel => CAST(:channel AS text),
+    delayed_note => CAST(:delayed_note AS text)) AS id;
 
 -- name: fetch_deliverable
 -- The relay's next batch, step 1: the ids of committed, undelivered rows of the shards it
@@ -625,9 +611,9 @@ LIMIT :limit;
 
 -- name: create_roles
 -- Least-privilege group roles (NOLOGIN; grant them to your login roles):
---   {schema}_app      writes prepare rows (the columns the publish statement sets; the rest
---                     is checked by revision 0005's constraints and trigger) and decides
---                     through decide_message(); reads no payloads, updates and deletes nothing;
+--   {schema}_app      writes prepare rows through publish_message() and decides through
+--                     decide_message() (revisions 0014 and 0005: no INSERT on the tables);
+--                     reads no payloads, updates and deletes nothing;
 --   {schema}_relay    delivers (delivery columns of pending only), keeps leases, and prunes
 --                     through revision 0006's partition functions (no rights on partitions);
 --   {schema}_sweeper  checks back (check columns of pending only; grant it SELECT on the
@@ -655,16 +641,12 @@ GRANT USAGE ON SCHEMA {schema}
     TO {schema}_app, {schema}_relay, {schema}_sweeper, {schema}_console;
 GRANT SELECT ON {schema}.outbox_alembic_version
     TO {schema}_app, {schema}_relay, {schema}_sweeper, {schema}_console;
-GRANT INSERT (producer_group, topic, key, header_keys, header_values, payload, content_type,
-              shard, deliver_after)
-    ON {schema}.message TO {schema}_app;
 GRANT SELECT (id, producer_group, topic, key, shard, deliver_after, created_at)
     ON {schema}.message TO {schema}_app;
-GRANT INSERT (message_id, shard, topic, key, producer_group, status, resolution,
-              deliver_after, next_check_at, created_at),
-      SELECT (message_id, status)
-    ON {schema}.pending TO {schema}_app;
-GRANT EXECUTE ON FUNCTION {schema}.decide_message(bigint, text, text, text) TO {schema}_app;
+GRANT SELECT (message_id, status) ON {schema}.pending TO {schema}_app;
+GRANT EXECUTE ON FUNCTION {schema}.publish_message,
+                          {schema}.decide_message(bigint, text, text, text)
+    TO {schema}_app;
 GRANT SELECT ON {schema}.message TO {schema}_relay;
 GRANT SELECT, DELETE, UPDATE (status, attempts, last_error, check_count, next_check_at)
     ON {schema}.pending TO {schema}_relay;

@@ -15,7 +15,7 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import Connection, Engine, MetaData, inspect, text
 from sqlalchemy.exc import DBAPIError
 
-from outbox import Outbox, migrate, store
+from outbox import Outbox, SchemaNotMigrated, migrate, store
 from outbox.dev import services as devservices
 from outbox.dev.topics import read_topic
 from outbox.migrations import target_metadata
@@ -51,12 +51,19 @@ CATALOG = {
     "storage": "SELECT c.relname, array_to_string(c.reloptions, ', ') FROM pg_class c "
                "JOIN pg_namespace n ON n.oid = c.relnamespace "
                "WHERE n.nspname = :schema AND c.reloptions IS NOT NULL",
+    "functions": "SELECT p.proname, pg_get_function_identity_arguments(p.oid), p.prosecdef, "
+                 "array_to_string(p.proconfig, ', '), replace(p.prosrc, :schema, '') "
+                 "FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace "
+                 "WHERE n.nspname = :schema",
+    "triggers": "SELECT t.tgname, replace(pg_get_triggerdef(t.oid), :schema || '.', '') "
+                "FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid JOIN pg_namespace n "
+                "ON n.oid = c.relnamespace WHERE n.nspname = :schema AND NOT t.tgisinternal",
 }
 
 
 def catalog(engine: Engine, schema: str) -> dict[str, set[tuple[object, ...]]]:
-    """Columns, constraints, indexes, storage parameters and rows of a schema, with its name
-    left out."""
+    """Columns, constraints, indexes, storage parameters, functions, triggers and rows of a
+    schema, with its name left out."""
     with engine.connect() as conn:
         found = {what: {tuple(row) for row in conn.execute(text(sql), {"schema": schema})}
                  for what, sql in CATALOG.items()}
@@ -437,5 +444,63 @@ def test_upgrade_to_0013_keeps_a_drained_queue_s_pages_and_downgrade_back(
         # Again until the deleted rows are dead to every snapshot (another session's
         # ANALYZE may still see them).
         wait_until(lambda: vacuumed_size(engine, name) == 0, 30, "VACUUM to truncate pending")
+    finally:
+        drop_schema(engine, name)
+
+
+def app_may(conn: Connection, schema: str) -> tuple[bool, bool, bool]:
+    """Whether the application role may call publish_message() and insert into ``message``
+    and ``pending`` (a column privilege counts)."""
+    role = f"{schema}_app"
+    return tuple(conn.execute(text(  # type: ignore[return-value]
+        "SELECT coalesce(has_function_privilege(:role, CAST(to_regproc(:f) AS oid), "
+        "'EXECUTE'), false), "
+        "has_any_column_privilege(:role, :message, 'INSERT'), "
+        "has_any_column_privilege(:role, :pending, 'INSERT')"),
+        {"role": role, "f": f"{schema}.publish_message", "message": f"{schema}.message",
+         "pending": f"{schema}.pending"}).one())
+
+
+def test_upgrade_to_0014_moves_an_app_role_made_before_it_to_the_function_and_back(
+    services: devservices.Services, engine: Engine
+) -> None:
+    """An application role made before 0014 publishes through publish_message() and loses
+    INSERT on the tables (or it could write what the function would refuse); the downgrade
+    gives the INSERT back. PUBLIC may never call the function."""
+    name = f"m_{uuid.uuid4().hex[:12]}"
+    migrate.upgrade(services.database_url, name, "0013")
+    with engine.begin() as conn:
+        conn.execute(text(f"CREATE ROLE {name}_app NOLOGIN"))
+        conn.execute(text(f"GRANT USAGE ON SCHEMA {name} TO {name}_app"))
+        conn.execute(text(f"GRANT INSERT ON {name}.message, {name}.pending TO {name}_app"))
+    try:
+        migrate.upgrade(services.database_url, name)
+        with engine.begin() as conn:
+            assert app_may(conn, name) == (True, False, False)
+            assert not conn.execute(text("SELECT has_function_privilege('public', CAST(:f AS "
+                                         "regproc), 'EXECUTE')"),
+                                    {"f": f"{name}.publish_message"}).scalar_one()
+            conn.execute(text(f"SET LOCAL ROLE {name}_app"))
+            assert Outbox(schema=name).publish(conn, "t", {"n": 1}) > 0
+        migrate.downgrade(services.database_url, name, "0013")
+        with engine.begin() as conn:
+            assert app_may(conn, name) == (False, True, True)
+    finally:
+        drop_schema(engine, name)
+        with engine.begin() as conn:
+            conn.execute(text(f"DROP OWNED BY {name}_app"))
+            conn.execute(text(f"DROP ROLE {name}_app"))
+
+
+def test_publishing_to_a_schema_older_than_the_code_says_which_command_to_run(
+    services: devservices.Services, engine: Engine
+) -> None:
+    """Code of 0014 against a schema of 0013: no publish_message() yet."""
+    name = f"m_{uuid.uuid4().hex[:12]}"
+    migrate.upgrade(services.database_url, name, "0013")
+    try:
+        with pytest.raises(SchemaNotMigrated, match="older than this version of outbox: run "
+                                                    "`outbox db upgrade`"), engine.begin() as conn:
+            Outbox(schema=name).publish(conn, "t", {"n": 1})
     finally:
         drop_schema(engine, name)
