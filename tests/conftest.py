@@ -18,7 +18,7 @@ from typing import Protocol, TypeVar
 
 import pytest
 from alembic import command
-from sqlalchemy import Engine, create_engine, text
+from sqlalchemy import Engine, NullPool, create_engine, text
 from sqlalchemy.orm import Session
 
 from outbox import Outbox, migrate, store
@@ -46,6 +46,15 @@ def engine(services: devservices.Services) -> Iterator[Engine]:
 
 #: The schema name the session's migration script is rendered for, replaced in each copy.
 PLACEHOLDER = "outbox_schema_placeholder"
+
+
+@pytest.fixture
+def application(services: devservices.Services) -> Iterator[Engine]:
+    """An application's own engine: none of the outbox's session settings, so PostgreSQL
+    plans as it likes (generically from a statement's sixth run, when that looks cheaper)."""
+    eng = create_engine(sqlalchemy_url(services.database_url), poolclass=NullPool)
+    yield eng
+    eng.dispose()
 
 
 @pytest.fixture(scope="session")

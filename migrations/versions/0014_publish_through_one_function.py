@@ -1,21 +1,22 @@
-"""Publishing goes through one function, and no longer looks its own message up.
+"""Publishing goes through one function, which no longer looks its own message up.
 
 The publish statement inserted the message row and its pending row, and revision 0005's
-trigger checked each pending row against ``message``: a lookup by id that an application's
-session plans generically from its sixth publish, and a generic plan locks every partition
-of ``message`` (and their indexes) until the transaction ends. That lock set spills out of
-the backend's 16 fast-path slots into the shared lock table, holds retention's drops back
-(revision 0009), and makes publishers wait while a new range is attached (ATTACH locks the
-default partition exclusively).
+trigger checked each pending row against ``message``: a plpgsql call and a lookup by id for
+every publish. An application's session plans that lookup generically from its sixth
+publish, and a generic plan locks every partition of ``message`` until the transaction ends
+(14 of 14 in `test_query_plans.py`, against 1 before): retention's drops queue behind it
+(revision 0009), and publishers wait while a new range is attached, for ATTACH locks the
+default partition exclusively (BENCHMARKS.md, session 19).
 
-``publish_message()`` now writes both rows, with the schema owner's rights (SECURITY DEFINER,
-``search_path`` pinned), and is the application role's only way to write them: the role
-loses INSERT on ``message`` and ``pending``. What it writes cannot be forged, for it derives
-every column the trigger checked (id, shard, topic, key, producer group, creation time, a
-state of PENDING or DELAYED) from the message row it has just inserted, so the trigger skips
-rows the owner inserts (its WHEN clause, evaluated without calling the trigger) and keeps
-checking every other role's. pgbench, 16 clients, business INSERT + publish against the
-INSERT alone: 0.46-0.47x before, 0.51-0.52x through the function (BENCHMARKS.md).
+``publish_message()`` writes both rows with the schema owner's rights (SECURITY DEFINER,
+``search_path`` pinned). It takes every column the trigger checks (id, shard, topic, key,
+producer group, creation time) from the message row it has just inserted, and starts the
+row PENDING or DELAYED, unchecked and unattempted, so its rows need no check: the trigger
+now skips the owner's rows (a WHEN clause, evaluated without calling the trigger) and still
+checks every other role's. It is the application role's only way to write the rows once
+`outbox db upgrade --create-roles` has run again, which takes INSERT on ``message`` and
+``pending`` from the role; this revision leaves that INSERT, so that applications still
+running the older statement keep publishing while they are upgraded.
 
 Revision ID: 0014
 Revises: 0013
@@ -91,10 +92,11 @@ $trigger$;"""
 
 
 def app_rights(schema: str, through_function: bool) -> str:
-    """An application role made before this revision publishes through the function, and
-    loses INSERT on the tables; made before a downgrade, gets revision 0005's INSERT back."""
-    rights = (f"REVOKE INSERT ON {schema}.message, {schema}.pending FROM {schema}_app;\n"
-              f"GRANT EXECUTE ON FUNCTION {schema}.publish_message TO {schema}_app;"
+    """An application role made before this revision may call the function. It keeps INSERT on
+    the tables (each row still checked by the trigger), so applications still running the
+    older statement keep publishing until `outbox db upgrade --create-roles` takes it back;
+    after a downgrade it has revision 0005's INSERT, whatever it had."""
+    rights = (f"GRANT EXECUTE ON FUNCTION {schema}.publish_message TO {schema}_app;"
               if through_function else
               f"GRANT INSERT (producer_group, topic, key, header_keys, header_values, payload,\n"
               f"              content_type, shard, deliver_after) ON {schema}.message\n"

@@ -22,6 +22,7 @@ from outbox.migrations import target_metadata
 from outbox.schema import SHARDS, VERSION_TABLE
 from outbox.settings import Settings
 from tests.conftest import (
+    drop_roles,
     drop_schema,
     fresh_schema,
     partition_options,
@@ -461,35 +462,38 @@ def app_may(conn: Connection, schema: str) -> tuple[bool, bool, bool]:
          "pending": f"{schema}.pending"}).one())
 
 
-def test_upgrade_to_0014_moves_an_app_role_made_before_it_to_the_function_and_back(
+def test_upgrade_to_0014_lets_an_app_role_made_before_it_publish_through_the_function(
     services: devservices.Services, engine: Engine
 ) -> None:
-    """An application role made before 0014 publishes through publish_message() and loses
-    INSERT on the tables (or it could write what the function would refuse); the downgrade
-    gives the INSERT back. PUBLIC may never call the function."""
+    """An application role made before 0014 may call publish_message() and keeps INSERT on the
+    tables (its older statement, checked by the trigger, keeps working during the upgrade)
+    until `--create-roles` refreshes the grants; the downgrade gives back what 0005 granted.
+    PUBLIC may never call the function."""
     name = f"m_{uuid.uuid4().hex[:12]}"
     migrate.upgrade(services.database_url, name, "0013")
     with engine.begin() as conn:
         conn.execute(text(f"CREATE ROLE {name}_app NOLOGIN"))
         conn.execute(text(f"GRANT USAGE ON SCHEMA {name} TO {name}_app"))
         conn.execute(text(f"GRANT INSERT ON {name}.message, {name}.pending TO {name}_app"))
+    roles = [f"{name}_app"]
     try:
         migrate.upgrade(services.database_url, name)
         with engine.begin() as conn:
-            assert app_may(conn, name) == (True, False, False)
+            assert app_may(conn, name) == (True, True, True)
             assert not conn.execute(text("SELECT has_function_privilege('public', CAST(:f AS "
                                          "regproc), 'EXECUTE')"),
                                     {"f": f"{name}.publish_message"}).scalar_one()
             conn.execute(text(f"SET LOCAL ROLE {name}_app"))
             assert Outbox(schema=name).publish(conn, "t", {"n": 1}) > 0
+        roles = migrate.create_roles(services.database_url, name)
+        with engine.begin() as conn:
+            assert app_may(conn, name) == (True, False, False)
         migrate.downgrade(services.database_url, name, "0013")
         with engine.begin() as conn:
             assert app_may(conn, name) == (False, True, True)
     finally:
         drop_schema(engine, name)
-        with engine.begin() as conn:
-            conn.execute(text(f"DROP OWNED BY {name}_app"))
-            conn.execute(text(f"DROP ROLE {name}_app"))
+        drop_roles(engine, roles)
 
 
 def test_publishing_to_a_schema_older_than_the_code_says_which_command_to_run(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import Engine, NullPool, create_engine, text
+from sqlalchemy import Engine, NullPool, text
 from sqlalchemy.orm import Session
 
 from outbox import Outbox, store
@@ -261,25 +261,20 @@ def test_a_publish_does_not_call_the_pending_row_check(
 
 
 def test_a_publish_locks_only_the_partition_its_message_goes_to(
-        services: devservices.Services, engine: Engine, outbox: Outbox, schema: str,
-        topic: str) -> None:
-    """An application's session plans as PostgreSQL likes. Before revision 0014 the trigger's
-    lookup ran a generic plan from the session's sixth publish, which locked every partition
-    of `message` until the transaction ended (here 14 from then on, 2 before)."""
+        application: Engine, engine: Engine, outbox: Outbox, schema: str, topic: str) -> None:
+    """Before revision 0014 the trigger's lookup ran a generic plan from an application
+    session's sixth publish, which locked every partition of `message` until the transaction
+    ended (here 14 from then on, 2 before)."""
     use_ranges(engine, schema, 100, ahead=12)
-    application = create_engine(sqlalchemy_url(services.database_url), poolclass=NullPool)
     locked = []
-    try:
-        with application.connect() as conn:
-            for _ in range(8):
-                with conn.begin():
-                    outbox.publish(conn, topic, b"x", key="k")
-                    locked.append(conn.execute(text(
-                        "SELECT count(*) FROM pg_locks AS l JOIN pg_inherits AS i "
-                        "ON i.inhrelid = l.relation WHERE l.pid = pg_backend_pid() "
-                        "AND i.inhparent = CAST(:message AS regclass)"),
-                        {"message": f"{schema}.message"}).scalar_one())
-    finally:
-        application.dispose()
+    with application.connect() as conn:
+        for _ in range(8):
+            with conn.begin():
+                outbox.publish(conn, topic, b"x", key="k")
+                locked.append(conn.execute(text(
+                    "SELECT count(*) FROM pg_locks AS l JOIN pg_inherits AS i "
+                    "ON i.inhrelid = l.relation WHERE l.pid = pg_backend_pid() "
+                    "AND i.inhparent = CAST(:message AS regclass)"),
+                    {"message": f"{schema}.message"}).scalar_one())
     assert len(ranges(engine, schema)) >= 12
     assert locked == [1] * 8

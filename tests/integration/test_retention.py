@@ -377,3 +377,22 @@ def test_retention_queues_for_a_partition_a_reader_holds_for_a_moment(
         dropped = retention.prune(small).partitions
     assert len(dropped) == 1
     assert min(located(engine, schema, "message")) == 11
+
+
+def test_making_ranges_does_not_wait_for_a_publishing_transaction(
+        application: Engine, engine: Engine, outbox: Outbox, schema: str, topic: str) -> None:
+    """Attaching a range locks the default partition exclusively. Before revision 0014 an
+    application session's publishes, from its sixth, held every partition until they
+    committed (the trigger's generic lookup), so a retention pass making ranges waited for
+    them, here until its 500 ms lock timeout."""
+    use_ranges(engine, schema, 100, ahead=3)
+    before = len(ranges(engine, schema))
+    with application.connect() as conn:
+        for _ in range(6):
+            with conn.begin():
+                outbox.publish(conn, topic, b"x", key="k")
+        with conn.begin():
+            outbox.publish(conn, topic, b"x", key="k")  # and the transaction stays open
+            with engine.begin() as other:
+                made = store.ensure_partitions(other, schema, 100, ahead=6)
+    assert made > 0 and len(ranges(engine, schema)) == before + made
