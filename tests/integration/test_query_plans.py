@@ -242,7 +242,6 @@ def test_recording_a_batch_reads_its_rows_not_the_backlog(
     assert_the_recorder_reads_only(services, schema, statements, len(acked))
 
 
-
 def test_a_publish_does_not_call_the_pending_row_check(
         engine: Engine, outbox: Outbox, schema: str, topic: str) -> None:
     """Revision 0005's trigger checked every pending row against its message: a plpgsql call
