@@ -22,6 +22,7 @@ import os
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -53,6 +54,18 @@ def package(revision: str, into: Path) -> Path:
     return root
 
 
+def side_env(path: Path, extra: dict[str, str]) -> dict[str, str]:
+    """The environment in which a side's processes import its package. ``PYTHONSAFEPATH``:
+    ``python -m outbox`` otherwise puts the current folder first on the path, and started
+    from this repository's root it imported the working tree's ``outbox`` on both sides."""
+    env = {**os.environ, **extra, "PYTHONPATH": str(path), "PYTHONSAFEPATH": "1"}
+    found = subprocess.run([sys.executable, "-c", "import outbox; print(outbox.__file__)"],
+                           env=env, capture_output=True, text=True, check=True).stdout.strip()
+    if not found.startswith(str(path)):
+        raise SystemExit(f"a side imports {found}, not its package in {path}")
+    return env
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("old")
@@ -71,8 +84,7 @@ def main() -> None:
         with fresh_services(pool_size=10) as (services, engine):
             for n in range(1, args.rounds + 1):
                 for side, path in packages.items():
-                    env = {**os.environ, **services.env(), "OUTBOX_KAFKA_CLIENT": args.client,
-                           "PYTHONPATH": str(path)}
+                    env = side_env(path, {**services.env(), "OUTBOX_KAFKA_CLIENT": args.client})
                     result = latency_soak(services, engine, env, args.rate, args.seconds / 60,
                                           tag=f"_{side}_{n}")[0]
                     rounds[side].append(result)
