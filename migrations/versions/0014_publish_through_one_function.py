@@ -5,9 +5,8 @@ trigger checked each pending row against ``message``: a plpgsql call and a looku
 every publish. An application's session plans that lookup generically from its sixth
 publish, and a generic plan locks every partition of ``message`` until the transaction ends
 (14 of 14 in `test_query_plans.py`, 2 for the first five publishes; through the function
-1): retention's drops queue behind it
-(revision 0009), and publishers wait while a new range is attached, for ATTACH locks the
-default partition exclusively (BENCHMARKS.md, session 19).
+1): retention's drops queue behind it (revision 0009), and publishers wait while a new range
+is attached, for ATTACH locks the default partition exclusively (BENCHMARKS.md, session 19).
 
 ``publish_message()`` writes both rows with the schema owner's rights (SECURITY DEFINER,
 ``search_path`` pinned). It takes every column the trigger checks (id, shard, topic, key,
