@@ -18,12 +18,14 @@ from outbox.checkers import Checker, to_resolution
 from outbox.connectors import AsyncBind, AsyncTarget, DjangoConnection, Rows, SyncBind, SyncTarget
 from outbox.encoding import CONTROL, EncodedMessage, cloudevent_headers, delivery_time, encode
 from outbox.exceptions import (
+    MISSING_OBJECTS,
     ConfigurationError,
     DecisionConflict,
     InvalidMessage,
     MessageNotFound,
     NotInTransaction,
     SchemaNotMigrated,
+    sqlstate,
 )
 from outbox.message import Message, PrepareOptions, PublishOptions, TransactionResult
 from outbox.schema import Resolution
@@ -413,39 +415,19 @@ def _check_options(call: str, options: Mapping[str, object], allowed: frozenset[
         raise TypeError(f"{call}() got an unexpected keyword argument {min(unknown)!r}")
 
 
-#: PostgreSQL's SQLSTATEs for a missing table, schema or function (the schema is older than
-#: this code), whichever driver reports them.
-UNMIGRATED = {"42P01": "has no outbox tables", "3F000": "does not exist",
-              "42883": "is older than this version of outbox"}
-
-
 @contextlib.contextmanager
 def _unmigrated(schema: str) -> Iterator[None]:
     """An unmigrated schema is a setup mistake: say which command fixes it."""
     try:
         yield
     except Exception as exc:
-        state = UNMIGRATED.get(_sqlstate(exc) or "")
-        if state is not None:
+        missing = MISSING_OBJECTS.get(sqlstate(exc) or "")
+        if missing is not None:
             raise SchemaNotMigrated(
-                f"outbox schema {schema!r} {state}: run `outbox db upgrade` "
+                f"outbox schema {schema!r} {missing[1]}: run `outbox db upgrade` "
                 "(or outbox.migrate.upgrade) against this database first"
             ) from exc
         raise
-
-
-def _sqlstate(exc: BaseException) -> str | None:
-    """The SQLSTATE under SQLAlchemy's or Django's wrapper: psycopg and asyncpg call it
-    ``sqlstate``, psycopg2 ``pgcode``."""
-    seen: BaseException | None = exc
-    for _ in range(4):
-        if seen is None:
-            return None
-        code = getattr(seen, "sqlstate", None) or getattr(seen, "pgcode", None)
-        if code:
-            return str(code)
-        seen = getattr(seen, "orig", None) or seen.__cause__
-    return None
 
 
 def _message_id(rows: Rows) -> int:

@@ -53,17 +53,34 @@ def describe(exc: BaseException | None) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
 
 
+#: PostgreSQL's SQLSTATEs for a missing table, schema or function: what is missing, and what
+#: that says of an outbox schema (it is older than the code, or was never migrated).
+MISSING_OBJECTS = {"42P01": ("a table is missing", "has no outbox tables"),
+                   "3F000": ("the schema is missing", "does not exist"),
+                   "42883": ("a function is missing", "is older than this version of outbox")}
+
 #: SQLSTATEs that no retry can fix: the role lacks a privilege, or an object is missing.
 _SETUP_SQLSTATES = {"42501": "the database role lacks a privilege",
-                    "42P01": "a table is missing", "3F000": "the schema is missing",
-                    "42883": "a function is missing"}
+                    **{state: missing for state, (missing, _) in MISSING_OBJECTS.items()}}
+
+
+def sqlstate(exc: BaseException) -> str | None:
+    """The SQLSTATE under SQLAlchemy's or Django's wrapper: psycopg and asyncpg call it
+    ``sqlstate``, psycopg2 ``pgcode``."""
+    seen: BaseException | None = exc
+    for _ in range(4):
+        if seen is None:
+            return None
+        code = getattr(seen, "sqlstate", None) or getattr(seen, "pgcode", None)
+        if code:
+            return str(code)
+        seen = getattr(seen, "orig", None) or seen.__cause__
+    return None
 
 
 def setup_error(exc: BaseException) -> str | None:
     """One line for a database error that is a setup mistake, not an outage; else None."""
-    orig = getattr(exc, "orig", None)
-    state = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
-    what = _SETUP_SQLSTATES.get(str(state))
+    what = _SETUP_SQLSTATES.get(sqlstate(exc) or "")
     if what is None:
         return None
     return (f"{what} ({first_line(exc)}): run `outbox db upgrade` (with --create-roles for "
