@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session
 
 from outbox import Outbox, migrate, store
 from outbox.dev import services as devservices
-from outbox.dev.topics import create_topic
+from outbox.dev.topics import Record, create_topic, read_topic
 from outbox.relay.relay import Relay
 from outbox.settings import Settings, sqlalchemy_url
 
@@ -211,6 +211,22 @@ def ids_with_status(engine: Engine, schema: str, status: str) -> list[int]:
 def wait_delivered(engine: Engine, schema: str, expected: int, timeout: float = 60) -> None:
     wait_until(lambda: count_status(engine, schema, "DELIVERED") >= expected, timeout,
                f"{expected} messages delivered")
+
+
+def delivered_to(engine: Engine, schema: str, bootstrap: str, topic: str) -> dict[int, Record]:
+    """The records of ``topic`` that ``schema``'s relays delivered, by message id: those at
+    the partitions and offsets its op records hold. Tests of the example services share
+    topics ("orders") and each schema numbers its messages from 1, so a message id alone
+    may name another test's record."""
+    with engine.connect() as conn:
+        landed = {(partition, offset): message_id for message_id, partition, offset in
+                  conn.execute(text(
+                      f"SELECT o.message_id, o.kafka_partition, o.kafka_offset "
+                      f"FROM {schema}.op_record AS o JOIN {schema}.message AS m "
+                      f"ON m.id = o.message_id WHERE o.action = 'DELIVERED' AND m.topic = :t"),
+                      {"t": topic})}
+    return {landed[(r.partition, r.offset)]: r for r in read_topic(bootstrap, topic)
+            if (r.partition, r.offset) in landed}
 
 
 def publish_orders(engine: Engine, outbox: Outbox, topic: str, orders: list[tuple[str, int]],

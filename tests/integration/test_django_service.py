@@ -15,10 +15,10 @@ import pytest
 from sqlalchemy import Engine, text
 
 from outbox import NotInTransaction, Outbox, SchemaNotMigrated
-from outbox.dev.topics import create_topic, read_topic
+from outbox.dev.topics import create_topic
 from outbox.relay.relay import Relay
 from outbox.settings import Settings
-from tests.conftest import count_status, wait_delivered
+from tests.conftest import count_status, delivered_to, wait_delivered
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,12 +65,12 @@ def test_orders_publish_in_atomic_and_failed_ones_publish_nothing(
     assert (placed.status_code, failed.status_code) == (201, 500)
     paid = service.post(f"/orders/{placed.json()['order_id']}/pay").json()
     wait_delivered(engine, schema, 2)
-    orders = read_topic(settings.kafka_bootstrap, "orders")
-    mine = [r for r in orders if r.message_id == placed.json()["message_id"]]
-    assert len(mine) == 1 and mine[0].headers["ce_type"] == b"com.example.order.placed"
+    orders = delivered_to(engine, schema, settings.kafka_bootstrap, "orders")
+    assert list(orders) == [placed.json()["message_id"]]
+    assert orders[placed.json()["message_id"]].headers["ce_type"] == b"com.example.order.placed"
     assert count_status(engine, schema, "DELIVERED") == 2  # the order and its payment
-    assert paid["message_id"] in {r.message_id for r in
-                                  read_topic(settings.kafka_bootstrap, "payments")}
+    assert list(delivered_to(engine, schema, settings.kafka_bootstrap, "payments")) == [
+        paid["message_id"]]
     with engine.connect() as conn:
         customers = conn.execute(text("SELECT customer FROM orders_order")).scalars().all()
     assert "bob" not in customers

@@ -10,10 +10,10 @@ from flask.testing import FlaskClient
 from sqlalchemy import Engine
 
 from outbox import NotInTransaction, Outbox, SchemaNotMigrated
-from outbox.dev.topics import create_topic, read_topic
+from outbox.dev.topics import create_topic
 from outbox.relay.relay import Relay
 from outbox.settings import Settings
-from tests.conftest import count_status, wait_delivered
+from tests.conftest import count_status, delivered_to, wait_delivered
 
 
 @pytest.fixture
@@ -47,10 +47,10 @@ def test_db_session_publishes_and_rolls_back(client: FlaskClient, engine: Engine
     assert paid is not None and paid["resolution"] == "COMMIT"
     wait_delivered(engine, schema, 2)
     assert placed.json is not None
-    assert placed.json["message_id"] in {
-        r.message_id for r in read_topic(settings.kafka_bootstrap, "orders")}
-    assert paid["message_id"] in {
-        r.message_id for r in read_topic(settings.kafka_bootstrap, "payments")}
+    assert list(delivered_to(engine, schema, settings.kafka_bootstrap, "orders")) == [
+        placed.json["message_id"]]
+    assert list(delivered_to(engine, schema, settings.kafka_bootstrap, "payments")) == [
+        paid["message_id"]]
     assert count_status(engine, schema, "DELIVERED") == 2
 
 
