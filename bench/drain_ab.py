@@ -1,0 +1,63 @@
+"""A throughput A/B of two revisions of the relay, alternated on one pair of services.
+
+    python bench/drain_ab.py OLD NEW [--rounds 3] [--messages 50000] [--client kafka-python]
+
+OLD and NEW are git revisions, or ``WORKTREE``, packaged as bench/latency_ab.py does (each
+side's relay imports its own package, its schema migrated by its own code). Each round, one
+relay of each side drains ``--messages`` committed 1 KiB rows (relay_bench.relay_throughput),
+and raw kafka-python produce of as many records measures the machine that round, so a round
+on a slower minute reads as one. Printed per round: each side's rate and its ratio to that
+round's raw rate; then the medians. Prints only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import tempfile
+from pathlib import Path
+
+from latency_ab import package, side_env
+from relay_bench import raw_produce, relay_throughput, say
+from soak import fresh_services
+
+from outbox.dev.topics import create_topic
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("old")
+    parser.add_argument("new")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--messages", type=int, default=50_000)
+    parser.add_argument("--client", choices=("kafka-python", "confluent"),
+                        default="kafka-python")
+    args = parser.parse_args()
+    sides = {"old": args.old, "new": args.new}
+    folder = Path(tempfile.mkdtemp(prefix="outbox-drain-ab-"))
+    try:
+        packages = {side: package(revision, folder / side) for side, revision in sides.items()}
+        ratios: dict[str, list[float]] = {"old": [], "new": []}
+        with fresh_services(pool_size=10) as (services, engine):
+            for n in range(1, args.rounds + 1):
+                topic = f"drain-ab-raw-{n}"
+                create_topic(services.kafka_bootstrap, topic, partitions=6)
+                raw = raw_produce(services.kafka_bootstrap, topic, args.messages)
+                line = [f"round {n}: raw kafka-python {raw:,.0f} msg/s"]
+                for side, path in packages.items():
+                    rate = relay_throughput(services, engine, side_env(path, services.env()),
+                                            1, args.messages, client=args.client,
+                                            tag=f"{side}{n}")
+                    ratios[side].append(rate / raw)
+                    line.append(f"{side} {rate:,.0f} msg/s ({rate / raw:.2f}x)")
+                say(", ".join(line))
+        for side, revision in sides.items():
+            say(f"{side} ({revision}): median {statistics.median(ratios[side]):.2f}x raw over "
+                f"{len(ratios[side])} rounds")
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
