@@ -12,13 +12,9 @@ round's raw rate; then the medians. Prints only.
 
 from __future__ import annotations
 
-import argparse
-import shutil
 import statistics
-import tempfile
-from pathlib import Path
 
-from latency_ab import package, side_env
+from latency_ab import ab_parser, packaged, side_env
 from relay_bench import raw_produce, relay_throughput, say
 from soak import fresh_services
 
@@ -26,37 +22,26 @@ from outbox.dev.topics import create_topic
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("old")
-    parser.add_argument("new")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser = ab_parser(__doc__, rounds=3)
     parser.add_argument("--messages", type=int, default=50_000)
-    parser.add_argument("--client", choices=("kafka-python", "confluent"),
-                        default="kafka-python")
     args = parser.parse_args()
     sides = {"old": args.old, "new": args.new}
-    folder = Path(tempfile.mkdtemp(prefix="outbox-drain-ab-"))
-    try:
-        packages = {side: package(revision, folder / side) for side, revision in sides.items()}
-        ratios: dict[str, list[float]] = {"old": [], "new": []}
-        with fresh_services(pool_size=10) as (services, engine):
-            for n in range(1, args.rounds + 1):
-                topic = f"drain-ab-raw-{n}"
-                create_topic(services.kafka_bootstrap, topic, partitions=6)
-                raw = raw_produce(services.kafka_bootstrap, topic, args.messages)
-                line = [f"round {n}: raw kafka-python {raw:,.0f} msg/s"]
-                for side, path in packages.items():
-                    rate = relay_throughput(services, engine, side_env(path, services.env()),
-                                            1, args.messages, client=args.client,
-                                            tag=f"{side}{n}")
-                    ratios[side].append(rate / raw)
-                    line.append(f"{side} {rate:,.0f} msg/s ({rate / raw:.2f}x)")
-                say(", ".join(line))
-        for side, revision in sides.items():
-            say(f"{side} ({revision}): median {statistics.median(ratios[side]):.2f}x raw over "
-                f"{len(ratios[side])} rounds")
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    ratios: dict[str, list[float]] = {"old": [], "new": []}
+    with packaged(sides) as packages, fresh_services(pool_size=10) as (services, engine):
+        for n in range(1, args.rounds + 1):
+            topic = f"drain-ab-raw-{n}"
+            create_topic(services.kafka_bootstrap, topic, partitions=6)
+            raw = raw_produce(services.kafka_bootstrap, topic, args.messages)
+            line = [f"round {n}: raw kafka-python {raw:,.0f} msg/s"]
+            for side, path in packages.items():
+                rate = relay_throughput(services, engine, side_env(path, services.env()), 1,
+                                        args.messages, client=args.client, tag=f"{side}{n}")
+                ratios[side].append(rate / raw)
+                line.append(f"{side} {rate:,.0f} msg/s ({rate / raw:.2f}x)")
+            say(", ".join(line))
+    for side, revision in sides.items():
+        say(f"{side} ({revision}): median {statistics.median(ratios[side]):.2f}x raw over "
+            f"{len(ratios[side])} rounds")
 
 
 if __name__ == "__main__":

@@ -18,12 +18,14 @@ none. Prints only.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from relay_bench import say
@@ -66,38 +68,49 @@ def side_env(path: Path, extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def ab_parser(doc: str, rounds: int) -> argparse.ArgumentParser:
+    """The arguments both A/B scripts take: two revisions, rounds, the relay's transport."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("old")
     parser.add_argument("new")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--seconds", type=float, default=60.0, help="of publishing, a round")
-    parser.add_argument("--rate", type=int, default=1000)
+    parser.add_argument("--rounds", type=int, default=rounds)
     parser.add_argument("--client", choices=("kafka-python", "confluent"),
                         default="kafka-python")
-    args = parser.parse_args()
-    sides = {"old": args.old, "new": args.new}
-    folder = Path(tempfile.mkdtemp(prefix="outbox-latency-ab-"))
+    return parser
+
+
+@contextlib.contextmanager
+def packaged(sides: dict[str, str]) -> Iterator[dict[str, Path]]:
+    """Each side's revision as a package (:func:`package`) in a folder removed after."""
+    folder = Path(tempfile.mkdtemp(prefix="outbox-ab-"))
     try:
-        packages = {side: package(revision, folder / side) for side, revision in sides.items()}
-        rounds: dict[str, list[LatencyMinute]] = {"old": [], "new": []}
-        with fresh_services(pool_size=10) as (services, engine):
-            for n in range(1, args.rounds + 1):
-                for side, path in packages.items():
-                    env = side_env(path, {**services.env(), "OUTBOX_KAFKA_CLIENT": args.client})
-                    result = latency_soak(services, engine, env, args.rate, args.seconds / 60,
-                                          tag=f"_{side}_{n}")[0]
-                    rounds[side].append(result)
-                    say(f"round {n} {side:3}: p50 {result.p50:6.2f} ms  p99 {result.p99:6.2f} "
-                        f"ms  max {result.worst:7.1f} ms  (slowest disk flush "
-                        f"{result.slowest_fsync:.1f} ms)")
-        for side, revision in sides.items():
-            say(f"{side} ({revision}): median p50 "
-                f"{statistics.median(r.p50 for r in rounds[side]):.2f} ms, median p99 "
-                f"{statistics.median(r.p99 for r in rounds[side]):.2f} ms over "
-                f"{len(rounds[side])} rounds")
+        yield {side: package(revision, folder / side) for side, revision in sides.items()}
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def main() -> None:
+    parser = ab_parser(__doc__, rounds=5)
+    parser.add_argument("--seconds", type=float, default=60.0, help="of publishing, a round")
+    parser.add_argument("--rate", type=int, default=1000)
+    args = parser.parse_args()
+    sides = {"old": args.old, "new": args.new}
+    rounds: dict[str, list[LatencyMinute]] = {"old": [], "new": []}
+    with packaged(sides) as packages, fresh_services(pool_size=10) as (services, engine):
+        for n in range(1, args.rounds + 1):
+            for side, path in packages.items():
+                env = side_env(path, {**services.env(), "OUTBOX_KAFKA_CLIENT": args.client})
+                result = latency_soak(services, engine, env, args.rate, args.seconds / 60,
+                                      tag=f"_{side}_{n}")[0]
+                rounds[side].append(result)
+                say(f"round {n} {side:3}: p50 {result.p50:6.2f} ms  p99 {result.p99:6.2f} "
+                    f"ms  max {result.worst:7.1f} ms  (slowest disk flush "
+                    f"{result.slowest_fsync:.1f} ms)")
+    for side, revision in sides.items():
+        say(f"{side} ({revision}): median p50 "
+            f"{statistics.median(r.p50 for r in rounds[side]):.2f} ms, median p99 "
+            f"{statistics.median(r.p99 for r in rounds[side]):.2f} ms over "
+            f"{len(rounds[side])} rounds")
 
 
 if __name__ == "__main__":
