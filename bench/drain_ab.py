@@ -3,18 +3,19 @@
     python bench/drain_ab.py OLD NEW [--rounds 3] [--messages 50000] [--client kafka-python]
 
 OLD and NEW are git revisions, or ``WORKTREE``, packaged as bench/latency_ab.py does (each
-side's relay imports its own package, its schema migrated by its own code). Each round, one
-relay of each side drains ``--messages`` committed 1 KiB rows (relay_bench.relay_throughput),
-and raw kafka-python produce of as many records measures the machine that round, so a round
-on a slower minute reads as one. Printed per round: each side's rate and its ratio to that
-round's raw rate; then the medians. Prints only.
+side's relay imports its own package, its schema migrated by its own code). Each round (the
+sides in turn, as latency_ab.in_turn orders them), one relay of each side drains
+``--messages`` committed 1 KiB rows (relay_bench.relay_throughput), and raw kafka-python
+produce of as many records measures the machine that round, so a round on a slower minute
+reads as one. Printed per round: each side's rate and its ratio to that round's raw rate;
+then the medians. Prints only.
 """
 
 from __future__ import annotations
 
 import statistics
 
-from latency_ab import ab_parser, packaged, side_env
+from latency_ab import ab_parser, in_turn, packaged, side_env
 from relay_bench import raw_produce, relay_throughput, say
 from soak import fresh_services
 
@@ -33,7 +34,7 @@ def main() -> None:
             create_topic(services.kafka_bootstrap, topic, partitions=6)
             raw = raw_produce(services.kafka_bootstrap, topic, args.messages)
             line = [f"round {n}: raw kafka-python {raw:,.0f} msg/s"]
-            for side, path in packages.items():
+            for side, path in in_turn(packages, n):
                 rate = relay_throughput(services, engine, side_env(path, services.env()), 1,
                                         args.messages, client=args.client, tag=f"{side}{n}")
                 ratios[side].append(rate / raw)

@@ -5,7 +5,8 @@
 
 OLD and NEW are git revisions of this repository (``HEAD``, a commit, a branch; ``WORKTREE``
 for the files as they are). Each is unpacked into a package of its own; then, round after
-round, a relay of each (``PYTHONPATH`` to its package) delivers what soak.py's publishers
+round (old first in odd rounds, new first in even ones), a relay of each (``PYTHONPATH`` to
+its package) delivers what soak.py's publishers
 commit at ``--rate`` for ``--seconds``, in a schema and topic of its own, on one pair of
 fresh durable services; each side's schema is migrated by its own code. The publishers are
 this checkout's (the two revisions must accept its publish statement). Printed per round:
@@ -89,6 +90,15 @@ def packaged(sides: dict[str, str]) -> Iterator[dict[str, Path]]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def in_turn(packages: dict[str, Path], n: int) -> list[tuple[str, Path]]:
+    """The sides in round ``n``'s order: old first in odd rounds, new first in even ones, so
+    whatever the first run of a round leaves behind (dead rows, a warmer cache) falls on
+    each side alike. (Draining the same code on both sides, the second of round 1 ran at
+    0.70-0.72x raw against 0.79-0.83x for the first, BENCHMARKS.md "Latency, session 21".)"""
+    sides = list(packages.items())
+    return sides if n % 2 else sides[::-1]
+
+
 def main() -> None:
     parser = ab_parser(__doc__, rounds=5)
     parser.add_argument("--seconds", type=float, default=60.0, help="of publishing, a round")
@@ -98,7 +108,7 @@ def main() -> None:
     rounds: dict[str, list[LatencyMinute]] = {"old": [], "new": []}
     with packaged(sides) as packages, fresh_services(pool_size=10) as (services, engine):
         for n in range(1, args.rounds + 1):
-            for side, path in packages.items():
+            for side, path in in_turn(packages, n):
                 env = side_env(path, {**services.env(), "OUTBOX_KAFKA_CLIENT": args.client})
                 result = latency_soak(services, engine, env, args.rate, args.seconds / 60,
                                       tag=f"_{side}_{n}")[0]

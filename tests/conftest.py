@@ -215,9 +215,9 @@ def wait_delivered(engine: Engine, schema: str, expected: int, timeout: float = 
 
 def delivered_to(engine: Engine, schema: str, bootstrap: str, topic: str) -> dict[int, Record]:
     """The records of ``topic`` that ``schema``'s relays delivered, by message id: those at
-    the partitions and offsets its op records hold. Tests of the example services share
-    topics ("orders") and each schema numbers its messages from 1, so a message id alone
-    may name another test's record."""
+    the partitions and offsets its op records hold, carrying the id those name. Tests of the
+    example services share topics ("orders") and each schema numbers its messages from 1,
+    so a message id alone may name another test's record."""
     with engine.connect() as conn:
         landed = {(partition, offset): message_id for message_id, partition, offset in
                   conn.execute(text(
@@ -225,8 +225,8 @@ def delivered_to(engine: Engine, schema: str, bootstrap: str, topic: str) -> dic
                       f"FROM {schema}.op_record AS o JOIN {schema}.message AS m "
                       f"ON m.id = o.message_id WHERE o.action = 'DELIVERED' AND m.topic = :t"),
                       {"t": topic})}
-    return {landed[(r.partition, r.offset)]: r for r in read_topic(bootstrap, topic)
-            if (r.partition, r.offset) in landed}
+    return {r.message_id: r for r in read_topic(bootstrap, topic)
+            if r.message_id is not None and landed.get((r.partition, r.offset)) == r.message_id}
 
 
 def publish_orders(engine: Engine, outbox: Outbox, topic: str, orders: list[tuple[str, int]],
