@@ -8,7 +8,9 @@ sides in turn, as latency_ab.in_turn orders them), one relay of each side drains
 ``--messages`` committed 1 KiB rows (relay_bench.relay_throughput), and raw kafka-python
 produce of as many records measures the machine that round, so a round on a slower minute
 reads as one. Printed per round: each side's rate and its ratio to that round's raw rate;
-then the medians. Prints only.
+then the medians. A warm-up drain by each side comes first, not counted: without it the
+second run of round 1 was the slowest every time (BENCHMARKS.md, "Latency, session 21").
+Prints only.
 """
 
 from __future__ import annotations
@@ -29,6 +31,10 @@ def main() -> None:
     sides = {"old": args.old, "new": args.new}
     ratios: dict[str, list[float]] = {"old": [], "new": []}
     with packaged(sides) as packages, fresh_services(pool_size=10) as (services, engine):
+        for side, path in packages.items():  # a first run of each is slower: not counted
+            rate = relay_throughput(services, engine, side_env(path, services.env()), 1,
+                                    args.messages, client=args.client, tag=f"{side}0")
+            say(f"warm-up {side}: {rate:,.0f} msg/s (not counted)")
         for n in range(1, args.rounds + 1):
             topic = f"drain-ab-raw-{n}"
             create_topic(services.kafka_bootstrap, topic, partitions=6)
