@@ -16,6 +16,7 @@ Prints only.
 from __future__ import annotations
 
 import statistics
+from pathlib import Path
 
 from latency_ab import ab_parser, in_turn, packaged, side_env
 from relay_bench import raw_produce, relay_throughput, say
@@ -31,18 +32,20 @@ def main() -> None:
     sides = {"old": args.old, "new": args.new}
     ratios: dict[str, list[float]] = {"old": [], "new": []}
     with packaged(sides) as packages, fresh_services(pool_size=10) as (services, engine):
+
+        def drain(path: Path, tag: str) -> float:
+            return relay_throughput(services, engine, side_env(path, services.env()), 1,
+                                    args.messages, client=args.client, tag=tag)
+
         for side, path in packages.items():  # a first run of each is slower: not counted
-            rate = relay_throughput(services, engine, side_env(path, services.env()), 1,
-                                    args.messages, client=args.client, tag=f"{side}0")
-            say(f"warm-up {side}: {rate:,.0f} msg/s (not counted)")
+            say(f"warm-up {side}: {drain(path, f'{side}0'):,.0f} msg/s (not counted)")
         for n in range(1, args.rounds + 1):
             topic = f"drain-ab-raw-{n}"
             create_topic(services.kafka_bootstrap, topic, partitions=6)
             raw = raw_produce(services.kafka_bootstrap, topic, args.messages)
             line = [f"round {n}: raw kafka-python {raw:,.0f} msg/s"]
             for side, path in in_turn(packages, n):
-                rate = relay_throughput(services, engine, side_env(path, services.env()), 1,
-                                        args.messages, client=args.client, tag=f"{side}{n}")
+                rate = drain(path, f"{side}{n}")
                 ratios[side].append(rate / raw)
                 line.append(f"{side} {rate:,.0f} msg/s ({rate / raw:.2f}x)")
             say(", ".join(line))
