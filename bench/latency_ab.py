@@ -1,14 +1,14 @@
 """A latency A/B of two revisions of the relay, alternated on one pair of services.
 
     python bench/latency_ab.py OLD NEW [--rounds 5] [--seconds 60] [--rate 1000]
-                               [--client kafka-python]
+                               [--client kafka-python] [--load pgbench]
 
 OLD and NEW are git revisions of this repository (``HEAD``, a commit, a branch; ``WORKTREE``
 for the files as they are). Each is unpacked into a package of its own; then, round after
 round (old first in odd rounds, new first in even ones), a relay of each (``PYTHONPATH`` to
-its package) delivers what soak.py's publishers
-commit at ``--rate`` for ``--seconds``, in a schema and topic of its own, on one pair of
-fresh durable services; each side's schema is migrated by its own code. The publishers are
+its package) delivers what soak.py's publishers (``--load``) commit at ``--rate`` for
+``--seconds``, in a schema and topic of its own, on one pair of fresh durable services;
+each side's schema is migrated by its own code. The publishers are
 this checkout's (the two revisions must accept its publish statement). Printed per round:
 p50, p99 and max of commit → recorded ack; then the medians of each side. On 2 shared cores
 one revision's rounds spread over several milliseconds (BENCHMARKS.md, "Latency, session
@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from relay_bench import say
-from soak import LatencyMinute, fresh_services, latency_soak
+from soak import LatencyMinute, add_load_argument, fresh_services, latency_soak
 
 REPO = Path(__file__).resolve().parent.parent
 #: Top-level folders installed as subpackages of ``outbox`` (pyproject.toml's package-dir).
@@ -103,6 +103,7 @@ def main() -> None:
     parser = ab_parser(__doc__, rounds=5)
     parser.add_argument("--seconds", type=float, default=60.0, help="of publishing, a round")
     parser.add_argument("--rate", type=int, default=1000)
+    add_load_argument(parser)
     args = parser.parse_args()
     sides = {"old": args.old, "new": args.new}
     rounds: dict[str, list[LatencyMinute]] = {"old": [], "new": []}
@@ -111,7 +112,7 @@ def main() -> None:
             for side, path in in_turn(packages, n):
                 env = side_env(path, {**services.env(), "OUTBOX_KAFKA_CLIENT": args.client})
                 result = latency_soak(services, engine, env, args.rate, args.seconds / 60,
-                                      tag=f"_{side}_{n}")[0]
+                                      tag=f"_{side}_{n}", load=args.load)[0]
                 rounds[side].append(result)
                 say(f"round {n} {side:3}: p50 {result.p50:6.2f} ms  p99 {result.p99:6.2f} "
                     f"ms  max {result.worst:7.1f} ms  (slowest disk flush "

@@ -40,6 +40,7 @@ from outbox.settings import sqlalchemy_url
 
 SCHEMA = "bench_publish_cost"
 BUSINESS = text("INSERT INTO bench_orders (customer, total) VALUES (:c, 10.5)")
+ORDER = {"customer": "c"}  # the published payload
 
 
 MODES = {"bare": "business INSERT alone", "awake": "+ publish, relays awake",
@@ -124,29 +125,34 @@ def asleep_if(mode: str, database_url: str) -> contextlib.AbstractContextManager
 
 
 def pgbench_script(schema: str, publish: bool, notify_always: bool = False,
-                   inserts: int = 1) -> str:
+                   inserts: int = 1, keys: int = 100_000, by_client: bool = False) -> str:
     """The business INSERT transaction for pgbench, with the publish statement's own text
     when ``publish``: its varying parameters become pgbench variables, NULLs are written in,
     the rest are set once with -D (:func:`pgbench_defines`). ``notify_always``: every commit
     notifies, as before relays slept on shards (the comparison's baseline). ``inserts``: the
     business INSERT that many times (2: the cost of any one more row, the floor a publish
-    that writes a row can reach)."""
+    that writes a row can reach; 0: the publish alone). ``keys``: how many keys the messages
+    are spread over. ``by_client``: each message's producer group is its pgbench client's id
+    (soak.py matches messages with pgbench's log of commits by it)."""
     statements = [BUSINESS.text.replace(":c", "'c'")] * inserts
     if publish:
         sql = "\n".join(line for line in store.query("publish", schema).text.splitlines()
                         if not line.lstrip().startswith("--")).rstrip(";")
         swapped = {"key": ":n", "lock_key": ":n", "header_keys": "NULL", "header_values": "NULL",
                    "deliver_at": "NULL", "check_after_seconds": "NULL"}  # the statement casts
+        if by_client:
+            swapped["producer_group"] = ":client_id"
         sql = re.sub(r"(?<!:):(\w+)", lambda m: swapped.get(m[1], m[0]), sql)
         statements.append(sql)
         if notify_always:
             statements.append("SELECT pg_notify(:channel, '')")
-    return ("\\set n random(1, 100000)\n\\set shard random(0, 63)\nBEGIN;\n"
+    return (f"\\set n random(1, {keys})\n\\set shard random(0, 63)\nBEGIN;\n"
             + "".join(f"{statement};\n" for statement in statements) + "COMMIT;\n")
 
 
-def pgbench_defines(schema: str) -> list[str]:
-    message = encode("orders", {"customer": "c"}, key="k", headers=None, content_type=None,
+def pgbench_defines(schema: str, topic: str = "orders",
+                    payload: object = ORDER) -> list[str]:
+    message = encode(topic, payload, key="k", headers=None, content_type=None,
                      max_payload_bytes=1 << 20, random_shard=0)
     _, params = store.publish(schema, message)
     fixed = {name: value for name, value in params.items()

@@ -6,8 +6,11 @@
     python bench/soak.py --curve 100,300,600,1000 [--curve-seconds 60] [--client confluent]
 
 1. Latency: applications publish ``--rate`` messages a second (one per transaction, 4
-   threads, durable commits) for ``--minutes``; one `outbox relay` (``--client`` transport)
-   delivers them. Printed per minute: p50, p99 and max of commit → recorded ack: the op
+   pgbench clients, or with ``--load python`` 4 Python threads through ``Outbox.publish``;
+   durable commits) for ``--minutes``; one `outbox relay` (``--client`` transport) delivers
+   them. pgbench's C clients leave the 2 cores to the outbox, as applications on machines
+   of their own would; the Python threads took about 0.8 of a core (BENCHMARKS.md, "Latency,
+   session 22"). Printed per minute: p50, p99 and max of commit → recorded ack: the op
    record's time (taken after Kafka acknowledged) minus the moment the application's COMMIT
    returned (one clock: the machine's). For comparison, p50 from the transaction's start
    (the prepare row's created_at) to the op record, which also counts the publishing
@@ -36,6 +39,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -44,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from confluent_kafka import Producer
+from publish_bench import pgbench_defines, pgbench_script
 from relay_bench import (
     KEYS,
     PAYLOAD,
@@ -173,11 +178,54 @@ def publish_at_rate(engine: Engine, outbox: Outbox, topic: str, rate: int, secon
     return [pair for slot in committed for pair in slot]
 
 
+LOADS = {"pgbench": "4 pgbench clients", "python": "4 Python threads"}
+
+
+def add_load_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--load", choices=tuple(LOADS), default="pgbench",
+                        help="who publishes in the latency run: pgbench's C clients (next to "
+                             "no CPU, as applications on other machines), or Python threads "
+                             "through Outbox.publish on these same cores")
+
+
+def pgbench_at_rate(services: devservices.Services, engine: Engine, schema: str, topic: str,
+                    rate: int, seconds: float, clients: int = 4) -> list[tuple[int, float]]:
+    """As :func:`publish_at_rate`, from pgbench's ``clients`` instead of Python threads: C
+    clients that leave the 2 cores to the outbox, as applications on machines of their own
+    would. The moments COMMIT returned are pgbench's log of transactions, each client's in
+    order, matched with that client's messages (its id is their producer group) in id order."""
+    script = pgbench_script(schema, publish=True, inserts=0, keys=KEYS, by_client=True)
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder, "publish.sql")
+        path.write_text(script)
+        command = [os.path.join(services.pg_bindir, "pgbench"), "-n", "-M", "prepared",
+                   "-c", str(clients), "-j", "1", "-R", str(rate), "-T", f"{seconds:g}",
+                   "-f", str(path), "--log", f"--log-prefix={folder}/commits",
+                   *pgbench_defines(schema, topic, PAYLOAD), services.database_url]
+        subprocess.run(command, capture_output=True, text=True, check=True)
+        ends: dict[str, list[float]] = {}
+        for log in Path(folder).glob("commits.*"):
+            for line in log.read_text().splitlines():
+                client, _, latency, _, seconds_part, micros = line.split()[:6]
+                if latency.isdigit():  # not "skipped" or "failed"
+                    ends.setdefault(client, []).append(int(seconds_part) + int(micros) / 1e6)
+    with engine.connect() as conn:
+        rows = conn.execute(text(f"SELECT id, producer_group FROM {schema}.message "
+                                 "ORDER BY id")).all()
+    ids: dict[str, list[int]] = {}
+    for message_id, client in rows:
+        ids.setdefault(client, []).append(message_id)
+    assert ids.keys() == ends.keys(), (sorted(ids), sorted(ends))
+    return [pair for client, times in ends.items()
+            for pair in zip(ids[client], times, strict=True)]
+
+
 def latency_soak(services: devservices.Services, engine: Engine, env: dict[str, str],
-                 rate: int, minutes: float, threads: int = 4, tag: str = ""
-                 ) -> list[LatencyMinute]:
+                 rate: int, minutes: float, threads: int = 4, tag: str = "",
+                 load: str = "pgbench") -> list[LatencyMinute]:
     """Commit → recorded ack per minute for one relay (``env``'s) at ``rate`` messages a
-    second (``tag`` keeps repeated runs in schemas and topics of their own)."""
+    second (``tag`` keeps repeated runs in schemas and topics of their own), published by
+    ``threads`` Python threads or (``load`` "pgbench") as many pgbench clients."""
     schema, topic = f"soak_latency_{rate}{tag}", f"soak-latency-{rate}{tag}".replace("_", "-")
     # Migrated by the relay's own code (an A/B's older revision may have fewer revisions).
     subprocess.run([sys.executable, "-m", "outbox", "--schema", schema, "db", "upgrade"],
@@ -190,7 +238,11 @@ def latency_soak(services: devservices.Services, engine: Engine, env: dict[str, 
         started_at = conn.execute(text("SELECT now()")).scalar_one()
     try:
         with disk_stalls(services.root) as flushes:
-            committed = publish_at_rate(engine, outbox, topic, rate, minutes * 60, threads)
+            if load == "pgbench":
+                committed = pgbench_at_rate(services, engine, schema, topic, rate,
+                                            minutes * 60, threads)
+            else:
+                committed = publish_at_rate(engine, outbox, topic, rate, minutes * 60, threads)
         deadline = time.monotonic() + 60
         while delivered(engine, schema) < len(committed) and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -278,7 +330,8 @@ def latency_curve(services: devservices.Services, engine: Engine, env: dict[str,
     """At each rate: the relay's commit → recorded ack, then the dual write's commit → ack."""
     points = []
     for rate in rates:
-        outbox = latency_soak(services, engine, env, rate, seconds / 60)[0]
+        # Python publishers for both: the dual write's must be, to produce after COMMIT.
+        outbox = latency_soak(services, engine, env, rate, seconds / 60, load="python")[0]
         cuts = statistics.quantiles(direct_latency(services, engine, rate, seconds), n=100)
         points.append(CurvePoint(rate, outbox, (cuts[49], cuts[98])))
         say(f"   {rate:5,} msg/s: outbox p50 {outbox.p50:5.1f} ms, p99 {outbox.p99:5.1f} ms; "
@@ -490,6 +543,7 @@ def main() -> None:
                         help="only the latency run (implies --no-write)")
     parser.add_argument("--retention-only", action="store_true",
                         help="only the retention run (it has its own block in BENCHMARKS.md)")
+    add_load_argument(parser)
     parser.add_argument("--client", choices=("kafka-python", "confluent"),
                         default="kafka-python", help="the relay's Kafka transport")
     parser.add_argument("--fraction", type=float, default=0.7,
@@ -522,7 +576,8 @@ def main() -> None:
         minutes = []
         if not args.retention_only:
             say(f"1. commit → ack at {args.rate:,} msg/s for {args.minutes:g} minutes")
-            minutes = latency_soak(services, engine, env, args.rate, args.minutes)
+            minutes = latency_soak(services, engine, env, args.rate, args.minutes,
+                                   load=args.load)
             for m in minutes:
                 say(f"   minute {m.minute:2}: {m.messages:6,} messages, p50 {m.p50:6.1f} ms, "
                     f"p99 {m.p99:6.1f} ms, max {m.worst:7.1f} ms (p50 from the transaction's "
@@ -589,8 +644,8 @@ def main() -> None:
         f"embedded PostgreSQL and Tansu, 1 relay ({args.client} transport), 1 KiB payloads, "
         f"1,000 keys, {PARTITIONS} partitions.",
         "",
-        f"Commit → recorded ack at {args.rate:,} msg/s (4 publishing threads, one message per "
-        f"transaction): target p50 ≤ 5 ms and p99 ≤ 25 ms in every minute — "
+        f"Commit → recorded ack at {args.rate:,} msg/s ({LOADS[args.load]} publishing, one "
+        f"message per transaction): target p50 ≤ 5 ms and p99 ≤ 25 ms in every minute — "
         f"**{'met' if latency_ok else 'not met'}**.",
         "",
         "| minute | messages | p50 | p99 | max | p50 from the transaction's start "
