@@ -126,6 +126,12 @@ class Deliverable(NamedTuple):
 #: What :func:`engine` sets on each new connection, and on the relay's hot ones.
 SESSION_SETTINGS = {"jit": "off", "plan_cache_mode": "force_custom_plan"}
 DELIVERY_SETTINGS = {**SESSION_SETTINGS, "enable_sort": "off"}
+#: The relay's fetching connection: the first step of the fetch, planned once (see
+#: :func:`fetch_deliverable`).
+FETCHING_SETTINGS = {**DELIVERY_SETTINGS, "plan_cache_mode": "force_generic_plan"}
+#: At most this many ids in flight for the fetch's plan made once: it compares each row it
+#: walks with each of them, where a plan for the ids hashes them.
+PLANNED_ONCE_IN_FLIGHT = 64
 RECORDING_SETTINGS = {**SESSION_SETTINGS, "enable_seqscan": "off",
                       "plan_cache_mode": "force_generic_plan"}
 
@@ -183,14 +189,24 @@ def fetch_deliverable(
     in_flight: Sequence[int] = (),
     max_bytes: int = RELAY_BATCH_BYTES,
     held: Iterable[str] = (),
+    fetching: Connection | None = None,
 ) -> list[Deliverable]:
     """The relay's next batch: at most ``limit`` rows and ``max_bytes`` of payload (at least
     one row). Two statements, the ids then their messages (queries.sql says why). Runs on
     the driver with binary results: payloads arrive as raw bytes instead of hex text, which
-    more than halves the cost of the hot fetch."""
+    more than halves the cost of the hot fetch.
+
+    With at most :data:`PLANNED_ONCE_IN_FLIGHT` ids in flight, the ids are chosen on
+    ``fetching`` (:data:`FETCHING_SETTINGS`), which plans that statement once: planned for
+    every batch, a trickle's fetches (2-3 rows each) spent more server time planning than
+    running, and the relay's p50 commit → ack was 1.5-2.8 ms higher (BENCHMARKS.md,
+    "Latency, session 22"). More ids in flight are compared row by row in a plan made once,
+    so they go to ``conn``, which plans for them (a hashed list)."""
     params = {"shards": int_array(shards), "limit": limit, "in_flight": int_array(in_flight),
               "held": list(held)}
-    ids = [row[0] for row in _driver_rows(conn, "fetch_deliverable", schema, params)]
+    few = fetching is not None and len(in_flight) <= PLANNED_ONCE_IN_FLIGHT
+    ids = [row[0] for row in _driver_rows(fetching if few and fetching else conn,
+                                          "fetch_deliverable", schema, params)]
     if not ids:
         return []
     params = {"ids": int_array(ids), "low": ids[0], "high": ids[-1], "max_bytes": max_bytes}

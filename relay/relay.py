@@ -99,6 +99,10 @@ class Relay:
         self._engine: Engine = store.engine(
             settings.sqlalchemy_url, settings=store.DELIVERY_SETTINGS, pool_size=2,
             max_overflow=0, pool_pre_ping=True)
+        #: the fetch's first step, planned once, while few rows are in flight
+        self._fetching_engine: Engine = store.engine(
+            settings.sqlalchemy_url, settings=store.FETCHING_SETTINGS, pool_size=1,
+            max_overflow=0, pool_pre_ping=True)
         self._leases = Leases(self.schema, self.worker_id, settings.relay_lease_seconds)
         self._keeper = LeaseKeeper(settings, self._leases, in_flight=self.in_flight)
         self._identity = WorkerIdentity(settings)
@@ -153,6 +157,7 @@ class Relay:
             self._leave()
             self._producer.close(timeout=0 if self.lifecycle.abandon.is_set() else 10)
             self._engine.dispose()
+            self._fetching_engine.dispose()
             log.info("relay %s stopped after delivering %d messages", self.worker_id,
                      self.delivered)
 
@@ -187,8 +192,9 @@ class Relay:
         recorder = self._recorder = Recorder(self.settings, self._await_acks, self._settle)
         recorder.start()
         try:
-            with _autocommit(self._engine) as conn:
-                self._loop(conn, transport, wakeup, recorder)
+            with _autocommit(self._engine) as conn, \
+                    _autocommit(self._fetching_engine) as fetching:
+                self._loop(conn, fetching, transport, wakeup, recorder)
                 recorder.drain()
                 recorder.raise_failure()
         except BaseException:
@@ -198,8 +204,8 @@ class Relay:
             recorder.close()
             wakeup.close()
 
-    def _loop(self, conn: Connection, transport: Transport, wakeup: Wakeup,
-              recorder: Recorder) -> None:
+    def _loop(self, conn: Connection, fetching: Connection, transport: Transport,
+              wakeup: Wakeup, recorder: Recorder) -> None:
         limit, batch_bytes = self.settings.relay_batch_size, self.settings.relay_batch_bytes
         poll = self.settings.relay_poll_interval
         promote_at = 0.0  # monotonic time of the next look for due delayed rows
@@ -228,7 +234,7 @@ class Relay:
                         promote_at = time.monotonic() + min(poll, next_due_in or poll)
                     batch = store.fetch_deliverable(
                         conn, self.schema, shards, limit, in_flight=recorder.in_flight_ids(),
-                        max_bytes=batch_bytes, held=self._holds.topics)
+                        max_bytes=batch_bytes, held=self._holds.topics, fetching=fetching)
                 saw_all = len(batch) < limit and _payload_bytes(batch) < batch_bytes
                 batch = self._holds.admit(conn, shards, batch)
             if woken:

@@ -106,6 +106,25 @@ def test_the_fetch_reads_its_batch_whatever_the_statistics_say_of_the_backlog(
     assert rows_read(promote, "pending") == 0, promote  # none is DELAYED
 
 
+def test_the_fetch_planned_once_walks_to_its_limit_whatever_the_statistics_say(
+        services: devservices.Services, engine: Engine, schema: str, topic: str) -> None:
+    """With few rows in flight the relay plans the fetch once, for no parameters in
+    particular (store.FETCHING_SETTINGS): on the same snapshot that plan must still walk
+    the queue's index to its LIMIT, past the rows in flight, and never sort the backlog."""
+    queued = stale_queue(engine, schema, topic)
+    in_flight = queued[:store.PLANNED_ONCE_IN_FLIGHT]
+    params = {"shards": store.int_array(range(SHARDS)), "limit": 100,
+              "in_flight": store.int_array(in_flight), "held": []}
+    fetching = store.engine(sqlalchemy_url(services.database_url),
+                            settings=store.FETCHING_SETTINGS, poolclass=NullPool)
+    try:
+        plan, generic = explained_prepared(fetching, schema, "fetch_deliverable", params)
+    finally:
+        fetching.dispose()
+    assert generic
+    assert rows_read(plan, "pending") <= 2 * 100 + len(in_flight), plan
+
+
 def recording(acked: list[int]) -> dict[str, dict[str, Any]]:
     """The recorder's two statements, by name, with the parameters that close ``acked``."""
     return {
@@ -181,17 +200,25 @@ def test_the_outbox_processes_run_without_jit_and_with_custom_plans(
 
 
 def test_the_relay_plans_its_hot_statements_for_a_queue(settings: Settings) -> None:
-    """Its delivery and recording connections carry the settings the two tests above use."""
+    """Its delivery, fetching and recording connections carry the settings the tests above
+    use."""
     relay = Relay(settings)
     recorder = Recorder(settings, lambda _: None, lambda *_: None)
     try:
-        with relay._engine.connect() as delivery, recorder.engine.connect() as recording:
+        with relay._engine.connect() as delivery, recorder.engine.connect() as recording, \
+                relay._fetching_engine.connect() as fetching:
             assert delivery.execute(text("SHOW enable_sort")).scalar_one() == "off"
+            assert delivery.execute(text("SHOW plan_cache_mode")).scalar_one() == \
+                "force_custom_plan"
+            assert fetching.execute(text("SHOW enable_sort")).scalar_one() == "off"
+            assert fetching.execute(text("SHOW plan_cache_mode")).scalar_one() == \
+                "force_generic_plan"
             assert recording.execute(text("SHOW enable_seqscan")).scalar_one() == "off"
             assert recording.execute(text("SHOW plan_cache_mode")).scalar_one() == \
                 "force_generic_plan"
     finally:
         relay._engine.dispose()
+        relay._fetching_engine.dispose()
         recorder.engine.dispose()
 
 
@@ -222,6 +249,45 @@ def test_the_fetch_is_planned_for_its_parameters_however_often_it_runs(
         made.dispose()
     assert len(plans) == 1, plans
     assert plans[0].generic_plans == 0 and plans[0].custom_plans >= 10, plans[0]
+
+
+def fetch_plans(conn: Any, schema: str) -> Any:
+    return conn.execute(text(
+        "SELECT generic_plans, custom_plans FROM pg_prepared_statements "
+        "WHERE statement LIKE :fetch"), {"fetch": f"%FROM {schema}.pending AS p%"}).one()
+
+
+def test_the_fetch_is_planned_once_while_few_rows_are_in_flight_and_then_for_its_ids(
+        services: devservices.Services, engine: Engine, outbox: Outbox, schema: str,
+        topic: str) -> None:
+    """A trickle's fetches (2-3 rows) spent more server time planning than running: with at
+    most store.PLANNED_ONCE_IN_FLIGHT ids in flight the fetch runs on the relay's fetching
+    connection, which plans it once. Past that the plan made once would compare every row
+    it walks with every id in flight, so the fetch goes back to the connection that plans
+    for the ids."""
+    with Session(engine) as session, session.begin():
+        published = [outbox.publish(session, topic, b"x", key=f"k{i % 50}") for i in range(400)]
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(text(f"ANALYZE {schema}.message, {schema}.pending"))
+    url = sqlalchemy_url(services.database_url)
+    delivery = store.engine(url, settings=store.DELIVERY_SETTINGS, poolclass=NullPool)
+    fetching = store.engine(url, settings=store.FETCHING_SETTINGS, poolclass=NullPool)
+    try:
+        with delivery.connect() as conn, fetching.connect() as planned_once:
+            in_flight: list[int] = []
+            while len(in_flight) < 200:
+                batch = store.fetch_deliverable(conn, schema, range(SHARDS), 5,
+                                                in_flight=in_flight, fetching=planned_once)
+                assert len(batch) == 5, "the backlog lasts every fetch"
+                in_flight += [row.id for row in batch]
+            once, per_call = fetch_plans(planned_once, schema), fetch_plans(conn, schema)
+    finally:
+        delivery.dispose()
+        fetching.dispose()
+    assert in_flight == published[:200]  # in order, none twice, none skipped
+    # 13 fetches with 0-60 ids in flight, then 27 with 65-195
+    assert once.generic_plans >= 5 and once.custom_plans == 0, once
+    assert per_call.generic_plans == 0 and per_call.custom_plans >= 10, per_call
 
 
 def test_recording_a_batch_reads_its_rows_not_the_backlog(
