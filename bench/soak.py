@@ -9,14 +9,14 @@
    pgbench clients, or with ``--load python`` 4 Python threads through ``Outbox.publish``;
    durable commits) for ``--minutes``; one `outbox relay` (``--client`` transport) delivers
    them. pgbench's C clients leave the 2 cores to the outbox, as applications on machines
-   of their own would; the Python threads took about 0.8 of a core (BENCHMARKS.md, "Latency,
-   session 22"). Printed per minute: p50, p99 and max of commit → recorded ack: the op
-   record's time (taken after Kafka acknowledged) minus the moment the application's COMMIT
-   returned (one clock: the machine's). For comparison, p50 from the transaction's start
-   (the prepare row's created_at) to the op record, which also counts the publishing
-   transaction itself; and the slowest flush of a probe on the database's disk (an 8 KiB
-   write and fdatasync every 10 ms, as a commit does): a minute whose max is the disk's
-   stall shows it there.
+   of their own would: at 1,000 msg/s the Python threads took 0.42-0.52 of a core and
+   pgbench 0.12-0.13 (BENCHMARKS.md, "Latency, session 22"). Printed per minute: p50, p99
+   and max of commit → recorded ack: the op record's time (taken after Kafka acknowledged)
+   minus the moment the application's COMMIT returned (one clock: the machine's). For
+   comparison, p50 from the transaction's start (the prepare row's created_at) to the op
+   record, which also counts the publishing transaction itself; and the slowest flush of a
+   probe on the database's disk (an 8 KiB write and fdatasync every 10 ms, as a commit
+   does): a minute whose max is the disk's stall shows it there.
 2. Retention: the maximum drain rate of one relay is measured first (a backlog drained); then
    publishing at 70% of it runs for ``--minutes`` with retention set to 2 minutes (pruning every
    10 s). The load is written by SQL in the database (the publish statement's shape, 100

@@ -140,7 +140,7 @@ def engine(url: str, *, settings: Mapping[str, str] = SESSION_SETTINGS, **option
            ) -> Engine:
     """An engine for the outbox's own processes (relay, sweeper, retention, console, CLI),
     whose sessions plan every statement for its parameters (all but the relay's recording
-    connection, below) and never JIT-compile:
+    and fetching connections, below) and never JIT-compile:
 
     * ``plan_cache_mode = force_custom_plan``: psycopg prepares a statement on its fifth run,
       and five runs later PostgreSQL may switch to a generic plan. The relay's generic fetch
@@ -152,14 +152,16 @@ def engine(url: str, *, settings: Mapping[str, str] = SESSION_SETTINGS, **option
       every partition, so past ``jit_above_cost`` PostgreSQL compiled the fetch for 1.3 s
       (43 partitions) to run it in 9 ms.
 
-    The relay's two hot connections plan for a queue (``settings``). ``pending``'s statistics
+    The relay's three hot connections plan for a queue (``settings``). ``pending``'s statistics
     are a snapshot: analyzed while nearly empty, then refilled in the space its vacuum freed,
     it looks to the planner like a few rows, and each batch read the whole backlog:
 
-    * ``enable_sort = off`` for the delivery connection (:data:`DELIVERY_SETTINGS`): the fetch
-      must walk pending's index in id order and stop at its LIMIT, the one plan without a
-      sort; the planner sorted the whole backlog instead (a merge anti-join, or a
-      sequential scan), so the longer the backlog, the slower each batch.
+    * ``enable_sort = off`` for the delivery and fetching connections
+      (:data:`DELIVERY_SETTINGS`, :data:`FETCHING_SETTINGS`): the fetch must walk pending's
+      index in id order and stop at its LIMIT, the one plan without a sort; the planner
+      sorted the whole backlog instead (a merge anti-join, or a sequential scan), so the
+      longer the backlog, the slower each batch. The fetching connection plans the fetch
+      once, for few ids in flight (:func:`fetch_deliverable`).
     * ``enable_seqscan = off`` for the recording connection (:data:`RECORDING_SETTINGS`): it
       closes a batch's rows by key, and the planner scanned every pending row to find them.
       Its two statements (``mark_delivered``, ``record_failures``) read by key whatever
@@ -197,16 +199,17 @@ def fetch_deliverable(
     more than halves the cost of the hot fetch.
 
     With at most :data:`PLANNED_ONCE_IN_FLIGHT` ids in flight, the ids are chosen on
-    ``fetching`` (:data:`FETCHING_SETTINGS`), which plans that statement once: planned for
-    every batch, a trickle's fetches (2-3 rows each) spent more server time planning than
-    running, and the relay's p50 commit → ack was 1.5-2.8 ms higher (BENCHMARKS.md,
-    "Latency, session 22"). More ids in flight are compared row by row in a plan made once,
-    so they go to ``conn``, which plans for them (a hashed list)."""
+    ``fetching`` (:data:`FETCHING_SETTINGS`), which plans that statement once. Under a
+    trickle (2-3 rows a batch) planning was most of the relay's database time, and planned
+    once the relay's p50 commit → ack at 1,000 msg/s was 0.7-3.3 ms lower in each of 5
+    alternated rounds (BENCHMARKS.md, "Latency, session 17" and "Latency, session 22"). More
+    ids in flight would be compared row by row in a plan made once, so they go to ``conn``,
+    which plans for them (a hashed list)."""
     params = {"shards": int_array(shards), "limit": limit, "in_flight": int_array(in_flight),
               "held": list(held)}
-    few = fetching is not None and len(in_flight) <= PLANNED_ONCE_IN_FLIGHT
-    ids = [row[0] for row in _driver_rows(fetching if few and fetching else conn,
-                                          "fetch_deliverable", schema, params)]
+    choosing = fetching if fetching is not None and len(in_flight) <= PLANNED_ONCE_IN_FLIGHT \
+        else conn
+    ids = [row[0] for row in _driver_rows(choosing, "fetch_deliverable", schema, params)]
     if not ids:
         return []
     params = {"ids": int_array(ids), "low": ids[0], "high": ids[-1], "max_bytes": max_bytes}

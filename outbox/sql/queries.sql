@@ -34,7 +34,8 @@ SELECT {schema}.publish_message(
 -- DELAYED or UNKNOWN, the rows of the batch it has in flight and those of topics it holds
 -- (relay/holds.py); at most :limit. Chosen in the pending table alone (its partial index:
 -- the cost follows the backlog). The relay runs it with enable_sort off (store.engine):
--- every way but that walk sorts.
+-- every way but that walk sorts. With few ids in flight it runs on a plan made once
+-- (store.fetch_deliverable), which compares each row it walks with each of them.
 SELECT p.message_id
 FROM {schema}.pending AS p
 WHERE p.status = 'PENDING' AND p.resolution = 'COMMIT'
