@@ -181,17 +181,26 @@ def pgbench_publish(services: devservices.Services, clients: int, seconds: float
     return rates[0], rates[1], rates[2], rates[3]
 
 
+def run_pgbench(services: devservices.Services, folder: Path, script: str,
+                options: list[str], defines: list[str]) -> str:
+    """pgbench's output for ``script`` (written into ``folder``, where its logs go too),
+    prepared statements, no vacuum first, with ``options`` (clients, threads, duration) and
+    the ``defines`` of :func:`pgbench_defines`."""
+    path = folder / "transaction.sql"
+    path.write_text(script)
+    command = [os.path.join(services.pg_bindir, "pgbench"), "-n", "-M", "prepared", *options,
+               "-f", str(path), *defines, services.database_url]
+    return subprocess.run(command, capture_output=True, text=True, check=True).stdout
+
+
 def pgbench_tps(services: devservices.Services, clients: int, seconds: float, script: str,
                 schema: str) -> float:
     with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder, "transaction.sql")
-        path.write_text(script)
-        command = [os.path.join(services.pg_bindir, "pgbench"), "-n", "-M", "prepared",
-                   "-c", str(clients), "-j", str(min(clients, 2)), "-T", f"{seconds:g}",
-                   "-f", str(path), *pgbench_defines(schema), services.database_url]
-        done = subprocess.run(command, capture_output=True, text=True, check=True)
-    found = re.search(r"^tps = ([\d.]+)", done.stdout, re.M)
-    assert found is not None, done.stdout
+        output = run_pgbench(services, Path(folder), script,
+                             ["-c", str(clients), "-j", str(min(clients, 2)),
+                              "-T", f"{seconds:g}"], pgbench_defines(schema))
+    found = re.search(r"^tps = ([\d.]+)", output, re.M)
+    assert found is not None, output
     return float(found[1])
 
 

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from confluent_kafka import Producer
-from publish_bench import pgbench_defines, pgbench_script
+from publish_bench import pgbench_defines, pgbench_script, run_pgbench
 from relay_bench import (
     KEYS,
     PAYLOAD,
@@ -196,13 +196,10 @@ def pgbench_at_rate(services: devservices.Services, engine: Engine, schema: str,
     order, matched with that client's messages (its id is their producer group) in id order."""
     script = pgbench_script(schema, publish=True, inserts=0, keys=KEYS, by_client=True)
     with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder, "publish.sql")
-        path.write_text(script)
-        command = [os.path.join(services.pg_bindir, "pgbench"), "-n", "-M", "prepared",
-                   "-c", str(clients), "-j", "1", "-R", str(rate), "-T", f"{seconds:g}",
-                   "-f", str(path), "--log", f"--log-prefix={folder}/commits",
-                   *pgbench_defines(schema, topic, PAYLOAD), services.database_url]
-        subprocess.run(command, capture_output=True, text=True, check=True)
+        run_pgbench(services, Path(folder), script,
+                    ["-c", str(clients), "-j", "1", "-R", str(rate), "-T", f"{seconds:g}",
+                     "--log", f"--log-prefix={folder}/commits"],
+                    pgbench_defines(schema, topic, PAYLOAD))
         ends: dict[str, list[float]] = {}
         for log in Path(folder).glob("commits.*"):
             for line in log.read_text().splitlines():
