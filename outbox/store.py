@@ -6,7 +6,11 @@ session to run), so the library, the relay and the CLI share one set of queries.
 
 from __future__ import annotations
 
+import bisect
+import logging
+import math
 import re
+import time
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -36,6 +40,8 @@ WAKE_LOCK_CLASS = 0x0B10
 #: The NOTIFY payload of a commit whose row is due later (the relay then re-reads when the
 #: next delayed row is due); other commits notify with an empty payload.
 DELAYED_NOTE = "delayed"
+log = logging.getLogger(__name__)
+
 #: Range partitions of ``message`` and ``op_record`` kept ready beyond the id sequence.
 PARTITIONS_AHEAD = 2
 _BLOCK = re.compile(r"^-- name: (\w+)\n", re.MULTILINE)
@@ -183,6 +189,75 @@ def _session_settings(settings: Mapping[str, str], dbapi_connection: Any, _recor
     dbapi_connection.commit()
 
 
+class Fetching:
+    """The relay's fetching connection, whose statements are planned once
+    (:data:`FETCHING_SETTINGS`), and the ranges of ``message`` it reads batches from
+    (:func:`fetch_deliverable`). ``conn`` is made autocommit: a failed read leaves it usable."""
+
+    def __init__(self, conn: Connection, schema: str) -> None:
+        self.conn = conn.execution_options(isolation_level="AUTOCOMMIT")
+        self.schema = schema
+        self._lows: list[int] = []  # of the ranges, ascending
+        self._ranges: list[tuple[str, int]] = []  # (name, high) of each, in the same order
+        self._read_at = -math.inf  # monotonic time the list was last read
+        #: False once a read of a range was refused (a role without revision 0015's grant).
+        self.direct = True
+
+    def range_of(self, low: int, high: int) -> str | None:
+        """The range that holds every id from ``low`` to ``high``; None when they span two,
+        or lie where no range is known (the default partition). The list is read again for
+        ids beyond the newest range known, at most every ``RANGES_REREAD_SECONDS``."""
+        beyond = not self._ranges or high >= self._ranges[-1][1]
+        if beyond and time.monotonic() - self._read_at >= RANGES_REREAD_SECONDS:
+            rows = _driver_rows(self.conn, "message_ranges", self.schema, {})
+            self._lows = [row[1] for row in rows]
+            self._ranges = [(row[0], row[2]) for row in rows]
+            self._read_at = time.monotonic()
+        at = bisect.bisect_right(self._lows, low) - 1
+        if at < 0 or high >= self._ranges[at][1]:
+            return None
+        return self._ranges[at][0]
+
+    def read(self, params: dict[str, Any]) -> list[Any] | None:
+        """``read_deliverable`` from the range of the batch's ids, planned once; None when
+        there is no such range or it cannot be read (then the caller reads the parent)."""
+        name = self.range_of(params["low"], params["high"]) if self.direct else None
+        if name is None:
+            return None
+        driver = self.conn.connection.driver_connection
+        assert driver is not None
+        try:
+            with driver.cursor(binary=True) as cursor:
+                cursor.execute(_range_sql(self.schema, name), params)
+                rows: list[Any] = cursor.fetchall()
+        except psycopg.errors.UndefinedTable:  # dropped by retention since the list was read
+            self._read_at = -math.inf
+            self._ranges.clear()
+            self._lows.clear()
+            return None
+        except psycopg.errors.InsufficientPrivilege:
+            self.direct = False
+            log.warning("the relay's role may not read %s.%s directly: every batch is read "
+                        "through %s.message, planned for each batch; run `outbox db upgrade "
+                        "--create-roles` to grant it (revision 0015)",
+                        self.schema, name, self.schema)
+            return None
+        return rows
+
+
+#: The least time between two reads of the list of ranges (:meth:`Fetching.range_of`).
+RANGES_REREAD_SECONDS = 1.0
+
+
+@cache
+def _range_sql(schema: str, name: str) -> str:
+    """``read_deliverable`` reading the range ``name`` instead of its parent ``message``."""
+    sql = _driver_sql("read_deliverable", schema)
+    parent = f"{schema}.message AS m"
+    assert sql.count(parent) == 1, "read_deliverable reads message once"
+    return sql.replace(parent, f"{schema}.{validate_identifier(name)} AS m")
+
+
 def fetch_deliverable(
     conn: Connection,
     schema: str,
@@ -191,29 +266,35 @@ def fetch_deliverable(
     in_flight: Sequence[int] = (),
     max_bytes: int = RELAY_BATCH_BYTES,
     held: Iterable[str] = (),
-    fetching: Connection | None = None,
+    fetching: Fetching | None = None,
 ) -> list[Deliverable]:
     """The relay's next batch: at most ``limit`` rows and ``max_bytes`` of payload (at least
     one row). Two statements, the ids then their messages (queries.sql says why). Runs on
     the driver with binary results: payloads arrive as raw bytes instead of hex text, which
     more than halves the cost of the hot fetch.
 
-    With at most :data:`PLANNED_ONCE_IN_FLIGHT` ids in flight, the ids are chosen on
-    ``fetching`` (:data:`FETCHING_SETTINGS`), which plans that statement once. Under a
-    trickle (2-3 rows a batch) planning was most of the relay's database time, and planned
-    once the relay's p50 commit → ack at 1,000 msg/s was 0.7-3.3 ms lower in each of 5
-    alternated rounds (BENCHMARKS.md, "Latency, session 17" and "Latency, session 22"). More
-    ids in flight would be compared row by row in a plan made once, so they go to ``conn``,
-    which plans for them (a hashed list)."""
+    Under a trickle (2-3 rows a batch) planning was most of the relay's database time, so
+    both statements run on ``fetching`` where they can, planned once:
+
+    * the ids, while at most :data:`PLANNED_ONCE_IN_FLIGHT` are in flight. The relay's p50
+      commit → ack at 1,000 msg/s was 0.7-3.3 ms lower in each of 5 alternated rounds
+      (BENCHMARKS.md, "Latency, session 22"). More ids in flight would be compared row by
+      row in a plan made once, so they go to ``conn``, which plans for them (a hashed list);
+    * the messages, when one range of ``message`` holds them all: read from that range, a
+      plan made once locks it alone, where one of the parent would lock every range of
+      retained history ("Latency, session 23"). Otherwise through the parent, on ``conn``,
+      planned for the ranges between the batch's first and last id."""
     params = {"shards": int_array(shards), "limit": limit, "in_flight": int_array(in_flight),
               "held": list(held)}
-    choosing = fetching if fetching is not None and len(in_flight) <= PLANNED_ONCE_IN_FLIGHT \
-        else conn
+    choosing = fetching.conn if fetching is not None \
+        and len(in_flight) <= PLANNED_ONCE_IN_FLIGHT else conn
     ids = [row[0] for row in _driver_rows(choosing, "fetch_deliverable", schema, params)]
     if not ids:
         return []
     params = {"ids": int_array(ids), "low": ids[0], "high": ids[-1], "max_bytes": max_bytes}
-    rows = _driver_rows(conn, "read_deliverable", schema, params, binary=True)
+    rows = fetching.read(params) if fetching is not None else None
+    if rows is None:
+        rows = _driver_rows(conn, "read_deliverable", schema, params, binary=True)
     return list(map(Deliverable._make, rows))
 
 

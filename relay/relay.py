@@ -194,7 +194,8 @@ class Relay:
         try:
             with _autocommit(self._engine) as conn, \
                     _autocommit(self._fetching_engine) as fetching:
-                self._loop(conn, fetching, transport, wakeup, recorder)
+                self._loop(conn, store.Fetching(fetching, self.schema), transport, wakeup,
+                           recorder)
                 recorder.drain()
                 recorder.raise_failure()
         except BaseException:
@@ -204,7 +205,7 @@ class Relay:
             recorder.close()
             wakeup.close()
 
-    def _loop(self, conn: Connection, fetching: Connection, transport: Transport,
+    def _loop(self, conn: Connection, fetching: store.Fetching, transport: Transport,
               wakeup: Wakeup, recorder: Recorder) -> None:
         limit, batch_bytes = self.settings.relay_batch_size, self.settings.relay_batch_bytes
         poll = self.settings.relay_poll_interval

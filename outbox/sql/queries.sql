@@ -59,7 +59,8 @@ LIMIT :limit;
 -- only the partitions between them, one or two. In one statement with step 1 every
 -- partition of retained history was planned, locked and started for every batch: at 257
 -- partitions (72 h of 1,000 msg/s) a fetch of 4 rows took 7.6 ms instead of 0.6. As
--- `= ANY(:ids)` the planner weighed each of 2,000 ids: 2 ms of planning.
+-- `= ANY(:ids)` the planner weighed each of 2,000 ids: 2 ms of planning. The relay reads
+-- the batch's one range itself where it can (store.Fetching): planned once, locking it alone.
 SELECT id, topic, key, header_keys, header_values, payload, content_type
 FROM (
     SELECT m.id, m.topic, m.key, m.header_keys, m.header_values, m.payload, m.content_type,
@@ -74,6 +75,13 @@ FROM (
 ) AS batch
 WHERE bytes_so_far - octet_length(payload) < :max_bytes
 ORDER BY id;
+
+-- name: message_ranges
+-- The range partitions of ``message``, by their lowest id (the first from the lowest id
+-- there is), for the relay's reads of a batch's messages from its range (store.Fetching).
+SELECT b.name, coalesce(b.low, -9223372036854775808) AS low, b.high
+FROM {schema}.partition_bounds('{schema}.message') AS b
+ORDER BY 2;
 
 -- name: promote_due
 -- Delayed rows whose time has come become PENDING; returns how many, and the seconds until
@@ -359,9 +367,10 @@ ORDER BY r.worker_id;
 -- Retention, step 1: ``message`` and ``op_record`` are partitioned by ranges of message id
 -- (revision 0006); create the next :ahead ranges of :size ids beyond the sequence, so
 -- publishes land in a range partition (the default partition takes them otherwise). Runs
--- the owner's SECURITY DEFINER function: the relay's role needs no rights on partitions. It
--- attaches new, empty tables (no lock that stops publishers) and gives up after 500 ms of
--- waiting for a lock, until the next pass. Returns how many ranges it made.
+-- the owner's SECURITY DEFINER function: the relay's role needs no rights on partitions (it
+-- grants that role SELECT on each new range of message, for store.Fetching). It attaches
+-- new, empty tables (no lock that stops publishers) and gives up after 500 ms of waiting
+-- for a lock, until the next pass. Returns how many ranges it made.
 SELECT {schema}.ensure_partitions(:size, :ahead) AS made;
 
 -- name: written_span
@@ -615,8 +624,10 @@ LIMIT :limit;
 --   {schema}_app      writes prepare rows through publish_message() and decides through
 --                     decide_message() (revisions 0014 and 0005: no INSERT on the tables);
 --                     reads no payloads, updates and deletes nothing;
---   {schema}_relay    delivers (delivery columns of pending only), keeps leases, and prunes
---                     through revision 0006's partition functions (no rights on partitions);
+--   {schema}_relay    delivers (delivery columns of pending only), keeps leases, prunes
+--                     through revision 0006's partition functions, and reads the ranges of
+--                     message directly (SELECT on each, revision 0015; nothing else on
+--                     partitions);
 --   {schema}_sweeper  checks back (check columns of pending only; grant it SELECT on the
 --                     tables your SQL checkers read);
 --   {schema}_console  the operator console: reads what it shows and resumes (the resume
@@ -649,6 +660,7 @@ GRANT EXECUTE ON FUNCTION {schema}.publish_message,
                           {schema}.decide_message(bigint, text, text, text)
     TO {schema}_app;
 GRANT SELECT ON {schema}.message TO {schema}_relay;
+SELECT {schema}.grant_ranges();  -- and on each range of message
 GRANT SELECT, DELETE, UPDATE (status, attempts, last_error, check_count, next_check_at)
     ON {schema}.pending TO {schema}_relay;
 GRANT SELECT, INSERT ON {schema}.op_record TO {schema}_relay;

@@ -27,6 +27,7 @@ from tests.conftest import (
     fresh_schema,
     partition_options,
     publish_orders,
+    ranges,
     running_relay,
     wait_delivered,
     wait_until,
@@ -494,6 +495,38 @@ def test_upgrade_to_0014_lets_an_app_role_made_before_it_publish_through_the_fun
     finally:
         drop_schema(engine, name)
         drop_roles(engine, roles)
+
+
+def relay_reads(engine: Engine, schema: str) -> list[bool]:
+    """Whether the relay's role may read each range of ``message``, lowest first."""
+    with engine.connect() as conn:
+        return [conn.execute(text("SELECT has_table_privilege(:role, :range, 'SELECT')"),
+                             {"role": f"{schema}_relay", "range": f"{schema}.{name}"}
+                             ).scalar_one() for name in ranges(engine, schema)]
+
+
+def test_upgrade_to_0015_lets_a_relay_role_made_before_it_read_each_range(
+    services: devservices.Services, engine: Engine
+) -> None:
+    """A relay role made before 0015 may read the ranges there were and those made after the
+    upgrade; after the downgrade, ranges are made without the grant again."""
+    name = f"m_{uuid.uuid4().hex[:12]}"
+    migrate.upgrade(services.database_url, name, "0014")
+    with engine.begin() as conn:
+        conn.execute(text(f"CREATE ROLE {name}_relay NOLOGIN"))
+    try:
+        assert relay_reads(engine, name) == [False, False, False]
+        migrate.upgrade(services.database_url, name)
+        with engine.begin() as conn:
+            assert store.ensure_partitions(conn, name, 1_000_000, ahead=3) == 1
+        assert relay_reads(engine, name) == [True, True, True, True]
+        migrate.downgrade(services.database_url, name, "0014")
+        with engine.begin() as conn:
+            assert store.ensure_partitions(conn, name, 1_000_000, ahead=4) == 1
+        assert relay_reads(engine, name) == [True, True, True, True, False]
+    finally:
+        drop_schema(engine, name)
+        drop_roles(engine, [f"{name}_relay"])
 
 
 def test_publishing_to_a_schema_older_than_the_code_says_which_command_to_run(

@@ -275,9 +275,10 @@ def test_the_fetch_is_planned_once_while_few_rows_are_in_flight_and_then_for_its
     try:
         with delivery.connect() as conn, fetching.connect() as planned_once:
             in_flight: list[int] = []
+            reading = store.Fetching(planned_once, schema)
             while len(in_flight) < 200:
                 batch = store.fetch_deliverable(conn, schema, range(SHARDS), 5,
-                                                in_flight=in_flight, fetching=planned_once)
+                                                in_flight=in_flight, fetching=reading)
                 assert len(batch) == 5, "the backlog lasts every fetch"
                 in_flight += [row.id for row in batch]
             once, per_call = fetch_plans(planned_once, schema), fetch_plans(conn, schema)
@@ -288,6 +289,124 @@ def test_the_fetch_is_planned_once_while_few_rows_are_in_flight_and_then_for_its
     # 13 fetches with 0-60 ids in flight, then 27 with 65-195
     assert once.generic_plans >= 5 and once.custom_plans == 0, once
     assert per_call.generic_plans == 0 and per_call.custom_plans >= 10, per_call
+
+
+def range_plans(conn: Any, schema: str) -> dict[str, tuple[int, int]]:
+    """Generic and custom plans of the batch reads prepared on ``conn``, by the table read."""
+    found = conn.execute(text(
+        "SELECT substring(statement FROM :table), generic_plans, custom_plans "
+        "FROM pg_prepared_statements WHERE statement LIKE '%sum(octet_length(m.payload))%'"),
+        {"table": rf"FROM {schema}\.(\w+) AS m"}).all()
+    return {table: (generic, custom) for table, generic, custom in found}
+
+
+def test_a_batch_in_one_range_is_read_from_it_planned_once(
+        services: devservices.Services, engine: Engine, outbox: Outbox, schema: str,
+        topic: str) -> None:
+    """Through `message`, a batch's messages were planned for every batch, and a plan made
+    once would lock every range of retained history. A batch inside one range is read from
+    that range, planned once; one across two ranges, or past every range known, through
+    `message`. Both read the same rows."""
+    use_ranges(engine, schema, 100, ahead=4)
+    with Session(engine) as session, session.begin():
+        published = [outbox.publish(session, topic, f"m{i}".encode(), key=f"k{i % 50}")
+                     for i in range(300)]
+    names = ranges(engine, schema)
+    url = sqlalchemy_url(services.database_url)
+    delivery = store.engine(url, settings=store.DELIVERY_SETTINGS, poolclass=NullPool)
+    fetching = store.engine(url, settings=store.FETCHING_SETTINGS, poolclass=NullPool)
+    try:
+        with delivery.connect() as conn, fetching.connect() as planned_once:
+            reading = store.Fetching(planned_once, schema)
+            fetched: list[store.Deliverable] = []
+            while batch := store.fetch_deliverable(conn, schema, range(SHARDS), 7,
+                                                   in_flight=[r.id for r in fetched],
+                                                   fetching=reading):
+                fetched += batch
+            once = range_plans(planned_once, schema)
+            across = reading.range_of(published[99], published[100])
+            beyond = reading.range_of(published[-1], published[-1] + 400)
+    finally:
+        delivery.dispose()
+        fetching.dispose()
+    assert [(r.id, r.payload) for r in fetched] == [
+        (i, f"m{n}".encode()) for n, i in enumerate(published)]
+    assert set(once) == set(names[:3]), once  # each range of 100 ids read by itself ...
+    assert all(generic >= 5 and custom == 0 for generic, custom in once.values()), once
+    assert across is None and beyond is None  # ... and never two in one statement
+
+
+def locked_partitions(url: str, schema: str, statement: str, params: dict[str, Any]
+                      ) -> set[str]:
+    """The partitions of `message` a transaction holds locks on after running ``statement``
+    ten times on a connection that plans it once (prepared from the fifth run)."""
+    made = store.engine(sqlalchemy_url(url), settings=store.FETCHING_SETTINGS,
+                        poolclass=NullPool)
+    try:
+        with made.connect() as conn:
+            driver = conn.connection.driver_connection
+            assert driver is not None
+            for _ in range(10):
+                driver.execute(statement, params)
+            return set(conn.execute(text(
+                "SELECT c.relname FROM pg_locks AS l JOIN pg_class AS c ON c.oid = l.relation "
+                "WHERE l.pid = pg_backend_pid() AND c.relkind = 'r' "
+                "AND c.relnamespace = CAST(:schema AS regnamespace) "
+                "AND c.relname LIKE 'message%'"), {"schema": schema}).scalars())
+    finally:
+        made.dispose()
+
+
+def test_a_batch_read_from_its_range_locks_that_range_alone(
+        services: devservices.Services, engine: Engine, outbox: Outbox, schema: str,
+        topic: str) -> None:
+    """Planned once, the read through `message` locks every range of retained history each
+    time it runs (PostgreSQL 15 locks every partition a generic plan holds); read from the
+    batch's range, it locks that one."""
+    use_ranges(engine, schema, 100, ahead=6)
+    with Session(engine) as session, session.begin():
+        ids = [outbox.publish(session, topic, b"x", key="k") for _ in range(30)]
+    params = {"ids": store.int_array(ids), "low": ids[0], "high": ids[-1], "max_bytes": 1 << 20}
+    names = ranges(engine, schema)
+    direct = store._range_sql(schema, names[0])
+    parent = store.driver_sql(store.query("read_deliverable", schema))
+    url = services.database_url
+    assert locked_partitions(url, schema, direct, params) == {names[0]}
+    assert locked_partitions(url, schema, parent, params) >= set(names) | {"message_default"}
+
+
+def test_a_batch_whose_range_was_dropped_since_is_read_through_message(
+        services: devservices.Services, engine: Engine, outbox: Outbox, schema: str,
+        topic: str) -> None:
+    """Retention drops a range after moving its unfinished messages (delayed, unresolved)
+    to the default partition; when one of them comes due, the relay's list of ranges still
+    names the dropped range. The read falls back to `message`, and reads the list again."""
+    use_ranges(engine, schema, 100, ahead=3)
+    with Session(engine) as session, session.begin():
+        ids = [outbox.publish(session, topic, f"m{i}".encode(), key="k") for i in range(20)]
+    names = ranges(engine, schema)
+    url = sqlalchemy_url(services.database_url)
+    fetching = store.engine(url, settings=store.FETCHING_SETTINGS, poolclass=NullPool)
+    params = {"ids": store.int_array(ids), "low": ids[0], "high": ids[-1], "max_bytes": 1 << 20}
+    try:
+        with fetching.connect() as planned_once:
+            reading = store.Fetching(planned_once, schema)
+            for _ in range(6):  # prepared, and planned once
+                assert reading.read(params) is not None
+            with engine.begin() as conn:  # what drop_expired_partition does
+                conn.execute(text(f"ALTER TABLE {schema}.message DETACH PARTITION "
+                                  f"{schema}.{names[0]}"))
+                conn.execute(text(f"INSERT INTO {schema}.message "
+                                  f"SELECT * FROM {schema}.{names[0]}"))
+                conn.execute(text(f"DROP TABLE {schema}.{names[0]}"))
+            assert reading.read(params) is None
+            assert reading.range_of(ids[0], ids[-1]) is None  # the list read again
+            with engine.connect() as conn:
+                batch = store.fetch_deliverable(conn, schema, range(SHARDS), 50,
+                                                fetching=reading)
+    finally:
+        fetching.dispose()
+    assert [(r.id, r.payload) for r in batch] == [(i, f"m{n}".encode()) for n, i in enumerate(ids)]
 
 
 def test_recording_a_batch_reads_its_rows_not_the_backlog(

@@ -11,9 +11,10 @@ import pytest
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.orm import Session
 
-from outbox import Outbox
+from outbox import Outbox, store
 from outbox.dev import services as devservices
 from outbox.dev.topics import read_topic
+from outbox.schema import SHARDS
 from outbox.settings import Settings, sqlalchemy_url
 from tests.conftest import (
     assert_refused,
@@ -210,7 +211,7 @@ def test_a_producer_group_bound_to_a_role_is_decided_only_by_its_members(
     assert resolutions == {bound: "COMMIT", free: "COMMIT"}
 
 
-def test_relay_role_prunes_partitions_without_rights_on_them(
+def test_relay_role_prunes_partitions_it_does_not_own(
     engine: Engine, outbox: Outbox, small: Settings, schema: str, topic: str,
     logins: dict[str, str]
 ) -> None:
@@ -229,7 +230,46 @@ def test_relay_role_prunes_partitions_without_rights_on_them(
     with engine.connect() as conn:  # tended (revision 0011) by the relay's role too
         assert conn.execute(text("SELECT reltuples FROM pg_class WHERE oid = CAST(:t AS regclass)"),
                             {"t": f"{schema}.message_p11"}).scalar_one() == 2
-    assert_refused(logins["relay"], [f"SELECT FROM {schema}.message_p11",
+    assert_refused(logins["relay"], [f"SELECT FROM {schema}.op_record_p11",
+                                     f"DELETE FROM {schema}.message_p11",
                                      f"DELETE FROM {schema}.message",
                                      f"DELETE FROM {schema}.op_record"])
     assert_refused(logins["relay"], [f"DROP TABLE {schema}.message_p11"], match="must be owner")
+
+
+def readable_by_relay(engine: Engine, schema: str) -> dict[str, bool]:
+    """Each partition of `message` and `op_record`: may the relay's role read it directly?"""
+    with engine.connect() as conn:
+        return dict(conn.execute(text(
+            "SELECT c.relname, has_table_privilege(:role, c.oid, 'SELECT') "
+            "FROM pg_inherits AS h JOIN pg_class AS c ON c.oid = h.inhrelid "
+            "WHERE h.inhparent IN (CAST(:m AS regclass), CAST(:o AS regclass))"),
+            {"role": f"{schema}_relay", "m": f"{schema}.message",
+             "o": f"{schema}.op_record"}).all())
+
+
+def test_relay_role_reads_each_range_of_message_directly(
+    engine: Engine, outbox: Outbox, small: Settings, schema: str, topic: str,
+    logins: dict[str, str]
+) -> None:
+    """The relay reads a batch's messages from their range (revision 0015): its role may read
+    every range of `message` there was when the roles were granted and every range made
+    since, and nothing else of the partitions."""
+    granted = ranges(engine, schema)
+    with engine.begin() as conn:  # one more range, past those `db upgrade` made
+        assert store.ensure_partitions(conn, schema, 1_000_000, ahead=3) == 1
+    made = set(ranges(engine, schema)) - set(granted)
+    assert len(granted) >= 3 and len(made) == 1
+    readable = readable_by_relay(engine, schema)
+    assert {name for name, may in readable.items() if may} == set(granted) | made
+    assert len(readable) == 2 * (len(granted) + 1) + 2  # op_record's ranges, both defaults
+    publish_orders(engine, outbox, topic, [(f"k{i}", i) for i in range(5)])
+    as_relay = store.engine(sqlalchemy_url(logins["relay"]), settings=store.FETCHING_SETTINGS)
+    try:
+        with as_relay.connect() as conn:
+            reading = store.Fetching(conn, schema)
+            batch = store.fetch_deliverable(conn, schema, range(SHARDS), 10, fetching=reading)
+            assert reading.direct and reading.range_of(batch[0].id, batch[-1].id) == "message_p1"
+    finally:
+        as_relay.dispose()
+    assert len(batch) == 5
