@@ -161,6 +161,13 @@ def start_relays(env: dict[str, str], schema: str, count: int) -> list[subproces
     ]
 
 
+def migrate_as(env: dict[str, str], schema: str) -> None:
+    """``schema`` migrated by the code ``env`` imports (an A/B's older side may stop at an
+    earlier revision, and its relay refuses a schema newer than itself)."""
+    subprocess.run([sys.executable, "-m", "outbox", "--schema", schema, "db", "upgrade"],
+                   env=env, check=True, capture_output=True)
+
+
 def stop(relays: list[subprocess.Popen[bytes]]) -> None:
     for relay in relays:
         relay.send_signal(signal.SIGTERM)
@@ -177,7 +184,7 @@ def relay_throughput(services: devservices.Services, engine: Engine, env: dict[s
     schema = f"bench_{relays}_{history}{suffix}"
     topic = f"bench-{relays}-{history}{suffix}".replace("_", "-")
     env = {**env, "OUTBOX_KAFKA_CLIENT": client}
-    migrate.upgrade(services.database_url, schema)
+    migrate_as(env, schema)
     create_topic(services.kafka_bootstrap, topic, partitions=6)
     if history:
         preload(engine, schema, topic, history, status="DELIVERED")

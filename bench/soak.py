@@ -37,7 +37,6 @@ import datetime
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -54,6 +53,7 @@ from relay_bench import (
     PAYLOAD,
     bulk_publish,
     delivered,
+    migrate_as,
     preload,
     relay_throughput,
     say,
@@ -224,9 +224,7 @@ def latency_soak(services: devservices.Services, engine: Engine, env: dict[str, 
     second (``tag`` keeps repeated runs in schemas and topics of their own), published by
     ``threads`` Python threads or (``load`` "pgbench") as many pgbench clients."""
     schema, topic = f"soak_latency_{rate}{tag}", f"soak-latency-{rate}{tag}".replace("_", "-")
-    # Migrated by the relay's own code (an A/B's older revision may have fewer revisions).
-    subprocess.run([sys.executable, "-m", "outbox", "--schema", schema, "db", "upgrade"],
-                   env=env, check=True, capture_output=True)
+    migrate_as(env, schema)
     create_topic(services.kafka_bootstrap, topic, partitions=PARTITIONS)
     relays = start_relays(env, schema, 1)
     outbox = Outbox(schema=schema)
