@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from relay_bench import delivered, say, start_relays, stop
+from relay_bench import delivered, running, say, start_relays, stop
 from soak import PARTITIONS, fresh_services, publish_at_rate
 from sqlalchemy import Engine, text
 
@@ -154,6 +154,7 @@ def main() -> None:
                                     args.seconds)
         watcher.join()
         while delivered(engine, schema) < len(committed):
+            running(relays)
             time.sleep(0.2)
         stop(relays)
     per_message = 1e6 / args.rate

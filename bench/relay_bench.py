@@ -168,6 +168,14 @@ def migrate_as(env: dict[str, str], schema: str) -> None:
                    env=env, check=True, capture_output=True)
 
 
+def running(relays: list[subprocess.Popen[bytes]]) -> None:
+    """Raises if a relay has exited: the drain it was timing would never end."""
+    for relay in relays:
+        if relay.poll() is not None:
+            raise SystemExit(f"a relay exited with status {relay.returncode} (its error is "
+                             f"above)")
+
+
 def stop(relays: list[subprocess.Popen[bytes]]) -> None:
     for relay in relays:
         relay.send_signal(signal.SIGTERM)
@@ -195,9 +203,11 @@ def relay_throughput(services: devservices.Services, engine: Engine, env: dict[s
     try:
         # Time from the first delivery, so process start-up is not counted.
         while delivered(engine, schema) == baseline:
+            running(processes)
             time.sleep(0.005)
         started, first = time.perf_counter(), delivered(engine, schema)
         while (done := delivered(engine, schema)) < baseline + n:
+            running(processes)
             time.sleep(0.05)
         rate = (done - first) / (time.perf_counter() - started)
     finally:

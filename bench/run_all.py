@@ -47,6 +47,7 @@ from relay_bench import (
     publish_cost,
     raw_produce,
     relay_throughput,
+    running,
     say,
     settle_database,
     start_relays,
@@ -91,6 +92,7 @@ def wal_per_delivery(services: devservices.Services, engine: Engine, env: dict[s
     processes = start_relays(env, schema, 1)
     try:
         while delivered(engine, schema) < n:
+            running(processes)
             time.sleep(0.05)
     finally:
         stop(processes)
