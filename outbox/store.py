@@ -29,6 +29,8 @@ from outbox.message import Message
 from outbox.schema import Resolution
 from outbox.settings import RELAY_BATCH_BYTES, validate_identifier
 
+log = logging.getLogger(__name__)
+
 #: Namespace of the advisory locks that order writers of one key (first half of the lock key).
 LOCK_CLASS = 0x0B0C
 #: Namespace of the advisory locks that keep a relay's worker id to one live process.
@@ -40,8 +42,6 @@ WAKE_LOCK_CLASS = 0x0B10
 #: The NOTIFY payload of a commit whose row is due later (the relay then re-reads when the
 #: next delayed row is due); other commits notify with an empty payload.
 DELAYED_NOTE = "delayed"
-log = logging.getLogger(__name__)
-
 #: Range partitions of ``message`` and ``op_record`` kept ready beyond the id sequence.
 PARTITIONS_AHEAD = 2
 _BLOCK = re.compile(r"^-- name: (\w+)\n", re.MULTILINE)
@@ -189,6 +189,10 @@ def _session_settings(settings: Mapping[str, str], dbapi_connection: Any, _recor
     dbapi_connection.commit()
 
 
+#: The least time between two reads of the list of ranges (:meth:`Fetching.range_of`).
+RANGES_REREAD_SECONDS = 1.0
+
+
 class Fetching:
     """The relay's fetching connection, whose statements are planned once
     (:data:`FETCHING_SETTINGS`), and the ranges of ``message`` it reads batches from
@@ -224,12 +228,8 @@ class Fetching:
         name = self.range_of(params["low"], params["high"]) if self.direct else None
         if name is None:
             return None
-        driver = self.conn.connection.driver_connection
-        assert driver is not None
         try:
-            with driver.cursor(binary=True) as cursor:
-                cursor.execute(_range_sql(self.schema, name), params)
-                rows: list[Any] = cursor.fetchall()
+            rows = _run(self.conn, _range_sql(self.schema, name), params, binary=True)
         except psycopg.errors.UndefinedTable:  # dropped by retention since the list was read
             self._read_at = -math.inf
             self._ranges.clear()
@@ -243,10 +243,6 @@ class Fetching:
                         self.schema, name, self.schema)
             return None
         return rows
-
-
-#: The least time between two reads of the list of ranges (:meth:`Fetching.range_of`).
-RANGES_REREAD_SECONDS = 1.0
 
 
 @cache
@@ -303,10 +299,14 @@ def _driver_rows(conn: Connection, name: str, schema: str, params: dict[str, Any
     """The named query's rows as plain tuples, run on the driver connection under ``conn``
     (in its transaction): for the relay's hot statements, whose thousands of rows a batch
     cost more as SQLAlchemy rows than the statements' own work."""
+    return _run(conn, _driver_sql(name, schema), params, binary=binary)
+
+
+def _run(conn: Connection, sql: str, params: dict[str, Any], *, binary: bool) -> list[Any]:
     driver = conn.connection.driver_connection
     assert driver is not None
     with driver.cursor(binary=binary) as cursor:
-        cursor.execute(_driver_sql(name, schema), params)
+        cursor.execute(sql, params)
         rows: list[Any] = cursor.fetchall()
     return rows
 
