@@ -206,6 +206,9 @@ class Fetching:
         self._read_at = -math.inf  # monotonic time the list was last read
         #: False once a read of a range was refused (a role without revision 0015's grant).
         self.direct = True
+        #: The range the last batch was read from: the next batch is fetched in one
+        #: statement that reads its messages there (:meth:`batch`).
+        self.hot: str | None = None
 
     def range_of(self, low: int, high: int) -> str | None:
         """The range that holds every id from ``low`` to ``high``; None when they span two,
@@ -222,27 +225,41 @@ class Fetching:
             return None
         return self._ranges[at][0]
 
+    def batch(self, params: dict[str, Any]) -> list[Any] | None:
+        """``fetch_batch``: the next batch's ids and their messages from the hot range, in
+        one statement planned once; None when no range is hot. A row whose message is not
+        in that range comes with a NULL topic (the caller reads those ids again)."""
+        if self.hot is None:
+            return None
+        return self._guarded(self.hot, _batch_sql(self.schema, self.hot), params)
+
     def read(self, params: dict[str, Any]) -> list[Any] | None:
         """``read_deliverable`` from the range of the batch's ids, planned once; None when
         there is no such range or it cannot be read (then the caller reads the parent)."""
         name = self.range_of(params["low"], params["high"]) if self.direct else None
         if name is None:
             return None
+        rows = self._guarded(name, _range_sql(self.schema, name), params)
+        if rows is not None:
+            self.hot = name
+        return rows
+
+    def _guarded(self, name: str, sql: str, params: dict[str, Any]) -> list[Any] | None:
+        """``sql``'s rows, or None if the range ``name`` it reads is gone or refused."""
         try:
-            rows = _run(self.conn, _range_sql(self.schema, name), params, binary=True)
+            return _run(self.conn, sql, params, binary=True)
         except psycopg.errors.UndefinedTable:  # dropped by retention since the list was read
             self._read_at = -math.inf
             self._ranges.clear()
             self._lows.clear()
-            return None
         except psycopg.errors.InsufficientPrivilege:
             self.direct = False
             log.warning("the relay's role may not read %s.%s directly: every batch is read "
                         "through %s.message, planned for each batch; run `outbox db upgrade "
                         "--create-roles` to grant it (revision 0015)",
                         self.schema, name, self.schema)
-            return None
-        return rows
+        self.hot = None
+        return None
 
 
 @cache
@@ -252,6 +269,16 @@ def _range_sql(schema: str, name: str) -> str:
     parent = f"{schema}.message AS m"
     assert sql.count(parent) == 1, "read_deliverable reads message once"
     return sql.replace(parent, f"{schema}.{validate_identifier(name)} AS m")
+
+
+@cache
+def _batch_sql(schema: str, name: str) -> str:
+    """``fetch_batch`` with ``fetch_deliverable`` as its ids, reading the range ``name``."""
+    queries = _raw_queries()
+    ids = queries["fetch_deliverable"].removesuffix(";")
+    sql = queries["fetch_batch"].replace("{fetch_deliverable}", ids)
+    return driver_sql(text(sql.replace("{range}", validate_identifier(name)).replace(
+        "{schema}", validate_identifier(schema))))
 
 
 def fetch_deliverable(
@@ -265,9 +292,9 @@ def fetch_deliverable(
     fetching: Fetching | None = None,
 ) -> list[Deliverable]:
     """The relay's next batch: at most ``limit`` rows and ``max_bytes`` of payload (at least
-    one row). Two statements, the ids then their messages (queries.sql says why). Runs on
-    the driver with binary results: payloads arrive as raw bytes instead of hex text, which
-    more than halves the cost of the hot fetch.
+    one row). Two statements, the ids then their messages (queries.sql says why), or one
+    under a trickle (below). Runs on the driver with binary results: payloads arrive as raw
+    bytes instead of hex text, which more than halves the cost of the hot fetch.
 
     Under a trickle (2-3 rows a batch) planning was most of the relay's database time, so
     both statements run on ``fetching`` where they can, planned once:
@@ -279,12 +306,23 @@ def fetch_deliverable(
     * the messages, when one range of ``message`` holds them all: read from that range, a
       plan made once locks it alone, where one of the parent would lock every range of
       retained history ("Latency, session 23"). Otherwise through the parent, on ``conn``,
-      planned for the ranges between the batch's first and last id."""
+      planned for the ranges between the batch's first and last id.
+
+    With few ids in flight and a range hot (the last batch was read from it), both steps
+    are one statement, ``fetch_batch``: one round trip a batch ("Latency, session 24").
+    The ids whose messages lie elsewhere are read again by the second step."""
     params = {"shards": int_array(shards), "limit": limit, "in_flight": int_array(in_flight),
               "held": list(held)}
-    choosing = fetching.conn if fetching is not None \
-        and len(in_flight) <= PLANNED_ONCE_IN_FLIGHT else conn
-    ids = [row[0] for row in _driver_rows(choosing, "fetch_deliverable", schema, params)]
+    once = fetching if fetching is not None and len(in_flight) <= PLANNED_ONCE_IN_FLIGHT \
+        else None
+    rows = once.batch({**params, "max_bytes": max_bytes}) if once is not None else None
+    if rows is not None and all(row[1] is not None for row in rows):
+        return list(map(Deliverable._make, rows))
+    if rows is not None:  # some messages lie outside the hot range
+        ids = [row[0] for row in rows]
+    else:
+        choosing = once.conn if once is not None else conn
+        ids = [row[0] for row in _driver_rows(choosing, "fetch_deliverable", schema, params)]
     if not ids:
         return []
     params = {"ids": int_array(ids), "low": ids[0], "high": ids[-1], "max_bytes": max_bytes}

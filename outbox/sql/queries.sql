@@ -76,6 +76,30 @@ FROM (
 WHERE bytes_so_far - octet_length(payload) < :max_bytes
 ORDER BY id;
 
+-- name: fetch_batch
+-- Steps 1 and 2 in one statement, for a relay under a trickle (store.Fetching.batch): the ids
+-- fetch_deliverable chooses (its text goes in the braces below), each message read by
+-- primary key from the range of `message` the relay's last batch was read from (named in
+-- the braces below), on a plan made once that locks that range alone. A row whose message
+-- is not there (the ids moved on to the next range, or retention moved the row to the
+-- default partition) comes with a NULL topic, and the relay reads those ids again with
+-- read_deliverable. The byte budget is read_deliverable's, over the messages found.
+SELECT id, topic, key, header_keys, header_values, payload, content_type
+FROM (
+    SELECT i.message_id AS id, m.topic, m.key, m.header_keys, m.header_values, m.payload,
+           m.content_type, sum(octet_length(m.payload)) OVER (ORDER BY i.message_id)
+           AS bytes_so_far
+    FROM ({fetch_deliverable}) AS i
+    LEFT JOIN LATERAL (
+        SELECT m.topic, m.key, m.header_keys, m.header_values, m.payload, m.content_type
+        FROM {schema}.{range} AS m
+        WHERE m.id = i.message_id
+        OFFSET 0
+    ) AS m ON true
+) AS batch
+WHERE coalesce(bytes_so_far - octet_length(payload), 0) < :max_bytes
+ORDER BY id;
+
 -- name: message_ranges
 -- The range partitions of ``message``, by their lowest id (the first from the lowest id
 -- there is), for the relay's reads of a batch's messages from its range (store.Fetching).

@@ -6,6 +6,7 @@ import json
 import threading
 from collections import defaultdict
 
+import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
@@ -162,16 +163,24 @@ def test_relay_wakes_on_commit_without_waiting_for_a_poll(
     assert not thread.is_alive()
 
 
+@pytest.mark.parametrize("in_one_statement", [False, True], ids=["two-steps", "one-statement"])
 def test_a_batch_stops_at_its_byte_budget_but_always_holds_one_message(
-    engine: Engine, outbox: Outbox, schema: str
+    engine: Engine, outbox: Outbox, schema: str, in_one_statement: bool
 ) -> None:
+    """Whether the batch's messages are read after its ids, or with them (a relay's
+    fetching connection, once a batch was read from the range: store.Fetching.batch)."""
     with Session(engine) as session, session.begin():
         ids = [outbox.publish(session, "big", b"x" * 300_000, key=f"k{i}") for i in range(5)]
-    with engine.connect() as conn:
+    with engine.connect() as conn, engine.connect() as other:
+        fetching = store.Fetching(other, schema) if in_one_statement else None
+
         def batch(max_bytes: int, in_flight: list[int] | None = None) -> list[int]:
             return [row.id for row in store.fetch_deliverable(
                 conn, schema, range(SHARDS), 100, in_flight=in_flight or [],
-                max_bytes=max_bytes)]
+                max_bytes=max_bytes, fetching=fetching)]
+
+        if fetching is not None:
+            assert batch(1) == ids[:1] and fetching.hot is not None
 
         assert batch(700_000) == ids[:3], "rows start below the budget: 0, 300 kB, 600 kB"
         assert batch(1_000_000_000) == ids

@@ -252,8 +252,11 @@ def test_the_fetch_is_planned_for_its_parameters_however_often_it_runs(
 
 
 def fetch_plans(conn: Any, schema: str) -> Any:
+    """Generic and custom plans of the fetches prepared on ``conn``: the ids alone
+    (``fetch_deliverable``) and with their messages (``fetch_batch``), together."""
     return conn.execute(text(
-        "SELECT generic_plans, custom_plans FROM pg_prepared_statements "
+        "SELECT coalesce(sum(generic_plans), 0) AS generic_plans, "
+        "coalesce(sum(custom_plans), 0) AS custom_plans FROM pg_prepared_statements "
         "WHERE statement LIKE :fetch"), {"fetch": f"%FROM {schema}.pending AS p%"}).one()
 
 
@@ -291,12 +294,17 @@ def test_the_fetch_is_planned_once_while_few_rows_are_in_flight_and_then_for_its
     assert per_call.generic_plans == 0 and per_call.custom_plans >= 10, per_call
 
 
-def range_plans(conn: Any, schema: str) -> dict[str, tuple[int, int]]:
-    """Generic and custom plans of the batch reads prepared on ``conn``, by the table read."""
+def range_plans(conn: Any, schema: str, *, fetched: bool = False
+                ) -> dict[str, tuple[int, int]]:
+    """Generic and custom plans of the reads of messages prepared on ``conn``, by the table
+    read: the reads of ids fetched before (``read_deliverable``), or with ``fetched`` the
+    fetches that read them in the same statement (``fetch_batch``)."""
     found = conn.execute(text(
         "SELECT substring(statement FROM :table), generic_plans, custom_plans "
-        "FROM pg_prepared_statements WHERE statement LIKE '%sum(octet_length(m.payload))%'"),
-        {"table": rf"FROM {schema}\.(\w+) AS m"}).all()
+        "FROM pg_prepared_statements WHERE statement LIKE '%sum(octet_length(m.payload))%' "
+        "AND (statement LIKE :fetch) = :fetched"),
+        {"table": rf"FROM {schema}\.(\w+) AS m", "fetch": f"%FROM {schema}.pending AS p%",
+         "fetched": fetched}).all()
     return {table: (generic, custom) for table, generic, custom in found}
 
 
@@ -305,8 +313,9 @@ def test_a_batch_in_one_range_is_read_from_it_planned_once(
         topic: str) -> None:
     """Through `message`, a batch's messages were planned for every batch, and a plan made
     once would lock every range of retained history. A batch inside one range is read from
-    that range, planned once; one across two ranges, or past every range known, through
-    `message`. Both read the same rows."""
+    that range, planned once (after the first, in the statement that fetches its ids); one
+    across two ranges, or past every range known, through `message`. All read the same
+    rows."""
     use_ranges(engine, schema, 100, ahead=4)
     with Session(engine) as session, session.begin():
         published = [outbox.publish(session, topic, f"m{i}".encode(), key=f"k{i % 50}")
@@ -320,10 +329,11 @@ def test_a_batch_in_one_range_is_read_from_it_planned_once(
             reading = store.Fetching(planned_once, schema)
             fetched: list[store.Deliverable] = []
             while batch := store.fetch_deliverable(conn, schema, range(SHARDS), 7,
-                                                   in_flight=[r.id for r in fetched],
                                                    fetching=reading):
-                fetched += batch
-            once = range_plans(planned_once, schema)
+                fetched += batch  # and delivered: no ids in flight, as under a trickle
+                with conn.begin():
+                    store.mark_delivered(conn, schema, "test", [(r.id, 0, r.id) for r in batch])
+            once = range_plans(planned_once, schema, fetched=True)
             across = reading.range_of(published[99], published[100])
             beyond = reading.range_of(published[-1], published[-1] + 400)
     finally:
@@ -334,6 +344,48 @@ def test_a_batch_in_one_range_is_read_from_it_planned_once(
     assert set(once) == set(names[:3]), once  # each range of 100 ids read by itself ...
     assert all(generic >= 5 and custom == 0 for generic, custom in once.values()), once
     assert across is None and beyond is None  # ... and never two in one statement
+
+
+def prepared(conn: Any) -> list[tuple[str, int, int]]:
+    """The statements prepared on ``conn``, with their generic and custom plans."""
+    return [tuple(row) for row in conn.execute(text(
+        "SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements"))]
+
+
+def test_under_a_trickle_each_batch_is_fetched_in_one_statement(
+        services: devservices.Services, engine: Engine, outbox: Outbox, schema: str,
+        topic: str) -> None:
+    """The ids, then their messages, were two statements a batch: two round trips, each a
+    wake-up of the relay and of its server on busy cores. Once a batch was read from a
+    range, the next ones are fetched with their messages from that range in one statement,
+    planned once; nothing runs on the delivery connection."""
+    use_ranges(engine, schema, 100, ahead=2)
+    url = sqlalchemy_url(services.database_url)
+    delivery = store.engine(url, settings=store.DELIVERY_SETTINGS, poolclass=NullPool)
+    fetching = store.engine(url, settings=store.FETCHING_SETTINGS, poolclass=NullPool)
+    published: list[int] = []
+    fetched: list[store.Deliverable] = []
+    try:
+        with delivery.connect() as conn, fetching.connect() as planned_once:
+            reading = store.Fetching(planned_once, schema)
+            for n in range(12):
+                with Session(engine) as session, session.begin():
+                    published.append(outbox.publish(session, topic, f"m{n}".encode(), key="k"))
+                fetched += store.fetch_deliverable(conn, schema, range(SHARDS), 10,
+                                                   in_flight=[r.id for r in fetched],
+                                                   fetching=reading)
+            once, per_call = prepared(planned_once), prepared(conn)
+    finally:
+        delivery.dispose()
+        fetching.dispose()
+    assert [(r.id, r.payload) for r in fetched] == [
+        (i, f"m{n}".encode()) for n, i in enumerate(published)]
+    # the first batch's two steps ran once each (a statement is prepared on its fifth run)
+    assert len(once) == 1, once
+    statement, generic, custom = once[0]
+    assert f"FROM {schema}.pending AS p" in statement and "LEFT JOIN LATERAL" in statement
+    assert generic >= 5 and custom == 0, once
+    assert per_call == [], per_call
 
 
 def locked_partitions(url: str, schema: str, statement: str, params: dict[str, Any]
@@ -362,7 +414,7 @@ def test_a_batch_read_from_its_range_locks_that_range_alone(
         topic: str) -> None:
     """Planned once, the read through `message` locks every range of retained history each
     time it runs (PostgreSQL 15 locks every partition a generic plan holds); read from the
-    batch's range, it locks that one."""
+    batch's range, it locks that one, and so does the fetch that reads it with the ids."""
     use_ranges(engine, schema, 100, ahead=6)
     with Session(engine) as session, session.begin():
         ids = [outbox.publish(session, topic, b"x", key="k") for _ in range(30)]
@@ -373,6 +425,10 @@ def test_a_batch_read_from_its_range_locks_that_range_alone(
     url = services.database_url
     assert locked_partitions(url, schema, direct, params) == {names[0]}
     assert locked_partitions(url, schema, parent, params) >= set(names) | {"message_default"}
+    fetch = {"shards": store.int_array(range(SHARDS)), "limit": 50,
+             "in_flight": store.int_array(()), "held": [], "max_bytes": 1 << 20}
+    batch = store._batch_sql(schema, names[0])
+    assert locked_partitions(url, schema, batch, fetch) == {names[0]}
 
 
 def test_a_batch_whose_range_was_dropped_since_is_read_through_message(
@@ -393,12 +449,16 @@ def test_a_batch_whose_range_was_dropped_since_is_read_through_message(
             reading = store.Fetching(planned_once, schema)
             for _ in range(6):  # prepared, and planned once
                 assert reading.read(params) is not None
+            assert reading.hot == names[0]
             with engine.begin() as conn:  # what drop_expired_partition does
                 conn.execute(text(f"ALTER TABLE {schema}.message DETACH PARTITION "
                                   f"{schema}.{names[0]}"))
                 conn.execute(text(f"INSERT INTO {schema}.message "
                                   f"SELECT * FROM {schema}.{names[0]}"))
                 conn.execute(text(f"DROP TABLE {schema}.{names[0]}"))
+            fetch = {"shards": store.int_array(range(SHARDS)), "limit": 50,
+                     "in_flight": store.int_array(()), "held": [], "max_bytes": 1 << 20}
+            assert reading.batch(fetch) is None and reading.hot is None
             assert reading.read(params) is None
             assert reading.range_of(ids[0], ids[-1]) is None  # the list read again
             with engine.connect() as conn:
