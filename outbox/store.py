@@ -316,7 +316,7 @@ def fetch_deliverable(
     once = fetching if fetching is not None and len(in_flight) <= PLANNED_ONCE_IN_FLIGHT \
         else None
     rows = once.batch({**params, "max_bytes": max_bytes}) if once is not None else None
-    if rows is not None and all(row[1] is not None for row in rows):
+    if rows is not None and all(row[1] is not None for row in rows):  # each has its topic
         return list(map(Deliverable._make, rows))
     if rows is not None:  # some messages lie outside the hot range
         ids = [row[0] for row in rows]
