@@ -1,7 +1,7 @@
 """A latency A/B of two revisions of the relay, alternated on one pair of services.
 
     python bench/latency_ab.py OLD NEW [--rounds 5] [--seconds 60] [--rate 1000]
-                               [--client kafka-python] [--load pgbench]
+                               [--client kafka-python] [--load pgbench] [--warm-up 20]
 
 OLD and NEW are git revisions of this repository (``HEAD``, a commit, a branch; ``WORKTREE``
 for the files as they are). Each is unpacked into a package of its own; then, round after
@@ -10,10 +10,12 @@ its package) delivers what soak.py's publishers (``--load``) commit at ``--rate`
 ``--seconds``, in a schema and topic of its own, on one pair of fresh durable services;
 each side's schema is migrated by its own code. The publishers are
 this checkout's (the two revisions must accept its publish statement). Printed per round:
-p50, p99 and max of commit → recorded ack; then the medians of each side. On 2 shared cores
-one revision's rounds spread over several milliseconds (BENCHMARKS.md, "Latency, session
-18"): compare medians over many rounds, and read a difference smaller than that spread as
-none. Prints only.
+p50, p99 and max of commit → recorded ack; then the medians of each side. A warm-up run of
+``--warm-up`` seconds by each side comes first, not counted (``--warm-up 0``: none), as in
+drain_ab.py: the first runs on fresh services may pay for what is still cold. On 2 shared
+cores one revision's rounds spread over several milliseconds (BENCHMARKS.md, "Latency,
+session 18"): compare medians over many rounds, and read a difference smaller than that
+spread as none. Prints only.
 """
 
 from __future__ import annotations
@@ -103,16 +105,27 @@ def main() -> None:
     parser = ab_parser(__doc__, rounds=5)
     parser.add_argument("--seconds", type=float, default=60.0, help="of publishing, a round")
     parser.add_argument("--rate", type=int, default=1000)
+    parser.add_argument("--warm-up", type=float, default=20.0,
+                        help="seconds of an uncounted run by each side first (0: none)")
     add_load_argument(parser)
     args = parser.parse_args()
     sides = {"old": args.old, "new": args.new}
     rounds: dict[str, list[LatencyMinute]] = {"old": [], "new": []}
     with packaged(sides) as packages, fresh_services(pool_size=10) as (services, engine):
+
+        def run(n: int, side: str, path: Path, seconds: float) -> LatencyMinute:
+            env = side_env(path, {**services.env(), "OUTBOX_KAFKA_CLIENT": args.client})
+            return latency_soak(services, engine, env, args.rate, seconds / 60,
+                                tag=f"_{side}_{n}", load=args.load)[0]
+
+        if args.warm_up > 0:
+            for side, path in packages.items():
+                result = run(0, side, path, args.warm_up)
+                say(f"warm-up {side:3}: p50 {result.p50:6.2f} ms  p99 {result.p99:6.2f} ms "
+                    f"(not counted)")
         for n in range(1, args.rounds + 1):
             for side, path in in_turn(packages, n):
-                env = side_env(path, {**services.env(), "OUTBOX_KAFKA_CLIENT": args.client})
-                result = latency_soak(services, engine, env, args.rate, args.seconds / 60,
-                                      tag=f"_{side}_{n}", load=args.load)[0]
+                result = run(n, side, path, args.seconds)
                 rounds[side].append(result)
                 say(f"round {n} {side:3}: p50 {result.p50:6.2f} ms  p99 {result.p99:6.2f} "
                     f"ms  max {result.worst:7.1f} ms  (slowest disk flush "
