@@ -274,11 +274,9 @@ def _range_sql(schema: str, name: str) -> str:
 @cache
 def _batch_sql(schema: str, name: str) -> str:
     """``fetch_batch`` with ``fetch_deliverable`` as its ids, reading the range ``name``."""
-    queries = _raw_queries()
-    ids = queries["fetch_deliverable"].removesuffix(";")
-    sql = queries["fetch_batch"].replace("{fetch_deliverable}", ids)
-    return driver_sql(text(sql.replace("{range}", validate_identifier(name)).replace(
-        "{schema}", validate_identifier(schema))))
+    ids = _driver_sql("fetch_deliverable", schema).removesuffix(";")
+    return _driver_sql("fetch_batch", schema).replace("{fetch_deliverable}", ids).replace(
+        "{range}", validate_identifier(name))
 
 
 def fetch_deliverable(
