@@ -8,20 +8,24 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import Connection, Engine, MetaData, inspect, text
+from sqlalchemy import ARRAY, Column, Connection, Engine, MetaData, inspect, text
+from sqlalchemy.dialects.postgresql import DOMAIN
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.types import TypeEngine
 
 from outbox import Outbox, SchemaNotMigrated, migrate, store
 from outbox.dev import services as devservices
 from outbox.dev.topics import read_topic
 from outbox.migrations import target_metadata
-from outbox.schema import SHARDS, VERSION_TABLE
+from outbox.schema import DOMAINS, SHARDS, VERSION_TABLE
 from outbox.settings import Settings
 from tests.conftest import (
+    count_status,
     drop_roles,
     drop_schema,
     fresh_schema,
@@ -108,11 +112,58 @@ def test_migrated_schema_matches_the_metadata(engine: Engine, schema: str) -> No
             conn,
             opts={"include_schemas": True,
                   "include_name": lambda name, kind, _: (
-                      name == schema if kind == "schema" else name not in parts)},
+                      name == schema if kind == "schema" else name not in parts),
+                  "compare_type": domain_over_declared_type},
         )
         diff = [d for d in compare_metadata(context, in_schema)
                 if not (d[0] == "remove_table" and d[1].name == VERSION_TABLE)]
     assert diff == []
+
+
+def domain_over_declared_type(_context: MigrationContext, inspected: Column[Any],
+                              declared: Column[Any], inspected_type: TypeEngine[Any],
+                              declared_type: TypeEngine[Any]) -> bool | None:
+    """The columns of ``DOMAINS`` are declared with their domain's base type (what clients read
+    and write): the same when the database has that domain over that type, else Alembic's own
+    comparison."""
+    domain = DOMAINS.get((declared.table.name, declared.name))
+    if domain is None:
+        return None
+    return not (isinstance(inspected_type, DOMAIN) and inspected_type.name == domain
+                and same_type(inspected_type.data_type, declared_type))
+
+
+def same_type(inspected: TypeEngine[Any], declared: TypeEngine[Any]) -> bool:
+    """Whether a reflected type (TEXT, SMALLINT, ARRAY of TEXT) is the declared one."""
+    if isinstance(declared, ARRAY):
+        return isinstance(inspected, ARRAY) and same_type(inspected.item_type, declared.item_type)
+    return isinstance(inspected, type(declared))
+
+
+def test_the_publish_s_columns_are_checked_by_their_domains(engine: Engine, schema: str) -> None:
+    """Each rule on the publish's values holds on its column's domain, and no table constraint
+    of ``message`` or ``pending`` is left for a statement to read (revision 0016)."""
+    with engine.connect() as conn:
+        typed = set(conn.execute(text(
+            "SELECT c.table_name, c.column_name, c.domain_name FROM information_schema.columns c "
+            "WHERE c.table_schema = :schema AND c.domain_schema = :schema "
+            "AND c.table_name IN ('message', 'pending')"
+        ), {"schema": schema}).all())
+        checks = conn.execute(text(
+            "SELECT count(*) FROM pg_constraint WHERE contype = 'c' AND conrelid IN "
+            "(CAST(:message AS regclass), CAST(:pending AS regclass))"),
+            {"message": f"{schema}.message", "pending": f"{schema}.pending"}).scalar_one()
+    assert typed == {(table, column, domain) for (table, column), domain in DOMAINS.items()}
+    assert checks == 0
+    for domain, good, bad in (("shard", "0", "64"), ("shard", "63", "-1"),
+                              ("header_keys", "ARRAY['trace']", "ARRAY['a', 'outbox-id']"),
+                              ("header_keys", "NULL", "ARRAY['content-type']"),
+                              ("pending_status", "'PARKED'", "'DELIVERED'"),
+                              ("pending_resolution", "'UNKNOWN'", "'ROLLBACK'")):
+        with engine.connect() as conn:
+            conn.execute(text(f"SELECT CAST({good} AS {schema}.{domain})"))
+            with pytest.raises(DBAPIError, match=f'domain {schema}.{domain} violates check'):
+                conn.execute(text(f"SELECT CAST({bad} AS {schema}.{domain})"))
 
 
 def test_constraint_names_match_the_metadata(engine: Engine, schema: str) -> None:
@@ -527,6 +578,55 @@ def test_upgrade_to_0015_lets_a_relay_role_made_before_it_read_each_range(
     finally:
         drop_schema(engine, name)
         drop_roles(engine, [f"{name}_relay"])
+
+
+FILES = ("SELECT c.relname, c.relfilenode FROM pg_class AS c JOIN pg_namespace AS n "
+         "ON n.oid = c.relnamespace WHERE n.nspname = :schema AND c.relkind IN ('r', 'i')")
+
+
+def files(engine: Engine, schema: str) -> dict[str, int]:
+    """The file of each table, partition and index of the schema, by name."""
+    with engine.connect() as conn:
+        return {name: node for name, node in conn.execute(text(FILES), {"schema": schema})}
+
+
+def test_upgrade_to_0016_rewrites_no_table_and_rows_keep_flowing_and_downgrade_back(
+    services: devservices.Services, engine: Engine, settings: Settings, topic: str
+) -> None:
+    """0016 types the publish's columns with domains: no table is written again (only the
+    queue's partial indexes, which name status and resolution, are built again), the rows
+    published before it are delivered after it in key order, and the downgrade keeps them."""
+    name = f"m_{uuid.uuid4().hex[:12]}"
+    migrate.upgrade(services.database_url, name, "0015")
+    relay_settings = settings.model_copy(update={"schema_name": name})
+    outbox = Outbox(settings=relay_settings)
+    try:
+        before = publish_orders(engine, outbox, topic, [(f"k{i % 3}", i) for i in range(9)])
+        held = files(engine, name)
+        migrate.upgrade(services.database_url, name)
+        after = files(engine, name)
+        assert after.keys() >= held.keys()  # (and the ranges made ahead since)
+        assert {relation for relation in held if held[relation] != after[relation]} == {
+            "pending_relay_idx", "pending_check_idx", "pending_hold_idx", "pending_delayed_idx"}
+        with engine.begin() as conn, pytest.raises(DBAPIError, match="violates check constr"):
+            conn.execute(text(f"UPDATE {name}.pending SET status = 'DELIVERED' "
+                              f"WHERE message_id = :id"), {"id": before[0]})
+        later = publish_orders(engine, outbox, topic, [(f"k{i % 3}", i) for i in range(9, 12)])
+        with running_relay(relay_settings):
+            wait_delivered(engine, name, 12)
+        records = read_topic(services.kafka_bootstrap, topic)
+        assert sorted(r.message_id for r in records) == [*before, *later]
+        for key in ("k0", "k1", "k2"):
+            ids = [r.message_id for r in records if r.key == key.encode()]
+            assert ids == sorted(ids), f"key {key} delivered in order"
+        migrate.downgrade(services.database_url, name, "0015")
+        with engine.begin() as conn, pytest.raises(DBAPIError, match="pending_status_valid"):
+            conn.execute(text(f"INSERT INTO {name}.pending (message_id, shard, topic, "
+                              f"producer_group, status, resolution, created_at) "
+                              f"VALUES (0, 0, 't', 'g', 'DELIVERED', 'COMMIT', now())"))
+        assert count_status(engine, name, "DELIVERED") == 12
+    finally:
+        drop_schema(engine, name)
 
 
 def test_publishing_to_a_schema_older_than_the_code_says_which_command_to_run(
