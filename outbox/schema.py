@@ -32,14 +32,15 @@ DEFAULT_SCHEMA = "outbox"
 #: Keys are hashed into this many virtual shards; a relay owns a shard through a lease.
 SHARDS = 64
 VERSION_TABLE = "outbox_alembic_version"
-#: The publish's columns whose values have rules, and the domain each is typed with (revision
-#: 0016), over the type declared below: PostgreSQL reads a domain's constraints once per
-#: session, a table's CHECK constraints for every statement that writes the table. The rules:
-#: a shard a relay can own (0 to SHARDS - 1), none of the headers the relay adds itself
-#: (content-type, outbox-id) among the header keys, an unfinished status, an open resolution.
+#: The hot tables' columns whose values have rules, and the domain each is typed with
+#: (revision 0016), over the type declared below: PostgreSQL reads a domain's constraints once
+#: per session, a table's CHECK constraints for every statement that writes the table. The
+#: rules: a shard a relay can own (0 to SHARDS - 1), none of the headers the relay adds itself
+#: (content-type, outbox-id) among the header keys, an unfinished status, an open resolution,
+#: an op record's action.
 DOMAINS = {("message", "shard"): "shard", ("message", "header_keys"): "header_keys",
            ("pending", "shard"): "shard", ("pending", "status"): "pending_status",
-           ("pending", "resolution"): "pending_resolution"}
+           ("pending", "resolution"): "pending_resolution", ("op_record", "action"): "op_action"}
 
 
 class Resolution(StrEnum):
@@ -162,7 +163,6 @@ op_record = Table(
     Column("kafka_partition", Integer),
     Column("kafka_offset", BigInteger),
     Column("detail", Text),
-    one_of("action", Action),
     Index("op_record_message_id_idx", "message_id"),
     Index("op_record_created_at_idx", "created_at", postgresql_using="brin"),
     postgresql_partition_by="RANGE (message_id)",

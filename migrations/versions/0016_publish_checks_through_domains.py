@@ -1,12 +1,13 @@
-"""The publish's checks live on domains, which a session reads once, not on its tables.
+"""The rules on the hot tables' values live on domains, which a session reads once.
 
 PostgreSQL keeps a table's CHECK constraints as text in the catalog and reads each back,
 plans it and compiles it for every statement that writes the table. The publish's two
 INSERTs did that for five constraints on every publish (message: shard, header keys;
-pending: shard, status, resolution): in a profile of pgbench publishing, ``ExecConstraints``
-took a tenth of the machine's CPU (BENCHMARKS.md, "Publishing, session 25"). A domain's
-constraints are read once per session (PostgreSQL's type cache), so the same rules on the
-columns' types cost a publish next to nothing.
+pending: shard, status, resolution), and the relay's recording statement for op_record's
+action: in a profile of pgbench publishing, ``ExecConstraints`` took 39 µs of a core per
+publishing transaction, a quarter of the publish statement (BENCHMARKS.md, "Publishing,
+session 25"). A domain's constraints are read once per session (PostgreSQL's type cache),
+so the same rules on the columns' types cost next to nothing.
 
 The columns become domains over their own types without constraints first, which rewrites
 no table (only ``pending``'s four partial indexes, whose predicates name status and
@@ -33,6 +34,7 @@ down_revision = "0015"
 branch_labels = None
 depends_on = None
 
+ACTIONS = "('DELIVERED', 'ROLLED_BACK', 'PARKED', 'DISCARDED', 'RESUMED')"
 #: domain: (base type, its rule on VALUE, the table constraints it replaces, as
 #: (table, column, name, rule))
 DOMAINS = {
@@ -48,6 +50,8 @@ DOMAINS = {
     "pending_resolution": ("text", "VALUE IN ('COMMIT', 'UNKNOWN')", (
         ("pending", "resolution", "pending_resolution_valid",
          "resolution IN ('COMMIT', 'UNKNOWN')"),)),
+    "op_action": ("text", f"VALUE IN {ACTIONS}", (
+        ("op_record", "action", "op_record_action_valid", f"action IN {ACTIONS}"),)),
 }
 
 
@@ -62,7 +66,7 @@ def message_state_view(schema: str) -> str:
 def columns_typed(schema: str, *, as_domains: bool) -> str:
     """One ALTER TABLE per table: its columns' types, and the table constraints dropped
     (``as_domains``) or added back."""
-    changes: dict[str, list[str]] = {"message": [], "pending": []}
+    changes: dict[str, list[str]] = {"message": [], "pending": [], "op_record": []}
     for domain, (base, _rule, replaced) in DOMAINS.items():
         for table, column, name, rule in replaced:
             new_type = f"{schema}.{domain}" if as_domains else base

@@ -140,26 +140,30 @@ def same_type(inspected: TypeEngine[Any], declared: TypeEngine[Any]) -> bool:
     return isinstance(inspected, type(declared))
 
 
-def test_the_publish_s_columns_are_checked_by_their_domains(engine: Engine, schema: str) -> None:
-    """Each rule on the publish's values holds on its column's domain, and no table constraint
-    of ``message`` or ``pending`` is left for a statement to read (revision 0016)."""
+def test_the_hot_tables_values_are_checked_by_their_domains(engine: Engine, schema: str) -> None:
+    """Each rule on the values of ``message``, ``pending`` and ``op_record`` holds on its
+    column's domain, and no CHECK constraint of theirs is left for a statement to read
+    (revision 0016)."""
     with engine.connect() as conn:
         typed = set(conn.execute(text(
             "SELECT c.table_name, c.column_name, c.domain_name FROM information_schema.columns c "
             "WHERE c.table_schema = :schema AND c.domain_schema = :schema "
-            "AND c.table_name IN ('message', 'pending')"
+            "AND c.table_name IN ('message', 'pending', 'op_record')"
         ), {"schema": schema}).all())
         checks = conn.execute(text(
             "SELECT count(*) FROM pg_constraint WHERE contype = 'c' AND conrelid IN "
-            "(CAST(:message AS regclass), CAST(:pending AS regclass))"),
-            {"message": f"{schema}.message", "pending": f"{schema}.pending"}).scalar_one()
+            "(CAST(:message AS regclass), CAST(:pending AS regclass), "
+            "CAST(:op_record AS regclass))"),
+            {table: f"{schema}.{table}" for table in ("message", "pending", "op_record")}
+        ).scalar_one()
     assert typed == {(table, column, domain) for (table, column), domain in DOMAINS.items()}
     assert checks == 0
     for domain, good, bad in (("shard", "0", "64"), ("shard", "63", "-1"),
                               ("header_keys", "ARRAY['trace']", "ARRAY['a', 'outbox-id']"),
                               ("header_keys", "NULL", "ARRAY['content-type']"),
                               ("pending_status", "'PARKED'", "'DELIVERED'"),
-                              ("pending_resolution", "'UNKNOWN'", "'ROLLBACK'")):
+                              ("pending_resolution", "'UNKNOWN'", "'ROLLBACK'"),
+                              ("op_action", "'RESUMED'", "'SENT'")):
         with engine.connect() as conn:
             conn.execute(text(f"SELECT CAST({good} AS {schema}.{domain})"))
             with pytest.raises(DBAPIError, match=f'domain {schema}.{domain} violates check'):
