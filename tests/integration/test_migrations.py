@@ -151,10 +151,9 @@ def test_the_hot_tables_values_are_checked_by_their_domains(engine: Engine, sche
             "AND c.table_name IN ('message', 'pending', 'op_record')"
         ), {"schema": schema}).all())
         checks = conn.execute(text(
-            "SELECT count(*) FROM pg_constraint WHERE contype = 'c' AND conrelid IN "
-            "(CAST(:message AS regclass), CAST(:pending AS regclass), "
-            "CAST(:op_record AS regclass))"),
-            {table: f"{schema}.{table}" for table in ("message", "pending", "op_record")}
+            "SELECT count(*) FROM pg_constraint "
+            "WHERE contype = 'c' AND conrelid = ANY(CAST(:tables AS regclass[]))"),
+            {"tables": [f"{schema}.{table}" for table in ("message", "pending", "op_record")]}
         ).scalar_one()
     assert typed == {(table, column, domain) for (table, column), domain in DOMAINS.items()}
     assert checks == 0
