@@ -30,6 +30,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TypeVar
 
 from relay_bench import say
 from soak import LatencyMinute, add_load_argument, fresh_services, latency_soak
@@ -38,6 +39,7 @@ REPO = Path(__file__).resolve().parent.parent
 #: Top-level folders installed as subpackages of ``outbox`` (pyproject.toml's package-dir).
 SUBPACKAGES = ("relay", "spark", "migrations")
 WORKTREE = "WORKTREE"
+T = TypeVar("T")
 
 
 def package(revision: str, into: Path) -> Path:
@@ -92,7 +94,7 @@ def packaged(sides: dict[str, str]) -> Iterator[dict[str, Path]]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def in_turn(packages: dict[str, Path], n: int) -> list[tuple[str, Path]]:
+def in_turn(packages: dict[str, T], n: int) -> list[tuple[str, T]]:
     """The sides in round ``n``'s order: old first in odd rounds, new first in even ones, so
     whatever the first run of a round leaves behind (dead rows, a warmer cache) falls on
     each side alike. (Draining the same code on both sides, the second of round 1 ran at

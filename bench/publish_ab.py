@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
+from latency_ab import in_turn
 from publish_bench import BUSINESS_TABLE, pgbench_script, pgbench_tps
 from relay_bench import say
 from soak import fresh_services
@@ -71,7 +72,7 @@ def main() -> None:
         ratios = {(side, c): [] for side in sides for c in args.clients}
         looped: dict[str, list[float]] = {side: [] for side in sides}
         for n in range(1, args.rounds + 1):
-            order = list(sides) if n % 2 else list(sides)[::-1]
+            order = [side for side, _revision in in_turn(sides, n)]
             for clients in args.clients:
                 alone = pgbench_tps(services, clients, args.seconds, bare, schemas["old"])
                 line = f"round {n}, {clients:2} clients: INSERT alone {alone:7,.0f} TPS"

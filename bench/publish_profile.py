@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from functools import partial
@@ -77,7 +78,7 @@ def profiled(run: Callable[[], float], seconds: float, recorded: Path) -> float:
     result: list[float] = []
     worker = threading.Thread(target=lambda: result.append(run()))
     worker.start()
-    threading.Event().wait(1)
+    time.sleep(1)  # pgbench connected and running
     subprocess.run(["perf", "record", "-a", "-g", "-q", "-o", str(recorded), "--", "sleep",
                     f"{seconds - 2:g}"], check=True, capture_output=True)
     worker.join()

@@ -22,6 +22,7 @@ Revises: 0015
 Create Date: 2026-11-27
 """
 
+from collections import defaultdict
 from pathlib import Path
 
 from alembic import op
@@ -56,17 +57,17 @@ DOMAINS = {
 
 
 def message_state_view(schema: str) -> str:
-    """Revision 0004's view (made again by 0006 over the partitioned tables)."""
-    path = Path(__file__).with_name("0004_immutable_messages_pending_queue.py")
-    revision_0004 = load_module_py("outbox_revision_0004", path)
-    view: str = revision_0004.message_state_view(schema)
+    """The view as revision 0006 made it over the partitioned tables."""
+    path = Path(__file__).with_name("0006_partitioned_history.py")
+    revision_0006 = load_module_py("outbox_revision_0006", path)
+    view: str = revision_0006.message_state_view(schema)
     return view
 
 
 def columns_typed(schema: str, *, as_domains: bool) -> str:
     """One ALTER TABLE per table: its columns' types, and the table constraints dropped
     (``as_domains``) or added back."""
-    changes: dict[str, list[str]] = {"message": [], "pending": [], "op_record": []}
+    changes: dict[str, list[str]] = defaultdict(list)
     for domain, (base, _rule, replaced) in DOMAINS.items():
         for table, column, name, rule in replaced:
             new_type = f"{schema}.{domain}" if as_domains else base
