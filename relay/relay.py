@@ -49,6 +49,10 @@ log = logging.getLogger("outbox.relay")
 SLOW_ACK_SECONDS = 5.0
 #: Batches sent but not yet recorded: the database work of one overlaps the next ones' sends.
 PIPELINE_DEPTH = 4
+#: While it delivers without waiting, the relay reads its notifications this often: a relay
+#: that joins (or leaves) tells the others so, and a busy relay would otherwise hear it only
+#: at its next lease renewal, a third of a lease later.
+NOTES_WHILE_BUSY = 0.05
 
 
 class BrokerTrouble(Exception):
@@ -212,11 +216,13 @@ class Relay:
         promote_at = 0.0  # monotonic time of the next look for due delayed rows
         woken = False  # by a notification, since the last fetch
         busy_since = 0.0  # monotonic time of the first of the non-empty fetches in a row
+        notes_at = 0.0  # monotonic time to read notifications, while delivering
         self._keeper.first_tick.wait(self.settings.relay_lease_seconds)
         while not self.stopping.is_set():
             if self._keeper.fatal is not None:
                 raise self._keeper.fatal
             recorder.raise_failure()
+            self._leases.gained.clear()  # the shards read below are the newest
             if self._leases.surplus:
                 recorder.drain()  # never hand back a shard with a batch in flight
                 recorder.raise_failure()
@@ -252,6 +258,10 @@ class Relay:
                 if flight.refused:
                     recorder.drain()  # see _send
                 if not (saw_all and wakeup.asleep_on):
+                    if now >= notes_at:  # fetching again at once: no commit's note is lost
+                        notes_at = now + NOTES_WHILE_BUSY
+                        if self._heed(wakeup.drain()):
+                            promote_at = 0.0
                     continue
                 # Asleep since before the fetch: every commit it could not see notifies, so
                 # fetching again now would find nothing (a round trip and a core's time each
@@ -263,7 +273,7 @@ class Relay:
                     promote_at = 0.0
                 continue
             due = promote_at - time.monotonic() if shards else poll
-            notes = wakeup.wait(max(0.0, min(poll, due)), self.stopping)
+            notes = wakeup.wait(max(0.0, min(poll, due)), self.stopping, self._leases.gained)
             woken = bool(notes)
             if wakeup.waited:
                 busy_since = 0.0  # a pause: not delivering without one

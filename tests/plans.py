@@ -35,20 +35,23 @@ def explained(engine: Engine, schema: str, name: str, params: dict[str, Any]) ->
     return plan
 
 
-def queue(engine: Engine, schema: str, topic: str, n: int) -> list[int]:
-    """``n`` committed messages with their pending rows, 50 keys, written in one statement."""
+def queue(engine: Engine, schema: str, topic: str, n: int, shards: int = 1) -> list[int]:
+    """``n`` committed messages with their pending rows, 50 keys, written in one statement;
+    each key on shard (key number % ``shards``)."""
     with engine.begin() as conn:
         return list(conn.execute(text(f"""
             WITH written AS (
                 INSERT INTO {schema}.message (topic, key, payload, content_type, shard)
-                SELECT :topic, convert_to('k' || (i % 50), 'UTF8'), :payload, 'text/plain', 0
+                SELECT :topic, convert_to('k' || (i % 50), 'UTF8'), :payload, 'text/plain',
+                       i % 50 % :shards
                 FROM generate_series(1, :n) AS i
-                RETURNING id, topic, key, created_at)
+                RETURNING id, topic, key, shard, created_at)
             INSERT INTO {schema}.pending
                 (message_id, shard, topic, key, producer_group, status, resolution, created_at)
-            SELECT id, 0, topic, key, 'default', 'PENDING', 'COMMIT', created_at FROM written
+            SELECT id, shard, topic, key, 'default', 'PENDING', 'COMMIT', created_at
+            FROM written
             RETURNING message_id"""),
-            {"topic": topic, "payload": b"x" * 200, "n": n}).scalars())
+            {"topic": topic, "payload": b"x" * 200, "n": n, "shards": shards}).scalars())
 
 
 def explained_prepared(engine: Engine, schema: str, name: str, params: dict[str, Any]

@@ -21,6 +21,7 @@ from tests.conftest import (
     wait_delivered,
     wait_until,
 )
+from tests.plans import queue
 from tests.processes import start_outbox
 
 pytestmark = both_transports
@@ -121,6 +122,35 @@ def test_graceful_stop_hands_the_shards_over_at_once(
         wait_until(lambda: owners(engine, schema)["stays"] == SHARDS, 10,
                    "the remaining relay to own every shard")
         assert time.monotonic() - stopped < 10, "handed over long before the 30 s lease ends"
+
+
+def test_a_relay_joining_a_busy_one_takes_its_share_of_the_backlog(
+    engine: Engine, settings: Settings, schema: str, topic: str
+) -> None:
+    """A relay draining a backlog never waits for a notification, so it reads them between
+    batches: it hands a newcomer its share long before its next lease renewal (20 s here),
+    and the newcomer delivers from the moment it holds shards, not a poll (30 s) later."""
+    slow = settings.model_copy(update={"relay_lease_seconds": 60, "relay_poll_interval": 30,
+                                       "relay_batch_size": 1})
+    ids = queue(engine, schema, topic, 20_000, shards=SHARDS)
+    with running_relay(slow.model_copy(update={"worker_id": "busy"})):
+        wait_until(lambda: delivered_by(engine, schema).get("busy", 0) > 0, 30,
+                   "the first relay to deliver")
+        with running_relay(slow.model_copy(update={"worker_id": "newcomer"})):
+            wait_until(lambda: delivered_by(engine, schema).get("newcomer", 0) > 0, 15,
+                       "the newcomer to deliver its share of the backlog")
+            split = delivered_by(engine, schema)
+            wait_delivered(engine, schema, len(ids), timeout=120)
+    assert split["busy"] < len(ids) - 1_000, "joined long before the backlog ran out"
+    seen = assert_per_key_order(engine, schema, settings.kafka_bootstrap, topic)
+    assert set(seen) == set(ids)
+
+
+def delivered_by(engine: Engine, schema: str) -> dict[str, int]:
+    with engine.connect() as conn:
+        return dict(conn.execute(text(  # type: ignore[arg-type]
+            f"SELECT actor, count(*) FROM {schema}.op_record WHERE action = 'DELIVERED' "
+            f"GROUP BY actor")).all())
 
 
 def test_killed_relay_is_replaced_within_its_lease_and_nothing_is_lost(

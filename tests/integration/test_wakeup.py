@@ -34,7 +34,7 @@ def wakeup(settings: Settings, schema: str) -> Iterator[Wakeup]:
 
 
 def notified(wakeup: Wakeup) -> set[str]:
-    return wakeup.wait(0.5, threading.Event())
+    return wakeup.wait(0.5, threading.Event(), threading.Event())
 
 
 def wake_locks(engine: Engine) -> int:
