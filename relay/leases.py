@@ -43,8 +43,9 @@ class Leases:
         #: owned shards whose sends may be unrecorded: not fetched until their tail is read
         self._unsettled: frozenset[int] = frozenset()
         self._valid_until = 0.0
-        #: set when this relay takes shards (the main loop waits on it too)
-        self.gained = threading.Event()
+        #: set when this relay takes shards or has some to hand back (the main loop, waiting
+        #: for a notification, wakes on it too)
+        self.changed = threading.Event()
 
     @property
     def valid(self) -> bool:
@@ -96,8 +97,8 @@ class Leases:
             self._unsettled = (self._unsettled | dirty) & self._owned
             self._surplus = frozenset(sorted(mine)[share:])
             self._valid_until = started + self.lease_seconds * 0.8
-        if self._owned - before:
-            self.gained.set()
+        if self._owned - before or self._surplus:
+            self.changed.set()
         if before != self._owned:
             log.info("relay %s owns %d shards (+%d -%d, %d to settle) of %d relays",
                      self.worker_id, len(self._owned), len(self._owned - before),

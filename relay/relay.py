@@ -222,7 +222,7 @@ class Relay:
             if self._keeper.fatal is not None:
                 raise self._keeper.fatal
             recorder.raise_failure()
-            self._leases.gained.clear()  # the shards read below are the newest
+            self._leases.changed.clear()  # the shards read below are the newest
             if self._leases.surplus:
                 recorder.drain()  # never hand back a shard with a batch in flight
                 recorder.raise_failure()
@@ -273,7 +273,7 @@ class Relay:
                     promote_at = 0.0
                 continue
             due = promote_at - time.monotonic() if shards else poll
-            notes = wakeup.wait(max(0.0, min(poll, due)), self.stopping, self._leases.gained)
+            notes = wakeup.wait(max(0.0, min(poll, due)), self.stopping, self._leases.changed)
             woken = bool(notes)
             if wakeup.waited:
                 busy_since = 0.0  # a pause: not delivering without one

@@ -70,16 +70,16 @@ class Wakeup:
             store.rise(self._conn, self._schema)
             self.asleep_on = frozenset()
 
-    def wait(self, timeout: float, stop: threading.Event, gained: threading.Event,
+    def wait(self, timeout: float, stop: threading.Event, changed: threading.Event,
              slice_seconds: float = 0.1) -> set[str]:
-        """Block until notified, ``timeout``, ``stop`` or ``gained`` (the relay took shards);
-        returns the payloads received (``""`` for a commit, ``"rebalance"`` when a relay
-        joined or left). Sets ``waited``: whether nothing had arrived yet (the relay
-        paused)."""
+        """Block until notified, ``timeout``, ``stop`` or ``changed`` (the relay took shards
+        or has some to hand back); returns the payloads received (``""`` for a commit,
+        ``"rebalance"`` when a relay joined or left). Sets ``waited``: whether nothing had
+        arrived yet (the relay paused)."""
         payloads = self.drain()
         self.waited = not payloads
         remaining = timeout
-        while not payloads and remaining > 0 and not stop.is_set() and not gained.is_set():
+        while not payloads and remaining > 0 and not stop.is_set() and not changed.is_set():
             step = min(slice_seconds, remaining)
             payloads = {n.payload for n in self._conn.notifies(timeout=step, stop_after=1)}
             remaining -= step

@@ -10,7 +10,7 @@ from collections import Counter
 
 from sqlalchemy import Engine, text
 
-from outbox import Outbox
+from outbox import Outbox, store
 from outbox.dev.topics import read_topic
 from outbox.schema import SHARDS
 from outbox.settings import Settings
@@ -132,7 +132,7 @@ def test_a_relay_joining_a_busy_one_takes_its_share_of_the_backlog(
     and the newcomer delivers from the moment it holds shards, not a poll (30 s) later."""
     slow = settings.model_copy(update={"relay_lease_seconds": 60, "relay_poll_interval": 30,
                                        "relay_batch_size": 1})
-    ids = queue(engine, schema, topic, 20_000, shards=SHARDS)
+    ids = queue(engine, schema, topic, 6_000, shards=SHARDS)
     with running_relay(slow.model_copy(update={"worker_id": "busy"})):
         wait_until(lambda: delivered_by(engine, schema).get("busy", 0) > 0, 30,
                    "the first relay to deliver")
@@ -142,6 +142,33 @@ def test_a_relay_joining_a_busy_one_takes_its_share_of_the_backlog(
             split = delivered_by(engine, schema)
             wait_delivered(engine, schema, len(ids), timeout=120)
     assert split["busy"] < len(ids) - 1_000, "joined long before the backlog ran out"
+    seen = assert_per_key_order(engine, schema, settings.kafka_bootstrap, topic)
+    assert set(seen) == set(ids)
+
+
+def test_a_busy_relay_takes_the_shards_of_one_that_stops_at_once(
+    engine: Engine, settings: Settings, schema: str, topic: str
+) -> None:
+    """The other way round: a relay stopping gracefully hands its shards back with a NOTIFY,
+    and a relay draining a backlog takes them between batches, not at its next lease
+    renewal (100 s here)."""
+    slow = settings.model_copy(update={"relay_lease_seconds": 300, "relay_poll_interval": 30,
+                                       "relay_batch_size": 1})
+    with running_relay(slow.model_copy(update={"worker_id": "stays"})):
+        wait_until(lambda: owners(engine, schema)["stays"] == SHARDS, 10, "stays owns all")
+        with running_relay(slow.model_copy(update={"worker_id": "leaves"})):
+            wait_until(lambda: owners(engine, schema)["leaves"] == SHARDS // 2, 15, "a split")
+            ids = queue(engine, schema, topic, 6_000, shards=SHARDS)
+            with engine.begin() as conn:  # both asleep: wake them, as a publish would
+                conn.execute(text("SELECT pg_notify(:channel, '')"),
+                             {"channel": store.notify_channel(schema)})
+            wait_until(lambda: len(delivered_by(engine, schema)) == 2, 30,
+                       "both relays to deliver")
+        wait_until(lambda: owners(engine, schema)["stays"] == SHARDS, 5,
+                   "the busy relay to take every shard")
+        took_over = sum(delivered_by(engine, schema).values())
+        wait_delivered(engine, schema, len(ids), timeout=120)
+    assert took_over < len(ids) - 1_000, "it was still busy with the backlog"
     seen = assert_per_key_order(engine, schema, settings.kafka_bootstrap, topic)
     assert set(seen) == set(ids)
 
