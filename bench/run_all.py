@@ -206,8 +206,8 @@ def main() -> None:
                                         statistics.median(runs[client]), "msg/s", raw,
                                         "raw kafka-python", (">=", target)))
         # With kafka-python one relay is bound by its interpreter, not by the database or
-        # the cores: a second process adds a second one. With librdkafka one relay already
-        # keeps both cores busy (BENCHMARKS.md, "Scale-out, session 26").
+        # the cores: a second process adds a second one. With librdkafka one relay leaves
+        # about a quarter of a core idle (BENCHMARKS.md, "Scale-out, session 26").
         for client in ("kafka-python", "confluent"):
             relay_figures.append(Figure(f"2 relays, {client} transport{of(rounds)}",
                                         statistics.median(runs[f"2 relays, {client}"]), "msg/s",
