@@ -217,7 +217,8 @@ def relay_throughput(services: devservices.Services, engine: Engine, env: dict[s
     if relays == 1:
         return rate
     if (both := together(engine, schema, relays)) is None:
-        say(f"   (not all {relays} relays delivered: the rate from the first delivery)")
+        say(f"   (the {relays} relays did not deliver side by side: the rate from the first "
+            "delivery)")
         return rate
     return both
 
@@ -225,7 +226,7 @@ def relay_throughput(services: devservices.Services, engine: Engine, env: dict[s
 def together(engine: Engine, schema: str, relays: int) -> float | None:
     """Messages per second recorded from the moment the last of ``relays`` relays recorded
     its first delivery to the last delivery (op records' times); None if some delivered
-    nothing."""
+    nothing, or nothing was recorded after the last one's first delivery."""
     with engine.connect() as conn:
         row = conn.execute(text(f"""
             WITH firsts AS (SELECT actor, min(created_at) AS at FROM {schema}.op_record
@@ -235,8 +236,8 @@ def together(engine: Engine, schema: str, relays: int) -> float | None:
                    extract(epoch FROM max(o.created_at) - since.at) AS seconds
             FROM {schema}.op_record AS o, since
             WHERE o.action = 'DELIVERED' AND o.created_at > since.at
-            GROUP BY since.relays, since.at""")).one()
-    return float(row.n / row.seconds) if row.relays == relays else None
+            GROUP BY since.relays, since.at""")).one_or_none()
+    return float(row.n / row.seconds) if row is not None and row.relays == relays else None
 
 
 def batch_cost(services: devservices.Services, engine: Engine, history: int,

@@ -99,9 +99,7 @@ def test_two_relays_split_the_shards_and_keep_each_keys_order(
             ids = publish_concurrently(engine, outbox, topic, writers=4, transactions=100,
                                        keys=60)
             wait_delivered(engine, schema, len(ids), timeout=60)
-    with engine.connect() as conn:
-        by_actor = dict(conn.execute(text(
-            f"SELECT actor, count(*) FROM {schema}.op_record GROUP BY actor")).all())
+    by_actor = delivered_by(engine, schema)
     assert set(by_actor) == {"relay-a", "relay-b"}, "both relays delivered"
     seen = assert_per_key_order(engine, schema, settings.kafka_bootstrap, topic)
     assert set(seen) == set(ids)
@@ -174,6 +172,7 @@ def test_a_busy_relay_takes_the_shards_of_one_that_stops_at_once(
 
 
 def delivered_by(engine: Engine, schema: str) -> dict[str, int]:
+    """How many messages each relay (worker id) has recorded as delivered."""
     with engine.connect() as conn:
         return dict(conn.execute(text(  # type: ignore[arg-type]
             f"SELECT actor, count(*) FROM {schema}.op_record WHERE action = 'DELIVERED' "
