@@ -3,9 +3,11 @@ partition, so per-key order survives the switch (DESIGN §3.4)."""
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
+from kafka.admin import KafkaAdminClient
 from kafka.partitioner.default import DefaultPartitioner
 
 from outbox.dev import services as devservices
@@ -58,6 +60,49 @@ def test_the_relay_s_remembered_key_hashes_place_keys_as_kafka_python_s_partitio
             assert chosen == [default.partition(topic, k, k, b"", b"", cluster) for k in keys]
         assert len(set(chosen)) == 7 and 0 < len(remembered.hashes) <= 16
     finally:
+        transport.close(10)
+
+
+def test_the_relay_s_remembered_partitions_follow_a_topic_made_again_with_more(
+    services: devservices.Services, settings: Settings
+) -> None:
+    """The partitioner remembers each topic's sorted partitions until kafka-python's next
+    metadata update: a topic deleted and made again with 5 partitions instead of 3 places
+    its keys over 5, as kafka-python's own partitioner does."""
+    topic = f"regrown-{uuid.uuid4().hex[:8]}"
+    create_topic(services.kafka_bootstrap, topic, partitions=3)
+    transport = make_transport(settings.model_copy(update={"kafka_client": "kafka-python"}))
+    admin = KafkaAdminClient(bootstrap_servers=services.kafka_bootstrap)
+    try:
+        producer = transport.producer  # type: ignore[attr-defined]
+        remembered, cluster = producer.config["partitioner"], producer._metadata
+        keys = [f"order-{n}".encode() for n in range(100)]
+        assert str(producer) == (f"<KafkaProducer client_id={producer.config['client_id']} "
+                                 "transactional_id=None>"), "its name, formatted once"
+
+        def placed() -> list[int]:
+            chosen = [remembered.partition(topic, k, k, b"", b"", cluster) for k in keys]
+            assert chosen == [DefaultPartitioner().partition(topic, k, k, b"", b"", cluster)
+                              for k in keys]
+            return chosen
+
+        assert set(producer.partitions_for(topic)) == {0, 1, 2}
+        assert set(placed()) == {0, 1, 2}
+        assert remembered.sorted == {topic: [0, 1, 2]}
+        admin.delete_topics([topic])
+        create_topic(services.kafka_bootstrap, topic, partitions=5)
+        deadline = time.monotonic() + 30
+        while len(cluster.partitions_for_topic(topic) or ()) != 5:
+            assert time.monotonic() < deadline, "kafka-python never saw 5 partitions"
+            cluster.request_update()
+            producer._sender.wakeup()
+            time.sleep(0.1)
+        assert set(placed()) == {0, 1, 2, 3, 4}
+        sent = [transport.send(topic, k, b"{}", []) for k in keys]
+        assert transport.wait(sent, 30)
+        assert [d.partition for d in sent] == placed()
+    finally:
+        admin.close()
         transport.close(10)
 
 
