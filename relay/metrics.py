@@ -2,13 +2,63 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import bisect
+import collections
+import itertools
+import math
+import threading
+from collections.abc import Iterable, Iterator, Sequence
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    start_http_server,
+)
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 from sqlalchemy import Connection
 
 from outbox import store
 from outbox.exceptions import ConfigurationError
+
+
+class BatchHistogram(Collector):
+    """A Prometheus histogram observed a batch at a time (the same series as the client's
+    ``Histogram``, without ``_created``). ``Histogram.observe`` takes one value a call and
+    walks the buckets in Python for each: once per message delivered, that was 3% of a
+    draining relay's interpreter time."""
+
+    def __init__(self, name: str, documentation: str, buckets: Sequence[float],
+                 registry: CollectorRegistry = REGISTRY) -> None:
+        self.name, self.documentation = name, documentation
+        self._bounds = [*buckets, math.inf]
+        self._counts = [0] * len(self._bounds)
+        self._sum = 0.0
+        self._lock = threading.Lock()
+        registry.register(self)
+
+    def observe_all(self, amounts: Iterable[float]) -> None:
+        amounts = list(amounts)
+        where = collections.Counter(map(bisect.bisect_left, itertools.repeat(self._bounds),
+                                        amounts))  # the first bucket whose bound is ≥ it
+        with self._lock:
+            for bucket, count in where.items():
+                self._counts[bucket] += count
+            self._sum += sum(amounts)
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        with self._lock:
+            counts, total = list(self._counts), self._sum
+        yield HistogramMetricFamily(
+            self.name, self.documentation, sum_value=total,
+            buckets=[(floatToGoString(bound), cumulative)  # type: ignore[no-untyped-call]
+                     for bound, cumulative in zip(self._bounds, itertools.accumulate(counts),
+                                                  strict=True)])
+
 
 DELIVERED = Counter("outbox_messages_delivered", "Messages acknowledged by Kafka", ["topic"])
 PARKED = Counter("outbox_messages_parked", "Messages parked after permanent rejection",
@@ -19,7 +69,7 @@ FAILURES = Counter("outbox_delivery_failures", "Failed delivery attempts", ["kin
 FAILURE_KINDS = ("permanent", "retriable")
 for _kind in FAILURE_KINDS:
     FAILURES.labels(_kind)
-LATENCY = Histogram(
+LATENCY = BatchHistogram(
     "outbox_delivery_latency_seconds",
     "From the start of the transaction that wrote the prepare row to the recorded broker ack "
     "(includes deliberate delays and waits for a two-phase decision)",
