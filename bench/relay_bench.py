@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from confluent_kafka import Producer
@@ -183,13 +184,38 @@ def stop(relays: list[subprocess.Popen[bytes]]) -> None:
         relay.wait(60)
 
 
+def cpu_seconds(relays: list[subprocess.Popen[bytes]]) -> float:
+    """The CPU time (user and system, every thread) the running ``relays`` have used."""
+    ticks = 0
+    for relay in relays:
+        with open(f"/proc/{relay.pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True)
+class Drained:
+    #: messages per second (see :func:`drain`)
+    rate: float
+    #: CPU seconds the relay processes used from the first delivery to the last
+    cpu: float
+
+
 def relay_throughput(services: devservices.Services, engine: Engine, env: dict[str, str],
                      relays: int, n: int, history: int = 0, client: str = "kafka-python",
                      tag: str = "") -> float:
     """Messages per second that ``relays`` relays deliver, draining ``n`` committed rows
-    (``tag`` keeps repeated runs in schemas and topics of their own): from the first delivery
-    to the last, or with several relays from the moment each has delivered (:func:`together`:
-    one process starting later than another is not what a second relay adds)."""
+    (:func:`drain`)."""
+    return drain(services, engine, env, relays, n, history, client, tag).rate
+
+
+def drain(services: devservices.Services, engine: Engine, env: dict[str, str], relays: int,
+          n: int, history: int = 0, client: str = "kafka-python", tag: str = "") -> Drained:
+    """``relays`` relays draining ``n`` committed rows (``tag`` keeps repeated runs in schemas
+    and topics of their own). The rate counts from the first delivery to the last, or with
+    several relays from the moment each has delivered (:func:`together`: one process
+    starting later than another is not what a second relay adds)."""
     suffix = ("" if client == "kafka-python" else "_librdkafka") + (f"_{tag}" if tag else "")
     schema = f"bench_{relays}_{history}{suffix}"
     topic = f"bench-{relays}-{history}{suffix}".replace("_", "-")
@@ -208,19 +234,21 @@ def relay_throughput(services: devservices.Services, engine: Engine, env: dict[s
             running(processes)
             time.sleep(0.005)
         started, first = time.perf_counter(), delivered(engine, schema)
+        cpu_before = cpu_seconds(processes)
         while (done := delivered(engine, schema)) < baseline + n:
             running(processes)
             time.sleep(0.05)
         rate = (done - first) / (time.perf_counter() - started)
+        cpu = cpu_seconds(processes) - cpu_before
     finally:
         stop(processes)
-    if relays == 1:
-        return rate
-    if (both := together(engine, schema, relays)) is None:
-        say(f"   (the {relays} relays did not deliver side by side: the rate from the first "
-            "delivery)")
-        return rate
-    return both
+    if relays > 1:
+        if (both := together(engine, schema, relays)) is None:
+            say(f"   (the {relays} relays did not deliver side by side: the rate from the "
+                "first delivery)")
+        else:
+            rate = both
+    return Drained(rate, cpu)
 
 
 def together(engine: Engine, schema: str, relays: int) -> float | None:
