@@ -19,18 +19,15 @@ import re
 import subprocess
 import threading
 import time
-from pathlib import Path
 from typing import NamedTuple
 
-from relay_bench import delivered, running, say, start_relays, stop
+from relay_bench import cpu_seconds, delivered, running, say, start_relays, stop
 from soak import PARTITIONS, fresh_services, publish_at_rate
 from sqlalchemy import Engine, text
 
 from outbox import Outbox, migrate, store
 from outbox.dev import services as devservices
 from outbox.dev.topics import create_topic
-
-TICKS = os.sysconf("SC_CLK_TCK")
 
 
 class Statement(NamedTuple):
@@ -41,15 +38,6 @@ class Statement(NamedTuple):
     planning: float
     execution: float
     wal: int
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of ``pid`` so far (0 once it is gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / TICKS
 
 
 def client_pids() -> dict[int, int]:

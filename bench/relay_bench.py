@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from confluent_kafka import Producer
@@ -184,14 +185,13 @@ def stop(relays: list[subprocess.Popen[bytes]]) -> None:
         relay.wait(60)
 
 
-def cpu_seconds(relays: list[subprocess.Popen[bytes]]) -> float:
-    """The CPU time (user and system, every thread) the running ``relays`` have used."""
-    ticks = 0
-    for relay in relays:
-        with open(f"/proc/{relay.pid}/stat") as stat:
-            fields = stat.read().rsplit(")", 1)[1].split()
-        ticks += int(fields[11]) + int(fields[12])  # utime, stime
-    return ticks / os.sysconf("SC_CLK_TCK")
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of ``pid`` so far, every thread (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True)
@@ -234,12 +234,12 @@ def drain(services: devservices.Services, engine: Engine, env: dict[str, str], r
             running(processes)
             time.sleep(0.005)
         started, first = time.perf_counter(), delivered(engine, schema)
-        cpu_before = cpu_seconds(processes)
+        cpu_before = sum(cpu_seconds(relay.pid) for relay in processes)
         while (done := delivered(engine, schema)) < baseline + n:
             running(processes)
             time.sleep(0.05)
         rate = (done - first) / (time.perf_counter() - started)
-        cpu = cpu_seconds(processes) - cpu_before
+        cpu = sum(cpu_seconds(relay.pid) for relay in processes) - cpu_before
     finally:
         stop(processes)
     if relays > 1:
