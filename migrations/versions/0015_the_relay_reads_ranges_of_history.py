@@ -15,7 +15,8 @@ Reading a partition directly needs SELECT on it, not only on the parent:
   there is now: this upgrade calls it, and so does ``outbox db upgrade --create-roles``, which
   starts by taking every grant back.
 
-A relay without the grant reads through the parent, as before.
+A relay without the grant reads through the parent, as before. The downgrade takes the
+grants back (``revoke_ranges``).
 
 Revision ID: 0015
 Revises: 0014
@@ -78,6 +79,24 @@ $body$;
 REVOKE ALL ON FUNCTION {schema}.grant_ranges() FROM PUBLIC;"""
 
 
+def revoke_ranges(schema: str) -> str:
+    """Takes back from ``{schema}_relay`` the SELECT on each range of ``message``."""
+    return f"""
+DO $body$
+DECLARE
+    range_name text;
+BEGIN
+    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{schema}_relay') THEN
+        RETURN;
+    END IF;
+    FOR range_name IN SELECT b.name FROM {schema}.partition_bounds('{schema}.message') AS b
+    LOOP
+        EXECUTE format('REVOKE SELECT ON {schema}.%I FROM %I', range_name, '{schema}_relay');
+    END LOOP;
+END
+$body$;"""
+
+
 def upgrade() -> None:
     schema = target_schema()
     op.execute(partition_functions(schema, granted=True))
@@ -89,3 +108,4 @@ def downgrade() -> None:
     schema = target_schema()
     op.execute(f"DROP FUNCTION {schema}.grant_ranges()")
     op.execute(partition_functions(schema, granted=False))
+    op.execute(revoke_ranges(schema))
