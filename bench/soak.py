@@ -55,6 +55,7 @@ from relay_bench import (
     delivered,
     migrate_as,
     preload,
+    recorded,
     relay_throughput,
     say,
     settle_database,
@@ -374,14 +375,6 @@ def partitions(engine: Engine, schema: str) -> int:
         return int(conn.execute(text(
             "SELECT count(*) FROM pg_partition_tree(:t) WHERE isleaf"),
             {"t": f"{schema}.message"}).scalar_one())
-
-
-def recorded(engine: Engine, schema: str) -> int:
-    """Op records ever inserted (only DELIVERED ones in this run): their id sequence, which
-    neither retention's drops nor its deletes take back."""
-    with engine.connect() as conn:
-        return int(conn.execute(text(
-            f"SELECT last_value FROM {schema}.op_record_id_seq")).scalar_one())
 
 
 def backlog(engine: Engine, schema: str) -> int:
