@@ -416,7 +416,7 @@ def sizes(engine: Engine) -> list[Any]:
             FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
             WHERE n.nspname LIKE 'bench_%' AND c.relkind IN ('r', 'i')
               AND c.relname IN ('message', 'op_record', 'message_pkey', 'message_relay_idx',
-                                'op_record_pkey', 'op_record_message_id_idx')
+                                'op_record_pkey')
               AND pg_relation_size(c.oid) > 0
             ORDER BY n.nspname, c.relkind DESC, c.relname""")))
 

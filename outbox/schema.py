@@ -20,6 +20,7 @@ from sqlalchemy import (
     Integer,
     LargeBinary,
     MetaData,
+    PrimaryKeyConstraint,
     SmallInteger,
     Table,
     Text,
@@ -155,15 +156,16 @@ pending = Table(
 op_record = Table(
     "op_record",
     metadata,
-    Column("id", BigInteger, Identity(always=False), primary_key=True),
-    Column("message_id", BigInteger, primary_key=True),
+    Column("id", BigInteger, Identity(always=False), nullable=False),
+    Column("message_id", BigInteger, nullable=False),
     Column("action", Text, nullable=False),
     Column("actor", Text, nullable=False),
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Column("kafka_partition", Integer),
     Column("kafka_offset", BigInteger),
     Column("detail", Text),
-    Index("op_record_message_id_idx", "message_id"),
+    # a message's op records are what every reader looks up (revision 0017)
+    PrimaryKeyConstraint("message_id", "id", name="op_record_pkey"),
     Index("op_record_created_at_idx", "created_at", postgresql_using="brin"),
     postgresql_partition_by="RANGE (message_id)",
 )

@@ -606,8 +606,9 @@ def test_upgrade_to_0016_rewrites_no_table_and_rows_keep_flowing_and_downgrade_b
     try:
         before = publish_orders(engine, outbox, topic, [(f"k{i % 3}", i) for i in range(9)])
         held = files(engine, name)
-        migrate.upgrade(services.database_url, name)
+        migrate.upgrade(services.database_url, name, "0016")
         after = files(engine, name)
+        migrate.upgrade(services.database_url, name)
         assert after.keys() >= held.keys()  # (and the ranges made ahead since)
         assert {relation for relation in held if held[relation] != after[relation]} == {
             "pending_relay_idx", "pending_check_idx", "pending_hold_idx", "pending_delayed_idx"}
@@ -628,6 +629,66 @@ def test_upgrade_to_0016_rewrites_no_table_and_rows_keep_flowing_and_downgrade_b
                               f"producer_group, status, resolution, created_at) "
                               f"VALUES (0, 0, 't', 'g', 'DELIVERED', 'COMMIT', now())"))
         assert count_status(engine, name, "DELIVERED") == 12
+    finally:
+        drop_schema(engine, name)
+
+
+def op_record_indexes(engine: Engine, schema: str) -> set[tuple[str, str]]:
+    """(table, the columns each index of op_record and its ranges is on)."""
+    with engine.connect() as conn:
+        return {(table, definition.split(" USING ")[1]) for table, definition in conn.execute(
+            text("SELECT tablename, indexdef FROM pg_indexes "
+                 "WHERE schemaname = :schema AND tablename LIKE 'op_record%'"),
+            {"schema": schema})}
+
+
+def test_upgrade_to_0017_keys_op_records_by_message_and_rows_keep_flowing_and_downgrade_back(
+    services: devservices.Services, engine: Engine, settings: Settings, topic: str
+) -> None:
+    """0017 keys op_record by (message_id, id) in place of its key (id, message_id) and its
+    index on message_id, over every range: op records written before it stay, the rows
+    published before it are delivered after it in key order, and a message's op records
+    are read through the key. The downgrade builds the old key and index again."""
+    name = f"m_{uuid.uuid4().hex[:12]}"
+    migrate.upgrade(services.database_url, name)
+    relay_settings = settings.model_copy(update={"schema_name": name})
+    outbox = Outbox(settings=relay_settings)
+    try:
+        delivered = publish_orders(engine, outbox, topic, [(f"k{i % 3}", i) for i in range(6)])
+        with running_relay(relay_settings):
+            wait_delivered(engine, name, 6)
+        migrate.downgrade(services.database_url, name, "0016")
+        tables = {table for table, _ in op_record_indexes(engine, name)}
+        assert {"op_record", "op_record_default"} < tables  # and the ranges
+        assert op_record_indexes(engine, name) == {
+            (table, columns) for table in tables
+            for columns in ("btree (id, message_id)", "btree (message_id)", "brin (created_at)")}
+        waiting = publish_orders(engine, outbox, topic, [(f"k{i % 3}", i) for i in range(6, 9)])
+        migrate.upgrade(services.database_url, name)
+        assert op_record_indexes(engine, name) == {
+            (table, columns) for table in tables
+            for columns in ("btree (message_id, id)", "brin (created_at)")}
+        with running_relay(relay_settings):
+            wait_delivered(engine, name, 9)
+        records = read_topic(services.kafka_bootstrap, topic)
+        assert sorted(r.message_id for r in records) == [*delivered, *waiting]
+        for key in ("k0", "k1", "k2"):
+            ids = [r.message_id for r in records if r.key == key.encode()]
+            assert ids == sorted(ids), f"key {key} delivered in order"
+        with engine.connect() as conn:
+            assert conn.execute(text(
+                f"SELECT message_id, count(*) FROM {name}.op_record GROUP BY message_id "
+                f"ORDER BY message_id")).all() == [(i, 1) for i in [*delivered, *waiting]]
+            conn.execute(text("SET LOCAL enable_seqscan = off"))  # a few rows: as if many
+            plan = "\n".join(conn.execute(text(
+                f"EXPLAIN SELECT detail FROM {name}.op_record WHERE message_id = :id "
+                f"ORDER BY id DESC LIMIT 1"), {"id": waiting[0]}).scalars())
+        assert "Index Scan Backward using op_record_p" in plan and "_pkey" in plan, plan
+        migrate.downgrade(services.database_url, name, "0016")
+        assert op_record_indexes(engine, name) == {
+            (table, columns) for table in tables
+            for columns in ("btree (id, message_id)", "btree (message_id)", "brin (created_at)")}
+        assert count_status(engine, name, "DELIVERED") == 9
     finally:
         drop_schema(engine, name)
 
