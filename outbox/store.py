@@ -135,8 +135,8 @@ DELIVERY_SETTINGS = {**SESSION_SETTINGS, "enable_sort": "off"}
 #: The relay's fetching connection: the first step of the fetch, planned once (see
 #: :func:`fetch_deliverable`).
 FETCHING_SETTINGS = {**DELIVERY_SETTINGS, "plan_cache_mode": "force_generic_plan"}
-#: At most this many ids in flight for the fetch's plan made once: it compares each row it
-#: walks with each of them, where a plan for the ids hashes them.
+#: At most this many ids in flight for the fetch's plan made once (session 22 measured its
+#: plans up to here; the ids were then compared one by one, they are now ranges: id_ranges).
 PLANNED_ONCE_IN_FLIGHT = 64
 RECORDING_SETTINGS = {**SESSION_SETTINGS, "enable_seqscan": "off",
                       "plan_cache_mode": "force_generic_plan"}
@@ -299,8 +299,8 @@ def fetch_deliverable(
 
     * the ids, while at most :data:`PLANNED_ONCE_IN_FLIGHT` are in flight. The relay's p50
       commit → ack at 1,000 msg/s was 0.7-3.3 ms lower in each of 5 alternated rounds
-      (BENCHMARKS.md, "Latency, session 22"). More ids in flight would be compared row by
-      row in a plan made once, so they go to ``conn``, which plans for them (a hashed list);
+      (BENCHMARKS.md, "Latency, session 22"). With more in flight (a backlog) it runs on
+      ``conn``, planned for its parameters;
     * the messages, when one range of ``message`` holds them all: read from that range, a
       plan made once locks it alone, where one of the parent would lock every range of
       retained history ("Latency, session 23"). Otherwise through the parent, on ``conn``,
@@ -309,7 +309,7 @@ def fetch_deliverable(
     With few ids in flight and a range hot (the last batch was read from it), both steps
     are one statement, ``fetch_batch``: one round trip a batch ("Latency, session 24").
     The ids whose messages lie elsewhere are read again by the second step."""
-    params = {"shards": int_array(shards), "limit": limit, "in_flight": int_array(in_flight),
+    params = {"shards": int_array(shards), "limit": limit, "in_flight": id_ranges(in_flight),
               "held": list(held)}
     once = fetching if fetching is not None and len(in_flight) <= PLANNED_ONCE_IN_FLIGHT \
         else None
@@ -353,6 +353,25 @@ def int_array(values: Iterable[int]) -> str:
     batch's 2,000 acks (ids, partitions, offsets) took 5.6 ms of client CPU that way, 1.1 ms
     this way, and the relay passes them, and the ids in flight, with every batch."""
     return "{" + ",".join(map(str, map(int, values))) + "}"
+
+
+def id_ranges(values: Iterable[int]) -> str:
+    """``values`` as an ``int8multirange`` literal, each run of consecutive ids one range,
+    for a ``CAST(:name AS int8multirange) @> id`` test: the ids a relay has in flight. As an
+    array, ``<> ALL`` had the planner weigh each id: 2.8 ms of planning with 6,000 in flight,
+    0.5 ms as ranges (BENCHMARKS.md, "The ids in flight as ranges, session 28")."""
+    runs: list[str] = []
+    first = last = None
+    for value in map(int, values):
+        if last is not None and value == last + 1:
+            last = value
+            continue
+        if last is not None:
+            runs.append(f"[{first},{last}]")
+        first = last = value
+    if last is not None:
+        runs.append(f"[{first},{last}]")
+    return "{" + ",".join(runs) + "}"
 
 
 def _driver_sql(name: str, schema: str) -> str:

@@ -35,7 +35,8 @@ SELECT {schema}.publish_message(
 -- (relay/holds.py); at most :limit. Chosen in the pending table alone (its partial index:
 -- the cost follows the backlog). The relay runs it with enable_sort off (store.engine):
 -- every way but that walk sorts. With few ids in flight it runs on a plan made once
--- (store.fetch_deliverable), which compares each row it walks with each of them.
+-- (store.fetch_deliverable). The ids in flight come as ranges (store.id_ranges): as an array
+-- the planner weighed each of them, 2.8 ms of planning with 6,000 in flight.
 SELECT p.message_id
 FROM {schema}.pending AS p
 WHERE p.status = 'PENDING' AND p.resolution = 'COMMIT'
@@ -45,7 +46,7 @@ WHERE p.status = 'PENDING' AND p.resolution = 'COMMIT'
       WHERE h.topic = p.topic AND h.key = p.key AND h.message_id < p.message_id
         AND h.key IS NOT NULL
         AND (h.status = 'DELAYED' OR (h.status = 'PENDING' AND h.resolution = 'UNKNOWN')))
-  AND p.message_id <> ALL(CAST(:in_flight AS bigint[]))
+  AND NOT (CAST(:in_flight AS int8multirange) @> p.message_id)
   AND p.topic <> ALL(CAST(:held AS text[]))
 ORDER BY p.message_id
 LIMIT :limit;

@@ -186,3 +186,4 @@ def test_a_batch_stops_at_its_byte_budget_but_always_holds_one_message(
         assert batch(1_000_000_000) == ids
         assert batch(1024) == ids[:1], "one message bigger than the budget still goes"
         assert batch(700_000, in_flight=ids[:3]) == ids[3:]
+        assert batch(1_000_000_000, in_flight=[ids[3], ids[0], ids[2]]) == [ids[1], ids[4]]

@@ -33,7 +33,7 @@ def test_the_fetch_reads_its_batch_not_the_retained_history(
         batch = store.fetch_deliverable(conn, schema, range(SHARDS), 2000)
     assert [row.id for row in batch] == ids[2900:]
     picked = explained(engine, schema, "fetch_deliverable", {
-        "shards": store.int_array(range(SHARDS)), "limit": 2000, "in_flight": store.int_array(()),
+        "shards": store.int_array(range(SHARDS)), "limit": 2000, "in_flight": store.id_ranges(()),
         "held": []})
     assert rows_read(picked, "pending") <= 2 * 100, picked
     plan = explained(engine, schema, "read_deliverable", {
@@ -91,7 +91,7 @@ def test_the_fetch_reads_its_batch_whatever_the_statistics_say_of_the_backlog(
     slower each batch."""
     stale_queue(engine, schema, topic)
     params = {"shards": store.int_array(range(SHARDS)), "limit": 100,
-              "in_flight": store.int_array(()), "held": [], "max_bytes": 1 << 24}
+              "in_flight": store.id_ranges(()), "held": [], "max_bytes": 1 << 24}
     assert rows_read(explained(engine, schema, "fetch_deliverable", params), "pending") \
         > 30_000, "the planner no longer takes this snapshot for a few rows: a weaker test"
     relays = store.engine(sqlalchemy_url(services.database_url),
@@ -114,7 +114,7 @@ def test_the_fetch_planned_once_walks_to_its_limit_whatever_the_statistics_say(
     queued = stale_queue(engine, schema, topic)
     in_flight = queued[:store.PLANNED_ONCE_IN_FLIGHT]
     params = {"shards": store.int_array(range(SHARDS)), "limit": 100,
-              "in_flight": store.int_array(in_flight), "held": []}
+              "in_flight": store.id_ranges(in_flight), "held": []}
     fetching = store.engine(sqlalchemy_url(services.database_url),
                             settings=store.FETCHING_SETTINGS, poolclass=NullPool)
     try:
@@ -426,7 +426,7 @@ def test_a_batch_read_from_its_range_locks_that_range_alone(
     assert locked_partitions(url, schema, direct, params) == {names[0]}
     assert locked_partitions(url, schema, parent, params) >= set(names) | {"message_default"}
     fetch = {"shards": store.int_array(range(SHARDS)), "limit": 50,
-             "in_flight": store.int_array(()), "held": [], "max_bytes": 1 << 20}
+             "in_flight": store.id_ranges(()), "held": [], "max_bytes": 1 << 20}
     batch = store._batch_sql(schema, names[0])
     assert locked_partitions(url, schema, batch, fetch) == {names[0]}
 
@@ -457,7 +457,7 @@ def test_a_batch_whose_range_was_dropped_since_is_read_through_message(
                                   f"SELECT * FROM {schema}.{names[0]}"))
                 conn.execute(text(f"DROP TABLE {schema}.{names[0]}"))
             fetch = {"shards": store.int_array(range(SHARDS)), "limit": 50,
-                     "in_flight": store.int_array(()), "held": [], "max_bytes": 1 << 20}
+                     "in_flight": store.id_ranges(()), "held": [], "max_bytes": 1 << 20}
             assert reading.batch(fetch) is None and reading.hot is None
             assert reading.read(params) is None
             assert reading.range_of(ids[0], ids[-1]) is None  # the list read again

@@ -1,11 +1,12 @@
-"""Integer arrays go to PostgreSQL as array literals (store.int_array): exact, and only
-integers, so a literal cannot carry anything else into the statement."""
+"""Integer arrays go to PostgreSQL as array literals (store.int_array), and ids in flight as
+multirange literals (store.id_ranges): exact, and only integers, so a literal cannot carry
+anything else into the statement."""
 
 from __future__ import annotations
 
 import pytest
 
-from outbox.store import int_array
+from outbox.store import id_ranges, int_array
 
 
 def test_int_array_is_a_postgresql_array_literal() -> None:
@@ -19,3 +20,18 @@ def test_int_array_refuses_what_is_not_an_integer() -> None:
         int_array(["1},{2"])  # type: ignore[list-item]
     with pytest.raises(TypeError):
         int_array([None])  # type: ignore[list-item]
+
+
+def test_id_ranges_is_a_multirange_literal_of_exactly_the_ids() -> None:
+    assert id_ranges([]) == "{}"
+    assert id_ranges([7]) == "{[7,7]}"
+    assert id_ranges([1, 2, 3, 5, 6, 9]) == "{[1,3],[5,6],[9,9]}"
+    # batches in flight one after another: each run as it comes (PostgreSQL sorts them)
+    assert id_ranges(n for n in (10, 11, 3, 4, 12)) == "{[10,11],[3,4],[12,12]}"
+
+
+def test_id_ranges_refuses_what_is_not_an_integer() -> None:
+    with pytest.raises(ValueError):
+        id_ranges([1, "2],[9"])  # type: ignore[list-item]
+    with pytest.raises(TypeError):
+        id_ranges([None])  # type: ignore[list-item]
