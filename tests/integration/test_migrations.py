@@ -101,6 +101,17 @@ def partitions(engine: Engine, schema: str) -> set[str]:
         ), {"schema": schema}).scalars())
 
 
+def assert_on_topic_in_key_order(services: devservices.Services, topic: str,
+                                 ids: list[int]) -> None:
+    """The topic holds exactly the messages ``ids``, each key's (publish_orders' k0-k2) in
+    id order."""
+    records = read_topic(services.kafka_bootstrap, topic)
+    assert sorted(r.message_id for r in records) == ids
+    for key in ("k0", "k1", "k2"):
+        keyed = [r.message_id for r in records if r.key == key.encode()]
+        assert keyed == sorted(keyed), f"key {key} delivered in order"
+
+
 def test_migrated_schema_matches_the_metadata(engine: Engine, schema: str) -> None:
     in_schema = MetaData()
     for table in target_metadata().sorted_tables:
@@ -277,11 +288,7 @@ def test_upgrade_from_0003_moves_unfinished_rows_in_place_and_they_keep_flowing(
 
         with running_relay(settings.model_copy(update={"schema_name": name})):
             wait_delivered(engine, name, 2 + len(flowing))
-        records = read_topic(services.kafka_bootstrap, topic)
-        assert sorted(r.message_id for r in records) == flowing
-        for key in ("k0", "k1", "k2"):
-            ids = [r.message_id for r in records if r.key == key.encode()]
-            assert ids == sorted(ids), f"key {key} delivered in order"
+        assert_on_topic_in_key_order(services, topic, flowing)
     finally:
         drop_schema(engine, name)
 
@@ -372,11 +379,7 @@ def test_upgrade_from_0005_keeps_rows_in_place_and_they_keep_flowing_and_downgra
         with running_relay(relay_settings):
             wait_until(lambda: states()["delivered"] == ("DELIVERED", "COMMIT") and ops() >= {
                 (i, "DELIVERED") for i in [*flowing, *new]}, 60, "flowing rows delivered")
-        records = read_topic(services.kafka_bootstrap, topic)
-        assert sorted(r.message_id for r in records) == [*flowing, *new]
-        for key in ("k0", "k1", "k2"):
-            ids = [r.message_id for r in records if r.key == key.encode()]
-            assert ids == sorted(ids), f"key {key} delivered in order"
+        assert_on_topic_in_key_order(services, topic, [*flowing, *new])
 
         migrate.downgrade(services.database_url, name, "0005")
         assert states() == expected
@@ -618,11 +621,7 @@ def test_upgrade_to_0016_rewrites_no_table_and_rows_keep_flowing_and_downgrade_b
         later = publish_orders(engine, outbox, topic, [(f"k{i % 3}", i) for i in range(9, 12)])
         with running_relay(relay_settings):
             wait_delivered(engine, name, 12)
-        records = read_topic(services.kafka_bootstrap, topic)
-        assert sorted(r.message_id for r in records) == [*before, *later]
-        for key in ("k0", "k1", "k2"):
-            ids = [r.message_id for r in records if r.key == key.encode()]
-            assert ids == sorted(ids), f"key {key} delivered in order"
+        assert_on_topic_in_key_order(services, topic, [*before, *later])
         migrate.downgrade(services.database_url, name, "0015")
         with engine.begin() as conn, pytest.raises(DBAPIError, match="pending_status_valid"):
             conn.execute(text(f"INSERT INTO {name}.pending (message_id, shard, topic, "
@@ -670,11 +669,7 @@ def test_upgrade_to_0017_keys_op_records_by_message_and_rows_keep_flowing_and_do
             for columns in ("btree (message_id, id)", "brin (created_at)")}
         with running_relay(relay_settings):
             wait_delivered(engine, name, 9)
-        records = read_topic(services.kafka_bootstrap, topic)
-        assert sorted(r.message_id for r in records) == [*delivered, *waiting]
-        for key in ("k0", "k1", "k2"):
-            ids = [r.message_id for r in records if r.key == key.encode()]
-            assert ids == sorted(ids), f"key {key} delivered in order"
+        assert_on_topic_in_key_order(services, topic, [*delivered, *waiting])
         with engine.connect() as conn:
             assert conn.execute(text(
                 f"SELECT message_id, count(*) FROM {name}.op_record GROUP BY message_id "
