@@ -1,8 +1,8 @@
 """``op_record``'s primary key leads with ``message_id``: one index fewer to write per delivery.
 
 Every read of ``op_record`` finds a message's op records (the console's last reason, the
-reconciliation's sums, a range dropped with its message), by ``op_record_message_id_idx``;
-no statement looks one up by its ``id`` alone. The primary key was ``(id, message_id)`` (a
+reconciliation's sums), through ``op_record_message_id_idx`` until this revision; no
+statement looks one up by its ``id`` alone. The primary key was ``(id, message_id)`` (a
 partitioned table's key must hold its partition key), so each delivery wrote two B-tree
 entries that the key ``(message_id, id)`` alone covers: the relay's recording statement
 wrote 449.6 B of WAL per message with both and 383.5 B with the one (BENCHMARKS.md,
