@@ -265,9 +265,8 @@ def test_the_fetch_is_planned_once_while_few_rows_are_in_flight_and_then_for_its
         topic: str) -> None:
     """A trickle's fetches (2-3 rows) were planned for every batch, most of the relay's
     database time: with at most store.PLANNED_ONCE_IN_FLIGHT ids in flight the fetch runs
-    on the relay's fetching connection, which plans it once. Past that the plan made once
-    would compare every row it walks with every id in flight, so the fetch goes back to the
-    connection that plans for the ids."""
+    on the relay's fetching connection, which plans it once. Past that (a backlog) the fetch
+    goes back to the connection that plans for its parameters."""
     with Session(engine) as session, session.begin():
         published = [outbox.publish(session, topic, b"x", key=f"k{i % 50}") for i in range(400)]
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
