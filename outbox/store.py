@@ -12,7 +12,7 @@ import math
 import re
 import time
 import zlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from functools import cache, partial
@@ -279,12 +279,59 @@ def _batch_sql(schema: str, name: str) -> str:
         "{range}", validate_identifier(name))
 
 
+class IdRanges(NamedTuple):
+    """Ids as the body of an ``int8multirange`` literal (:func:`id_ranges`), rendered once and
+    joined cheaply: the relay renders each batch's ids when it sends the batch, and joins
+    those of the batches in flight for each fetch (up to 4 while a batch is in flight).
+    Rendered at every fetch instead, ids with no runs (those of several relays interleave)
+    cost twice an array's rendering, about 0.7 µs a message of the relay's interpreter."""
+
+    size: int = 0
+    ranges: str = ""  # e.g. "[1,3],[7,7]"
+
+    @classmethod
+    def of(cls, ids: Collection[int]) -> IdRanges:
+        return cls(len(ids), id_ranges(ids)[1:-1])
+
+    @classmethod
+    def joined(cls, parts: Iterable[IdRanges]) -> IdRanges:
+        """One set of ids from disjoint ones (PostgreSQL sorts and merges the ranges)."""
+        parts = [part for part in parts if part.size]
+        return cls(sum(part.size for part in parts), ",".join(part.ranges for part in parts))
+
+    @property
+    def literal(self) -> str:
+        return "{" + self.ranges + "}"
+
+
+def id_ranges(values: Iterable[int]) -> str:
+    """``values`` as an ``int8multirange`` literal, each run of consecutive ids one range,
+    for a ``CAST(:name AS int8multirange) @> id`` test: the ids a relay has in flight. As an
+    array, ``<> ALL`` had the planner weigh each id: 2.8 ms of planning with 6,000 in flight,
+    0.5 ms as ranges (BENCHMARKS.md, "The ids in flight as ranges, session 28")."""
+    runs: list[str] = []
+    first = last = None
+    for value in map(int, values):
+        if last is not None and value == last + 1:
+            last = value
+            continue
+        if last is not None:
+            runs.append(f"[{first},{last}]")
+        first = last = value
+    if last is not None:
+        runs.append(f"[{first},{last}]")
+    return "{" + ",".join(runs) + "}"
+
+
+NONE_IN_FLIGHT = IdRanges()
+
+
 def fetch_deliverable(
     conn: Connection,
     schema: str,
     shards: Iterable[int],
     limit: int,
-    in_flight: Sequence[int] = (),
+    in_flight: IdRanges = NONE_IN_FLIGHT,
     max_bytes: int = RELAY_BATCH_BYTES,
     held: Iterable[str] = (),
     fetching: Fetching | None = None,
@@ -309,9 +356,9 @@ def fetch_deliverable(
     With few ids in flight and a range hot (the last batch was read from it), both steps
     are one statement, ``fetch_batch``: one round trip a batch ("Latency, session 24").
     The ids whose messages lie elsewhere are read again by the second step."""
-    params = {"shards": int_array(shards), "limit": limit, "in_flight": id_ranges(in_flight),
+    params = {"shards": int_array(shards), "limit": limit, "in_flight": in_flight.literal,
               "held": list(held)}
-    once = fetching if fetching is not None and len(in_flight) <= PLANNED_ONCE_IN_FLIGHT \
+    once = fetching if fetching is not None and in_flight.size <= PLANNED_ONCE_IN_FLIGHT \
         else None
     rows = once.batch({**params, "max_bytes": max_bytes}) if once is not None else None
     if rows is not None and all(row[1] is not None for row in rows):  # each has its topic
@@ -353,25 +400,6 @@ def int_array(values: Iterable[int]) -> str:
     batch's 2,000 acks (ids, partitions, offsets) took 5.6 ms of client CPU that way, 1.1 ms
     this way, and the relay passes them, and the ids in flight, with every batch."""
     return "{" + ",".join(map(str, map(int, values))) + "}"
-
-
-def id_ranges(values: Iterable[int]) -> str:
-    """``values`` as an ``int8multirange`` literal, each run of consecutive ids one range,
-    for a ``CAST(:name AS int8multirange) @> id`` test: the ids a relay has in flight. As an
-    array, ``<> ALL`` had the planner weigh each id: 2.8 ms of planning with 6,000 in flight,
-    0.5 ms as ranges (BENCHMARKS.md, "The ids in flight as ranges, session 28")."""
-    runs: list[str] = []
-    first = last = None
-    for value in map(int, values):
-        if last is not None and value == last + 1:
-            last = value
-            continue
-        if last is not None:
-            runs.append(f"[{first},{last}]")
-        first = last = value
-    if last is not None:
-        runs.append(f"[{first},{last}]")
-    return "{" + ",".join(runs) + "}"
 
 
 def _driver_sql(name: str, schema: str) -> str:

@@ -76,6 +76,11 @@ class InFlight:
     refused: bool = False
     #: ids of the rows sent alone (each in a request of its own, see Relay._send)
     alone: set[int] = field(default_factory=set)
+    #: the rows' ids, rendered once for the fetches made while it is in flight
+    ids: store.IdRanges = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.ids = store.IdRanges.of([row.id for row in self.rows])
 
     @functools.cached_property
     def sent(self) -> list[Delivery]:
@@ -395,7 +400,7 @@ class Relay:
 
     def in_flight(self) -> int:
         recorder = self._recorder
-        return len(recorder.in_flight_ids()) if recorder else 0
+        return recorder.in_flight_ids().size if recorder else 0
 
 
 class Recorder(threading.Thread):
@@ -431,9 +436,9 @@ class Recorder(threading.Thread):
     def submit(self, flight: InFlight) -> None:
         self._hand_over(flight)
 
-    def in_flight_ids(self) -> list[int]:
+    def in_flight_ids(self) -> store.IdRanges:
         with self._changed:
-            return [row.id for flight in self._unsettled for row in flight.rows]
+            return store.IdRanges.joined(flight.ids for flight in self._unsettled)
 
     def wait_for_room(self, depth: int) -> bool:
         """Block while ``depth`` batches are unsettled; False if the recorder failed."""

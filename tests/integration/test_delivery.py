@@ -174,9 +174,10 @@ def test_a_batch_stops_at_its_byte_budget_but_always_holds_one_message(
     with engine.connect() as conn, engine.connect() as other:
         fetching = store.Fetching(other, schema) if in_one_statement else None
 
-        def batch(max_bytes: int, in_flight: list[int] | None = None) -> list[int]:
+        def batch(max_bytes: int, *flights: list[int]) -> list[int]:
+            in_flight = store.IdRanges.joined(map(store.IdRanges.of, flights))
             return [row.id for row in store.fetch_deliverable(
-                conn, schema, range(SHARDS), 100, in_flight=in_flight or [],
+                conn, schema, range(SHARDS), 100, in_flight=in_flight,
                 max_bytes=max_bytes, fetching=fetching)]
 
         if fetching is not None:
@@ -185,5 +186,7 @@ def test_a_batch_stops_at_its_byte_budget_but_always_holds_one_message(
         assert batch(700_000) == ids[:3], "rows start below the budget: 0, 300 kB, 600 kB"
         assert batch(1_000_000_000) == ids
         assert batch(1024) == ids[:1], "one message bigger than the budget still goes"
-        assert batch(700_000, in_flight=ids[:3]) == ids[3:]
-        assert batch(1_000_000_000, in_flight=[ids[3], ids[0], ids[2]]) == [ids[1], ids[4]]
+        assert batch(700_000, ids[:3]) == ids[3:]
+        # flights out of order, and not consecutive ids
+        assert batch(1_000_000_000, [ids[3]], [ids[0], ids[2]]) == [ids[1], ids[4]]
+        assert batch(1_000_000_000, [], [ids[4]], []) == ids[:4]

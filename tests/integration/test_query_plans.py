@@ -239,7 +239,7 @@ def test_the_fetch_is_planned_for_its_parameters_however_often_it_runs(
             in_flight: list[int] = []
             for _ in range(20):
                 batch = store.fetch_deliverable(conn, schema, range(SHARDS), 10,
-                                                in_flight=in_flight)
+                                                in_flight=store.IdRanges.of(in_flight))
                 assert batch, "the backlog lasts all 20 fetches"
                 in_flight += [row.id for row in batch]
             plans = conn.execute(text(
@@ -280,7 +280,8 @@ def test_the_fetch_is_planned_once_while_few_rows_are_in_flight_and_then_for_its
             reading = store.Fetching(planned_once, schema)
             while len(in_flight) < 200:
                 batch = store.fetch_deliverable(conn, schema, range(SHARDS), 5,
-                                                in_flight=in_flight, fetching=reading)
+                                                in_flight=store.IdRanges.of(in_flight),
+                                                fetching=reading)
                 assert len(batch) == 5, "the backlog lasts every fetch"
                 in_flight += [row.id for row in batch]
             once, per_call = fetch_plans(planned_once, schema), fetch_plans(conn, schema)
@@ -371,7 +372,8 @@ def test_under_a_trickle_each_batch_is_fetched_in_one_statement(
                 with Session(engine) as session, session.begin():
                     published.append(outbox.publish(session, topic, f"m{n}".encode(), key="k"))
                 fetched += store.fetch_deliverable(conn, schema, range(SHARDS), 10,
-                                                   in_flight=[r.id for r in fetched],
+                                                   in_flight=store.IdRanges.of(
+                                                       [r.id for r in fetched]),
                                                    fetching=reading)
             once, per_call = prepared(planned_once), prepared(conn)
     finally:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from outbox.store import id_ranges, int_array
+from outbox.store import IdRanges, id_ranges, int_array
 
 
 def test_int_array_is_a_postgresql_array_literal() -> None:
@@ -35,3 +35,11 @@ def test_id_ranges_refuses_what_is_not_an_integer() -> None:
         id_ranges([1, "2],[9"])  # type: ignore[list-item]
     with pytest.raises(TypeError):
         id_ranges([None])  # type: ignore[list-item]
+
+
+def test_id_ranges_rendered_once_join_into_one_literal_of_all_the_ids() -> None:
+    first, second = IdRanges.of([5, 6, 7]), IdRanges.of([1, 9])
+    assert (first.size, first.literal) == (3, "{[5,7]}")
+    joined = IdRanges.joined([first, IdRanges.of([]), second])
+    assert (joined.size, joined.literal) == (5, "{[5,7],[1,1],[9,9]}")
+    assert IdRanges.joined([]) == IdRanges() and IdRanges().literal == "{}"
