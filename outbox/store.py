@@ -135,9 +135,6 @@ DELIVERY_SETTINGS = {**SESSION_SETTINGS, "enable_sort": "off"}
 #: The relay's fetching connection: the first step of the fetch, planned once (see
 #: :func:`fetch_deliverable`).
 FETCHING_SETTINGS = {**DELIVERY_SETTINGS, "plan_cache_mode": "force_generic_plan"}
-#: At most this many ids in flight for the fetch's plan made once (session 22 measured its
-#: plans up to here; the ids were then compared one by one, they are now ranges: id_ranges).
-PLANNED_ONCE_IN_FLIGHT = 64
 RECORDING_SETTINGS = {**SESSION_SETTINGS, "enable_seqscan": "off",
                       "plan_cache_mode": "force_generic_plan"}
 
@@ -167,7 +164,7 @@ def engine(url: str, *, settings: Mapping[str, str] = SESSION_SETTINGS, **option
       index in id order and stop at its LIMIT, the one plan without a sort; the planner
       sorted the whole backlog instead (a merge anti-join, or a sequential scan), so the
       longer the backlog, the slower each batch. The fetching connection plans the fetch
-      once, for few ids in flight (:func:`fetch_deliverable`).
+      once (:func:`fetch_deliverable`).
     * ``enable_seqscan = off`` for the recording connection (:data:`RECORDING_SETTINGS`): it
       closes a batch's rows by key, and the planner scanned every pending row to find them.
       Its two statements (``mark_delivered``, ``record_failures``) read by key whatever
@@ -344,29 +341,28 @@ def fetch_deliverable(
     Under a trickle (2-3 rows a batch) planning was most of the relay's database time, so
     both statements run on ``fetching`` where they can, planned once:
 
-    * the ids, while at most :data:`PLANNED_ONCE_IN_FLIGHT` are in flight. The relay's p50
-      commit → ack at 1,000 msg/s was 0.7-3.3 ms lower in each of 5 alternated rounds
-      (BENCHMARKS.md, "Latency, session 22"). With more in flight (a backlog) it runs on
-      ``conn``, planned for its parameters;
+    * the ids, always. The relay's p50 commit → ack at 1,000 msg/s was 0.7-3.3 ms lower in
+      each of 5 alternated rounds (BENCHMARKS.md, "Latency, session 22"). Until the ids in
+      flight went as ranges, a plan made once compared each row with each of them, so a
+      backlog's fetches (thousands in flight) were planned for their parameters on ``conn``
+      ("The fetch planned once under a backlog, session 29");
     * the messages, when one range of ``message`` holds them all: read from that range, a
       plan made once locks it alone, where one of the parent would lock every range of
       retained history ("Latency, session 23"). Otherwise through the parent, on ``conn``,
       planned for the ranges between the batch's first and last id.
 
-    With few ids in flight and a range hot (the last batch was read from it), both steps
-    are one statement, ``fetch_batch``: one round trip a batch ("Latency, session 24").
-    The ids whose messages lie elsewhere are read again by the second step."""
+    With a range hot (the last batch was read from it), both steps are one statement,
+    ``fetch_batch``: one round trip a batch ("Latency, session 24"). The ids whose messages
+    lie elsewhere are read again by the second step."""
     params = {"shards": int_array(shards), "limit": limit, "in_flight": in_flight.literal,
               "held": list(held)}
-    once = fetching if fetching is not None and in_flight.size <= PLANNED_ONCE_IN_FLIGHT \
-        else None
-    rows = once.batch({**params, "max_bytes": max_bytes}) if once is not None else None
+    rows = fetching.batch({**params, "max_bytes": max_bytes}) if fetching is not None else None
     if rows is not None and all(row[1] is not None for row in rows):  # each has its topic
         return list(map(Deliverable._make, rows))
     if rows is not None:  # some messages lie outside the hot range
         ids = [row[0] for row in rows]
     else:
-        choosing = once.conn if once is not None else conn
+        choosing = fetching.conn if fetching is not None else conn
         ids = [row[0] for row in _driver_rows(choosing, "fetch_deliverable", schema, params)]
     if not ids:
         return []
