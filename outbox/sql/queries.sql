@@ -63,10 +63,13 @@ LIMIT :limit;
 -- partitions (72 h of 1,000 msg/s) a fetch of 4 rows took 7.6 ms instead of 0.6. As
 -- `= ANY(:ids)` the planner weighed each of 2,000 ids: 2 ms of planning. The relay reads
 -- the batch's one range itself where it can (store.Fetching): planned once, locking it alone.
+-- The running sum's frame is ROWS (ids are unique: the same sums), which spares the window
+-- looking ahead for peers: 0.5 ms less a batch of 2,000 1 KiB messages.
 SELECT id, topic, key, header_keys, header_values, payload, content_type
 FROM (
     SELECT m.id, m.topic, m.key, m.header_keys, m.header_values, m.payload, m.content_type,
-           sum(octet_length(m.payload)) OVER (ORDER BY i.id) AS bytes_so_far
+           sum(octet_length(m.payload)) OVER (ORDER BY i.id ROWS UNBOUNDED PRECEDING)
+           AS bytes_so_far
     FROM unnest(CAST(:ids AS bigint[])) AS i(id)
     CROSS JOIN LATERAL (
         SELECT m.id, m.topic, m.key, m.header_keys, m.header_values, m.payload, m.content_type
@@ -79,8 +82,8 @@ WHERE bytes_so_far - octet_length(payload) < :max_bytes
 ORDER BY id;
 
 -- name: fetch_batch
--- Steps 1 and 2 in one statement, for a relay under a trickle (store.Fetching.batch): the ids
--- fetch_deliverable chooses (its text goes in the braces below), each message read by
+-- Steps 1 and 2 in one statement, once a batch was read from a range (store.Fetching.batch):
+-- the ids fetch_deliverable chooses (its text goes in the braces below), each message read by
 -- primary key from the range of `message` the relay's last batch was read from (named in
 -- the braces below), on a plan made once that locks that range alone. A row whose message
 -- is not there (the ids moved on to the next range, or retention moved the row to the
@@ -89,7 +92,8 @@ ORDER BY id;
 SELECT id, topic, key, header_keys, header_values, payload, content_type
 FROM (
     SELECT i.message_id AS id, m.topic, m.key, m.header_keys, m.header_values, m.payload,
-           m.content_type, sum(octet_length(m.payload)) OVER (ORDER BY i.message_id)
+           m.content_type,
+           sum(octet_length(m.payload)) OVER (ORDER BY i.message_id ROWS UNBOUNDED PRECEDING)
            AS bytes_so_far
     FROM ({fetch_deliverable}) AS i
     LEFT JOIN LATERAL (
