@@ -601,9 +601,15 @@ def pending_in_shards(conn: Connection, schema: str, worker_id: str, ids: Sequen
     return {row.message_id for row in rows}
 
 
-def backlog(conn: Connection, schema: str) -> tuple[dict[str, int], float]:
+def backlog(conn: Connection, schema: str, timeout_seconds: float | None = None
+            ) -> tuple[dict[str, int], float]:
     """Undelivered messages by state (pending, unresolved, delayed, parked, discarded), and
-    the seconds the oldest committed pending message has waited (0 when none waits)."""
+    the seconds the oldest committed pending message has waited (0 when none waits). It
+    reads every row of ``pending``; with ``timeout_seconds`` (in a transaction) it is cut
+    off after that long (QueryCanceled)."""
+    if timeout_seconds is not None:
+        conn.execute(query("cut_off_after", schema),
+                     {"timeout_ms": _milliseconds(timeout_seconds)})
     row = dict(conn.execute(query("backlog", schema)).one()._mapping)
     oldest = row.pop("oldest_pending_seconds")
     return {k: int(v) for k, v in row.items()}, float(oldest or 0.0)
@@ -791,8 +797,12 @@ def unchecked_groups(conn: Connection, schema: str, groups: Sequence[str]) -> di
 
 def begin_check(conn: Connection, schema: str, timeout_seconds: float) -> None:
     """Make the open transaction read-only, with statements cut off after the timeout."""
-    timeout_ms = str(max(1, round(timeout_seconds * 1000)))
-    conn.execute(query("begin_check", schema), {"timeout_ms": timeout_ms})
+    conn.execute(query("begin_check", schema), {"timeout_ms": _milliseconds(timeout_seconds)})
+
+
+def _milliseconds(seconds: float) -> str:
+    """A timeout for ``set_config``: whole milliseconds, at least 1 (0 would mean none)."""
+    return str(max(1, round(seconds * 1000)))
 
 
 #: The binds a SQL checker may use, in the order of run_sql_checker's parameters, and their

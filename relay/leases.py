@@ -192,6 +192,8 @@ class LeaseKeeper(threading.Thread):
                                      pool_pre_ping=True)
         self._leases = leases
         self._in_flight = in_flight
+        #: a count cut off at half the renewal interval delays a renewal by that at most
+        self._backlog = metrics.BacklogGauges(leases.schema, leases.lease_seconds / 6)
         self._halt = threading.Event()
         self._poke = threading.Event()
         self._failing = False
@@ -214,7 +216,7 @@ class LeaseKeeper(threading.Thread):
                 with self._engine.connect() as conn:
                     while not self._halt.is_set():
                         self._leases.tick(conn, self._in_flight())
-                        metrics.observe_backlog(conn, self._leases.schema)
+                        self._backlog.observe(conn)
                         if self._failing:
                             log.info("relay %s: lease renewals work again", self._leases.worker_id)
                             self._failing = False

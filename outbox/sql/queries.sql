@@ -545,6 +545,10 @@ WHERE resolution = 'UNKNOWN' AND status IN ('PENDING', 'DELAYED') AND next_check
 GROUP BY producer_group
 ORDER BY producer_group;
 
+-- name: cut_off_after
+-- The transaction's statements are cut off (QueryCanceled) after :timeout_ms.
+SELECT set_config('statement_timeout', :timeout_ms, true);
+
 -- name: begin_check
 -- A checker's transaction is read-only and its statements are cut off at the checker timeout.
 SELECT set_config('transaction_read_only', 'on', true),

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
+import time
 import urllib.request
 from datetime import timedelta
 
+import pytest
 from prometheus_client import generate_latest, start_http_server
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
@@ -105,3 +108,41 @@ def test_backlog_gauges_count_pending_rows_and_the_oldest_ones_wait(
     assert REGISTRY.get_sample_value("outbox_messages", {"state": "pending"}) == 2
     oldest = REGISTRY.get_sample_value("outbox_oldest_pending_seconds")
     assert oldest is not None and 90 <= oldest < 120
+
+
+def test_a_slow_backlog_count_is_cut_off_and_the_next_waits_twenty_times_as_long(
+    engine: Engine, outbox: Outbox, schema: str, topic: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The lease keeper counts the backlog between renewals, and the count reads every
+    pending row: with millions queued (a catch-up) it could hold a renewal past the lease.
+    A count that takes too long is cut off, and the next waits 20 times as long."""
+    from prometheus_client import REGISTRY
+
+    from outbox.relay import metrics
+
+    def pending() -> float | None:
+        return REGISTRY.get_sample_value("outbox_messages", {"state": "pending"})
+
+    skipped = [0.0]  # seconds the gauges' clock is ahead of the real one
+    gauges = metrics.BacklogGauges(schema, 0.3, clock=lambda: time.monotonic() + skipped[0])
+    publish_orders(engine, outbox, topic, [("a", 1), ("b", 2)])
+    with engine.connect() as conn, engine.connect() as locker:
+        gauges.observe(conn)
+        assert pending() == 2 and gauges.observed_at is not None
+        skipped[0] += 1.0  # past the (short) wait after that count
+        publish_orders(engine, outbox, topic, [("c", 3)])
+        with locker.begin():  # the count waits for this lock past its 0.3 s
+            locker.execute(text(f"LOCK TABLE {schema}.pending IN ACCESS EXCLUSIVE MODE"))
+            started = time.monotonic()
+            with caplog.at_level(logging.WARNING, logger="outbox.relay"):
+                gauges.observe(conn)
+            assert 0.3 <= time.monotonic() - started < 3
+        assert pending() == 2, "the gauges keep their last count"
+        assert "counting the backlog took over 0.3s" in caplog.text
+        gauges.observe(conn)  # nothing holds it up now, but it is not due for 6 s
+        assert pending() == 2
+        skipped[0] += 6.0
+        gauges.observe(conn)
+        assert pending() == 3
+        assert conn.execute(text("SHOW statement_timeout")).scalar_one() == "0", \
+            "the cut-off is the count's transaction's alone"
