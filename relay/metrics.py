@@ -146,25 +146,32 @@ class BacklogGauges:
     def __init__(self, schema: str, timeout_seconds: float,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.schema, self.timeout_seconds, self._clock = schema, timeout_seconds, clock
-        self._due = -math.inf
+        #: clock time of the next count
+        self.due = -math.inf
         #: when the gauges were last observed (clock time), None before the first
         self.observed_at: float | None = None
+        self._cut_off = False  # the last count was (warned once, then at DEBUG)
 
     def observe(self, conn: Connection) -> None:
         started = self._clock()
-        if started < self._due:
+        if started < self.due:
             return
         try:
             observe_backlog(conn, self.schema, self.timeout_seconds)
             self.observed_at = self._clock()
+            if self._cut_off:
+                log.info("relay: the backlog is counted again (the outbox_messages gauges)")
+                self._cut_off = False
         except OperationalError as exc:
             if not isinstance(exc.orig, psycopg.errors.QueryCanceled):
                 raise
-            log.warning("relay: counting the backlog took over %gs (pending holds many rows): "
-                        "the outbox_messages gauges keep their last values",
-                        self.timeout_seconds)
+            log.log(logging.DEBUG if self._cut_off else logging.WARNING,
+                    "relay: counting the backlog took over %gs (pending holds many rows): the "
+                    "outbox_messages gauges keep their last values until a count ends in time",
+                    self.timeout_seconds)
+            self._cut_off = True
         finally:
-            self._due = started + (self._clock() - started) * BACKLOG_COUNT_SHARE
+            self.due = started + (self._clock() - started) * BACKLOG_COUNT_SHARE
 
 
 def serve(port: int, address: str = "0.0.0.0") -> None:
