@@ -132,7 +132,7 @@ class Deliverable(NamedTuple):
 #: What :func:`engine` sets on each new connection, and on the relay's hot ones.
 SESSION_SETTINGS = {"jit": "off", "plan_cache_mode": "force_custom_plan"}
 DELIVERY_SETTINGS = {**SESSION_SETTINGS, "enable_sort": "off"}
-#: The relay's fetching connection: the first step of the fetch, planned once (see
+#: The relay's fetching connection: the fetch, planned once (see
 #: :func:`fetch_deliverable`).
 FETCHING_SETTINGS = {**DELIVERY_SETTINGS, "plan_cache_mode": "force_generic_plan"}
 RECORDING_SETTINGS = {**SESSION_SETTINGS, "enable_seqscan": "off",
