@@ -805,6 +805,12 @@ def _milliseconds(seconds: float) -> str:
     return str(max(1, round(seconds * 1000)))
 
 
+def cut_off(exc: BaseException) -> bool:
+    """Whether ``exc`` is a statement cancelled by its timeout (``begin_check``, a cut-off
+    ``backlog``) or by a cancel request."""
+    return isinstance(getattr(exc, "orig", None), psycopg.errors.QueryCanceled)
+
+
 #: The binds a SQL checker may use, in the order of run_sql_checker's parameters, and their
 #: types (PostgreSQL oids: bigint, text x4, integer).
 CHECKER_BINDS = ("id", "producer_group", "topic", "key", "payload", "check_count")

@@ -11,7 +11,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
-import psycopg
 from prometheus_client import (
     REGISTRY,
     CollectorRegistry,
@@ -148,8 +147,6 @@ class BacklogGauges:
         self.schema, self.timeout_seconds, self._clock = schema, timeout_seconds, clock
         #: clock time of the next count
         self.due = -math.inf
-        #: when the gauges were last observed (clock time), None before the first
-        self.observed_at: float | None = None
         self._cut_off = False  # the last count was (warned once, then at DEBUG)
 
     def observe(self, conn: Connection) -> None:
@@ -158,12 +155,11 @@ class BacklogGauges:
             return
         try:
             observe_backlog(conn, self.schema, self.timeout_seconds)
-            self.observed_at = self._clock()
             if self._cut_off:
                 log.info("relay: the backlog is counted again (the outbox_messages gauges)")
                 self._cut_off = False
         except OperationalError as exc:
-            if not isinstance(exc.orig, psycopg.errors.QueryCanceled):
+            if not store.cut_off(exc):
                 raise
             log.log(logging.DEBUG if self._cut_off else logging.WARNING,
                     "relay: counting the backlog took over %gs (pending holds many rows): the "

@@ -400,7 +400,7 @@ class Relay:
 
     def in_flight(self) -> int:
         recorder = self._recorder
-        return recorder.in_flight_ids().size if recorder else 0
+        return recorder.in_flight_count() if recorder else 0
 
 
 class Recorder(threading.Thread):
@@ -439,6 +439,10 @@ class Recorder(threading.Thread):
     def in_flight_ids(self) -> store.IdRanges:
         with self._changed:
             return store.IdRanges.joined(flight.ids for flight in self._unsettled)
+
+    def in_flight_count(self) -> int:
+        with self._changed:
+            return sum(flight.ids.size for flight in self._unsettled)
 
     def wait_for_room(self, depth: int) -> bool:
         """Block while ``depth`` batches are unsettled; False if the recorder failed."""

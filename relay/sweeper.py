@@ -278,7 +278,7 @@ class Sweeper:
                 resolution = to_resolution(answer, f"the checker of producer group {group!r}")
             except (Exception, SystemExit) as exc:  # a checker calling sys.exit is an error too
                 conn.invalidate()
-                if isinstance(getattr(exc, "orig", None), psycopg.errors.QueryCanceled):
+                if store.cut_off(exc):
                     return Resolution.UNKNOWN, "TIMEOUT", _timed_out(self.settings.checker_timeout)
                 if isinstance(exc, CheckerRefused | DBAPIError):
                     return Resolution.UNKNOWN, "ERROR", f"PostgreSQL refused: {first_line(exc)}"

