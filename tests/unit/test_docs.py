@@ -111,3 +111,31 @@ def test_every_make_target_the_docs_name_exists() -> None:
     named = {(page.name, target) for page in pages
              for target in re.findall(r"`make ([a-z][\w-]*)", page.read_text())}
     assert named and not {(page, t) for page, t in named if t not in rules}
+
+
+def documented_defaults() -> list[tuple[str, str, str]]:
+    """(document, variable, default) of every settings table row in the README and
+    configuration.md whose default cell starts with a number in backticks."""
+    rows = []
+    for name, text, column in (("README.md", (DOCS.parent / "README.md").read_text(), 2),
+                               ("configuration.md", doc("configuration.md"), 3)):
+        for line in text.splitlines():
+            cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+            variable = re.fullmatch(r"`(OUTBOX_\w+)`", cells[0])
+            number = re.match(r"`(\d+(?:\.\d+)?)`", cells[column]) if len(cells) > column else None
+            if variable and number:
+                rows.append((name, variable.group(1), number.group(1)))
+    return rows
+
+
+FIELD_OF = {env_var(field): field for field in Settings.model_fields}
+
+
+@pytest.mark.parametrize(("document", "variable", "default"), documented_defaults())
+def test_a_documented_default_is_the_settings_default(
+    document: str, variable: str, default: str
+) -> None:
+    field = FIELD_OF[variable]
+    assert float(default) == Settings.model_fields[field].default, (
+        f"{document} says {variable} defaults to {default}, the code to "
+        f"{Settings.model_fields[field].default}")
