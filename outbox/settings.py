@@ -246,7 +246,7 @@ class KafkaSettings(_Base):
     kafka_ssl_certfile: str | None = Field(default=None, description="client certificate")
     kafka_ssl_keyfile: str | None = Field(default=None, description="client private key")
     kafka_delivery_timeout_ms: int = Field(
-        default=120_000, gt=0, description="how long the producer retries a send"
+        default=120_000, ge=1000, description="how long the producer retries a send (at least 1 s)"
     )
     kafka_max_request_size: int = Field(
         default=2 * 1024 * 1024, gt=0, description="largest record the producer sends"

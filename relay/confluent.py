@@ -28,7 +28,7 @@ from confluent_kafka import (
 )
 
 from outbox.exceptions import ConfigurationError, ServiceUnavailable
-from outbox.relay.producer import PRODUCER_DEFAULTS
+from outbox.relay.producer import PRODUCER_DEFAULTS, request_timeout_ms
 from outbox.relay.tails import STALL_SECONDS, Stall, Tail
 from outbox.relay.transport import PRODUCER_STATE_ERRORS, Delivery, Headers, Report
 from outbox.settings import RelaySettings
@@ -94,6 +94,7 @@ def librdkafka_config(settings: RelaySettings) -> dict[str, Any]:
         "batch.size": min(PRODUCER_DEFAULTS["batch_size"], settings.kafka_max_request_size),
         "message.max.bytes": settings.kafka_max_request_size,
         "message.timeout.ms": settings.kafka_delivery_timeout_ms,
+        "request.timeout.ms": request_timeout_ms(settings),
         "logger": log,
         **settings.kafka_security("librdkafka"),
     }

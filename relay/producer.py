@@ -77,9 +77,17 @@ class KeyHashPartitioner(DefaultPartitioner):  # type: ignore[misc]  # kafka-pyt
         self.sorted = {}
 
 
+def request_timeout_ms(settings: RelaySettings) -> int:
+    """How long the producer waits for the answer to one request: the clients' 30 s, or less
+    so that a request ends within the delivery timeout (kafka-python refuses to start with a
+    delivery timeout under linger + request timeout)."""
+    return min(30_000, settings.kafka_delivery_timeout_ms - PRODUCER_DEFAULTS["linger_ms"])
+
+
 def producer_config(settings: RelaySettings, **overrides: Any) -> dict[str, Any]:
     return {
         **PRODUCER_DEFAULTS,
+        "request_timeout_ms": request_timeout_ms(settings),
         "partitioner": KeyHashPartitioner(),
         "bootstrap_servers": settings.kafka_bootstrap.split(","),
         "client_id": f"outbox-relay-{settings.worker_id}",

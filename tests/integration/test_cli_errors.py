@@ -53,6 +53,7 @@ def test_wrong_broker_address(settings: Settings) -> None:
         ("OUTBOX_SCHEMA", "Robert'); DROP TABLE x;--", "invalid schema name"),
         ("OUTBOX_RELAY_BATCH_SIZE", "0", "relay_batch_size"),
         ("OUTBOX_DATABASE_URL", "mysql://u@h/db", "database URL must be postgresql://"),
+        ("OUTBOX_KAFKA_DELIVERY_TIMEOUT_MS", "999", "kafka_delivery_timeout_ms"),
     ],
 )
 def test_invalid_settings(settings: Settings, variable: str, value: str, fragment: str) -> None:

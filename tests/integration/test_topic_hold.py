@@ -163,7 +163,7 @@ def test_acks_that_arrived_are_recorded_before_a_failed_pass_sends_again(
     publish_orders(engine, outbox, refused, [("r", 0)])
     good_ids = publish_orders(engine, outbox, topic, GOOD[:79])  # 4 batches of 20 with it
     failing = held_settings.model_copy(update={"relay_batch_size": 20,
-                                               "kafka_delivery_timeout_ms": 35_000})
+                                               "kafka_delivery_timeout_ms": 6_000})
     with running_relay(failing) as relay:
         wait_until(lambda: "BrokerTrouble" in caplog.text, 60,
                    "the refused record to end a pass")

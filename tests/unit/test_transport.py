@@ -10,11 +10,12 @@ import kafka.errors
 import pytest
 from confluent_kafka import KafkaError
 from kafka.producer.future import FutureProduceResult, FutureRecordMetadata
+from kafka.producer.record_accumulator import RecordAccumulator
 
 from outbox.exceptions import ConfigurationError
 from outbox.relay import confluent
 from outbox.relay.confluent import librdkafka_config, translate
-from outbox.relay.producer import Sent
+from outbox.relay.producer import Sent, producer_config
 from outbox.relay.transport import Report, UnknownOffset, is_permanent, make_transport
 from outbox.settings import Settings
 
@@ -45,6 +46,21 @@ def test_librdkafka_producer_is_idempotent_ordered_and_partitions_like_java() ->
     assert config["message.max.bytes"] == 20_000
     assert config["batch.size"] <= config["message.max.bytes"]
     assert config["message.timeout.ms"] == 30_000
+
+
+@pytest.mark.parametrize("delivery_timeout_ms", [1_000, 10_000, 30_000, 120_000])
+def test_any_accepted_delivery_timeout_makes_a_producer_kafka_python_accepts(
+    delivery_timeout_ms: int
+) -> None:
+    """kafka-python refuses a delivery timeout under linger + request timeout (30 s by
+    default): a request's timeout is shortened to fit in it, in both clients."""
+    settings = Settings(kafka_bootstrap="k1:9093", kafka_delivery_timeout_ms=delivery_timeout_ms)
+    config = producer_config(settings)
+    RecordAccumulator(**config)  # raises KafkaConfigurationError if the timeouts do not fit
+    assert config["request_timeout_ms"] == min(30_000, delivery_timeout_ms - config["linger_ms"])
+    rdkafka = librdkafka_config(settings)
+    assert rdkafka["request.timeout.ms"] == config["request_timeout_ms"]
+    assert rdkafka["message.timeout.ms"] == delivery_timeout_ms
 
 
 def test_unset_security_settings_are_left_to_librdkafkas_defaults() -> None:
