@@ -81,7 +81,7 @@ def request_timeout_ms(settings: RelaySettings) -> int:
     """How long the producer waits for the answer to one request: the clients' 30 s, or less
     so that a request ends within the delivery timeout (kafka-python refuses to start with a
     delivery timeout under linger + request timeout)."""
-    return min(30_000, settings.kafka_delivery_timeout_ms - PRODUCER_DEFAULTS["linger_ms"])
+    return min(30_000, settings.kafka_delivery_timeout_ms - int(PRODUCER_DEFAULTS["linger_ms"]))
 
 
 def producer_config(settings: RelaySettings, **overrides: Any) -> dict[str, Any]:
