@@ -248,6 +248,10 @@ class KafkaSettings(_Base):
     kafka_delivery_timeout_ms: int = Field(
         default=120_000, ge=1000, description="how long the producer retries a send (at least 1 s)"
     )
+    kafka_connect_timeout_ms: int = Field(
+        default=15_000, ge=100, le=3_600_000,
+        description="how long a relay or a reconciliation waits at start for a broker to answer"
+    )
     kafka_max_request_size: int = Field(
         default=2 * 1024 * 1024, gt=0, description="largest record the producer sends"
     )

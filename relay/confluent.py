@@ -138,7 +138,7 @@ class ConfluentTransport:
         except KafkaException as exc:
             raise ConfigurationError(f"invalid Kafka settings for librdkafka: {exc}") from None
         try:
-            self.producer.list_topics(timeout=PRODUCER_DEFAULTS["bootstrap_timeout_ms"] / 1000)
+            self.producer.list_topics(timeout=settings.kafka_connect_timeout_ms / 1000)
         except KafkaException:
             raise settings.kafka_unreachable() from None
         self._closing = threading.Event()

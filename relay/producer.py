@@ -25,7 +25,6 @@ PRODUCER_DEFAULTS: dict[str, Any] = {
     "max_in_flight_requests_per_connection": 5,
     "linger_ms": 1,
     "batch_size": 256 * 1024,
-    "bootstrap_timeout_ms": 15_000,
     # kafka-python's own sensors (the relay has its Prometheus metrics): recording them
     # took a tenth of its network thread's time at 1,000 msg/s.
     "metrics_enabled": False,
@@ -88,6 +87,7 @@ def producer_config(settings: RelaySettings, **overrides: Any) -> dict[str, Any]
     return {
         **PRODUCER_DEFAULTS,
         "request_timeout_ms": request_timeout_ms(settings),
+        "bootstrap_timeout_ms": settings.kafka_connect_timeout_ms,
         "partitioner": KeyHashPartitioner(),
         "bootstrap_servers": settings.kafka_bootstrap.split(","),
         "client_id": f"outbox-relay-{settings.worker_id}",

@@ -101,6 +101,23 @@ def session(settings: ReconcileSettings) -> Iterator[SparkSession]:
             spark.stop()
 
 
+def require_broker(settings: ReconcileSettings) -> None:
+    """With ``reconcile_read_topics``, ask the broker before Spark starts: a wrong address or
+    login is one line within ``kafka_connect_timeout_ms``, not after the tables are read."""
+    if settings.reconcile_read_topics:
+        settings.require("kafka_bootstrap")
+        _topic_ends(settings, set())
+
+
+def _topic_ends(settings: ReconcileSettings, topics: set[str]) -> dict[tuple[str, int], int]:
+    """The next offset of each partition of ``topics``; one line if no broker lets us in."""
+    try:
+        return high_watermarks(settings.kafka_bootstrap, sorted(topics), {
+            **settings.kafka_security(), "bootstrap_timeout_ms": settings.kafka_connect_timeout_ms})
+    except KafkaTimeoutError:
+        raise settings.kafka_unreachable() from None
+
+
 def run(spark: SparkSession, settings: ReconcileSettings, *, since: datetime | None = None,
         until: datetime | None = None) -> Result:
     """Reconcile one window and record it; see the module docstring. Raises RunInProgress,
@@ -288,11 +305,7 @@ def _read_topics(spark: SparkSession, settings: ReconcileSettings, engine: Any, 
         conn.rollback()
     topics = {r.topic for r in messages.select("topic").distinct().collect()}
     topics |= set(mark.kafka_offsets or {})
-    try:
-        ends = high_watermarks(settings.kafka_bootstrap, sorted(topics),
-                               settings.kafka_security())
-    except KafkaTimeoutError:
-        raise settings.kafka_unreachable() from None
+    ends = _topic_ends(settings, topics)
     plan = sources.plan_topics(ends, first_ops, mark.kafka_offsets, window.since is None)
     log.info("reading %d offset ranges of %d topics (%d records) with %s", len(plan.ranges),
              len(topics), sum(r.end - r.start for r in plan.ranges), settings.kafka_client)

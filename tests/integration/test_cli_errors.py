@@ -41,9 +41,12 @@ def test_wrong_database_address_masks_the_password(settings: Settings) -> None:
     assert "s3cret" not in result.stderr
 
 
-def test_wrong_broker_address(settings: Settings) -> None:
-    env = outbox_env(settings, OUTBOX_KAFKA_BOOTSTRAP=f"127.0.0.1:{devservices.free_port()}")
-    result = run_outbox(None, "relay", env=env)
+@pytest.mark.parametrize("command", [["relay"], ["reconcile", "--read-topics"]])
+def test_wrong_broker_address(settings: Settings, command: list[str]) -> None:
+    """One line after the connect timeout; a reconciliation says it before Spark starts."""
+    env = outbox_env(settings, OUTBOX_KAFKA_BOOTSTRAP=f"127.0.0.1:{devservices.free_port()}",
+                     OUTBOX_KAFKA_CONNECT_TIMEOUT_MS="2000")
+    result = run_outbox(None, *command, env=env)
     assert_one_line_error(result, "no Kafka broker answers at 127.0.0.1:")
 
 

@@ -16,6 +16,7 @@ from outbox.exceptions import ConfigurationError
 from outbox.relay import confluent
 from outbox.relay.confluent import librdkafka_config, translate
 from outbox.relay.producer import Sent, producer_config
+from outbox.relay.tails import KafkaPythonTailReader
 from outbox.relay.transport import Report, UnknownOffset, is_permanent, make_transport
 from outbox.settings import Settings
 
@@ -61,6 +62,12 @@ def test_any_accepted_delivery_timeout_makes_a_producer_kafka_python_accepts(
     rdkafka = librdkafka_config(settings)
     assert rdkafka["request.timeout.ms"] == config["request_timeout_ms"]
     assert rdkafka["message.timeout.ms"] == delivery_timeout_ms
+
+
+def test_the_connect_timeout_reaches_every_kafka_python_client() -> None:
+    settings = Settings(kafka_bootstrap="k1:9093", kafka_connect_timeout_ms=2_500)
+    assert producer_config(settings)["bootstrap_timeout_ms"] == 2_500
+    assert KafkaPythonTailReader(settings)._config["bootstrap_timeout_ms"] == 2_500
 
 
 def test_unset_security_settings_are_left_to_librdkafkas_defaults() -> None:
