@@ -524,7 +524,7 @@ def reconcile(shared: Shared, kafka_bootstrap: str | None, since: datetime | Non
     settings = settings.model_copy(update={
         "reconcile_thresholds": {**settings.reconcile_thresholds, **thresholds}})
     setup_logging(settings.log_level)
-    job.require_broker(settings)
+    job.preflight(settings)
     with job.session(settings) as spark:
         try:
             result = job.run(spark, settings, since=since, until=until)

@@ -30,7 +30,7 @@ from typing import Any
 from kafka.errors import KafkaTimeoutError
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
-from sqlalchemy import Engine, create_engine
+from sqlalchemy import Engine, NullPool, create_engine
 
 from outbox.exceptions import ConfigurationError
 from outbox.migrate import require_current
@@ -101,9 +101,18 @@ def session(settings: ReconcileSettings) -> Iterator[SparkSession]:
             spark.stop()
 
 
-def require_broker(settings: ReconcileSettings) -> None:
-    """With ``reconcile_read_topics``, ask the broker before Spark starts: a wrong address or
-    login is one line within ``kafka_connect_timeout_ms``, not after the tables are read."""
+def preflight(settings: ReconcileSettings) -> None:
+    """What a run needs, checked before Spark starts (which takes seconds and prints its own
+    lines): the database and its migrated schema, a role that can hold the window back, and
+    with ``reconcile_read_topics`` a broker that lets it in (within
+    ``kafka_connect_timeout_ms``). ``run`` checks them all again."""
+    engine = create_engine(settings.sqlalchemy_url, poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            require_current(conn, settings.schema_name)
+            runs.require_hold_back(conn)
+    finally:
+        engine.dispose()
     if settings.reconcile_read_topics:
         settings.require("kafka_bootstrap")
         _topic_ends(settings, set())

@@ -27,21 +27,29 @@ def test_relay_without_a_database_url() -> None:
     assert_one_line_error(result, "database_url is not set", "OUTBOX_DATABASE_URL")
 
 
-def test_relay_against_an_unmigrated_schema(settings: Settings) -> None:
+#: The long-running commands; a reconciliation checks what it needs before Spark starts, so
+#: its one line is all it prints too.
+COMMANDS = pytest.mark.parametrize("command", [["relay"], ["reconcile", "--read-topics"]])
+
+
+@COMMANDS
+def test_against_an_unmigrated_schema(settings: Settings, command: list[str]) -> None:
     env = outbox_env(settings, OUTBOX_SCHEMA=f"absent_{uuid.uuid4().hex[:6]}")
-    result = run_outbox(None, "relay", env=env)
+    result = run_outbox(None, *command, env=env)
     assert_one_line_error(result, "is not migrated", "outbox db upgrade")
 
 
-def test_wrong_database_address_masks_the_password(settings: Settings) -> None:
+@COMMANDS
+def test_wrong_database_address_masks_the_password(settings: Settings, command: list[str]
+                                                   ) -> None:
     port = devservices.free_port()
     env = outbox_env(settings, OUTBOX_DATABASE_URL=f"postgresql://app:s3cret@127.0.0.1:{port}/x")
-    result = run_outbox(None, "relay", env=env)
+    result = run_outbox(None, *command, env=env)
     assert_one_line_error(result, "cannot use PostgreSQL at postgresql://app:***@127.0.0.1")
     assert "s3cret" not in result.stderr
 
 
-@pytest.mark.parametrize("command", [["relay"], ["reconcile", "--read-topics"]])
+@COMMANDS
 def test_wrong_broker_address(settings: Settings, command: list[str]) -> None:
     """One line after the connect timeout; a reconciliation says it before Spark starts."""
     env = outbox_env(settings, OUTBOX_KAFKA_BOOTSTRAP=f"127.0.0.1:{devservices.free_port()}",

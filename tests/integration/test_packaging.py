@@ -21,8 +21,8 @@ from outbox.dev import services as devservices
 from outbox.dev.topics import read_topic
 from outbox.settings import Settings
 from tests.conftest import count_status, drop_schema, wait_until
+from tests.wheel import build_wheel
 
-ROOT = Path(__file__).resolve().parents[2]
 TRAP = "raise ImportError('the outbox imported the application\\'s own {}')\n"
 
 
@@ -31,9 +31,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A folder holding exactly what ``pip install`` of the built wheel puts in site-packages."""
     wheels, site = tmp_path_factory.mktemp("wheels"), tmp_path_factory.mktemp("site")
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    subprocess.run([*pip, "wheel", "--no-deps", "-w", str(wheels), str(ROOT)], check=True,
-                   capture_output=True, timeout=300)
-    (wheel,) = wheels.glob("*.whl")
+    wheel = build_wheel(wheels)
     subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)],
                    check=True, capture_output=True, timeout=300)
     return site

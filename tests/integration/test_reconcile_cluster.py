@@ -33,10 +33,10 @@ from outbox.settings import ReconcileSettings
 from outbox.spark import reconcile as job
 from tests.conftest import wait_until
 from tests.integration import test_reconcile
+from tests.wheel import build_wheel
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
 SPARK_HOME = Path(pyspark.__file__).parent
 
 #: test_reconcile.py's local session and its data set with one defect of each kind.
@@ -111,11 +111,7 @@ def package(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The job's own code as it is shipped: the project's wheel, named ``.zip`` (PySpark puts
     only .zip, .egg and .jar files of ``--py-files`` on the executors' Python path)."""
     folder = tmp_path_factory.mktemp("package")
-    subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", "wheel",
-                    "--no-deps", "-w", str(folder), str(ROOT)],
-                   check=True, capture_output=True, timeout=300)
-    (wheel,) = folder.glob("*.whl")
-    return wheel.rename(folder / "transactional_outbox.zip")
+    return build_wheel(folder).rename(folder / "transactional_outbox.zip")
 
 
 @pytest.fixture(scope="module")
