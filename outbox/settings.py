@@ -272,6 +272,11 @@ class KafkaSettings(_Base):
         names = _SECURITY_NAMES[client]
         return {names[field]: value for field, value in values.items() if value is not None}
 
+    def kafka_python_connection(self) -> dict[str, Any]:
+        """What a kafka-python client takes from the settings to reach the broker: SASL/TLS,
+        and how long it waits at start for an answer (``bootstrap_timeout_ms``)."""
+        return {**self.kafka_security(), "bootstrap_timeout_ms": self.kafka_connect_timeout_ms}
+
     def kafka_unreachable(self) -> ServiceUnavailable:
         """The one line for a relay or a reconciliation that no broker lets in. A refused login
         or a TLS mismatch looks like silence to the clients, so it names every setting that

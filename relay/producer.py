@@ -87,13 +87,12 @@ def producer_config(settings: RelaySettings, **overrides: Any) -> dict[str, Any]
     return {
         **PRODUCER_DEFAULTS,
         "request_timeout_ms": request_timeout_ms(settings),
-        "bootstrap_timeout_ms": settings.kafka_connect_timeout_ms,
         "partitioner": KeyHashPartitioner(),
         "bootstrap_servers": settings.kafka_bootstrap.split(","),
         "client_id": f"outbox-relay-{settings.worker_id}",
         "delivery_timeout_ms": settings.kafka_delivery_timeout_ms,
         "max_request_size": settings.kafka_max_request_size,
-        **settings.kafka_security(),
+        **settings.kafka_python_connection(),
         **overrides,
     }
 

@@ -82,8 +82,7 @@ class KafkaPythonTailReader:
             "enable_auto_commit": False,
             "auto_offset_reset": "earliest",
             "fetch_max_wait_ms": 10,  # an empty tail ends after one short fetch
-            "bootstrap_timeout_ms": settings.kafka_connect_timeout_ms,
-            **settings.kafka_security(),
+            **settings.kafka_python_connection(),
         }
 
     def _consumer(self) -> KafkaConsumer:

@@ -121,8 +121,8 @@ def preflight(settings: ReconcileSettings) -> None:
 def _topic_ends(settings: ReconcileSettings, topics: set[str]) -> dict[tuple[str, int], int]:
     """The next offset of each partition of ``topics``; one line if no broker lets us in."""
     try:
-        return high_watermarks(settings.kafka_bootstrap, sorted(topics), {
-            **settings.kafka_security(), "bootstrap_timeout_ms": settings.kafka_connect_timeout_ms})
+        return high_watermarks(settings.kafka_bootstrap, sorted(topics),
+                               settings.kafka_python_connection())
     except KafkaTimeoutError:
         raise settings.kafka_unreachable() from None
 
