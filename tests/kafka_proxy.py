@@ -1,4 +1,5 @@
-"""A Kafka-protocol-aware loopback proxy that makes chosen topics missing, for real.
+"""A Kafka-protocol-aware loopback proxy (a TcpProxy, so it can be cut too) that makes chosen
+topics missing, for real.
 
 Tansu creates a topic whenever a client asks for its metadata (it ignores Metadata's
 ``allow_auto_topic_creation=false``), so a missing topic (Apache Kafka with
@@ -30,7 +31,7 @@ from typing import Any
 from kafka.protocol.metadata import MetadataRequest, MetadataResponse
 from kafka.protocol.producer import ProduceRequest, ProduceResponse
 
-from outbox.dev.services import free_port
+from tests.tcp_proxy import TcpProxy
 
 PRODUCE = 0
 METADATA = 3
@@ -41,20 +42,11 @@ NOT_ENOUGH_REPLICAS = 19
 Asked = dict[int, tuple[int, int, dict[str, list[int]]]]
 
 
-class KafkaProxy:
+class KafkaProxy(TcpProxy):
     def __init__(self, target_port: int, held: set[str] | None = None) -> None:
-        self.target_port = target_port
-        self.port = free_port()
         self._held = set(held or ())
         self._refused: set[str] = set()
-        self._lock = threading.Lock()
-        self._closed = threading.Event()
-        self._open = threading.Event()
-        self._open.set()
-        self._sockets: list[socket.socket] = []
-        self._listener = socket.create_server(("127.0.0.1", self.port))
-        self._listener.settimeout(0.1)
-        threading.Thread(target=self._accept, daemon=True, name="kafka-proxy").start()
+        super().__init__(target_port)
 
     @property
     def bootstrap(self) -> str:
@@ -74,47 +66,16 @@ class KafkaProxy:
         with self._lock:
             return frozenset(self._held)
 
-    def cut(self) -> None:
-        """Drop every connection and refuse new ones until :meth:`restore`."""
-        self._open.clear()
-        with self._lock:
-            sockets, self._sockets = self._sockets, []
-        for sock in sockets:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)  # wakes the pump blocked in recv()
-            sock.close()
+    def _serve(self, client: socket.socket, upstream: socket.socket) -> None:
+        asked: Asked = {}
+        to_client = threading.Lock()  # the proxy's own answers and the broker's
+        threading.Thread(target=self._frames, args=(client, upstream, self._request, asked,
+                                                    to_client), daemon=True).start()
+        threading.Thread(target=self._frames, args=(upstream, client, self._response, asked,
+                                                    to_client), daemon=True).start()
 
-    def restore(self) -> None:
-        self._open.set()
-
-    def close(self) -> None:
-        self._closed.set()
-        self._listener.close()
-        self.cut()
-
-    def _accept(self) -> None:
-        while not self._closed.is_set():
-            try:
-                client, _ = self._listener.accept()
-                if not self._open.is_set():
-                    client.close()
-                    continue
-                upstream = socket.create_connection(("127.0.0.1", self.target_port), 2)
-            except (TimeoutError, OSError):
-                continue
-            client.settimeout(None)
-            upstream.settimeout(None)
-            with self._lock:
-                self._sockets += [client, upstream]
-            asked: Asked = {}
-            to_client = threading.Lock()  # the proxy's own answers and the broker's
-            threading.Thread(target=self._pump, args=(client, upstream, self._request, asked,
-                                                      to_client), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, self._response, asked,
-                                                      to_client), daemon=True).start()
-
-    def _pump(self, source: socket.socket, sink: socket.socket, rewrite: Any, asked: Asked,
-              to_client: threading.Lock) -> None:
+    def _frames(self, source: socket.socket, sink: socket.socket, rewrite: Any, asked: Asked,
+                to_client: threading.Lock) -> None:
         client = source if rewrite == self._request else sink
         try:
             while True:

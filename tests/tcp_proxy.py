@@ -24,18 +24,18 @@ class TcpProxy:
         self._open.set()
         self._closed = threading.Event()
         self._lock = threading.Lock()
-        self._pairs: list[tuple[socket.socket, socket.socket]] = []
+        self._sockets: list[socket.socket] = []
         threading.Thread(target=self._accept, daemon=True, name="proxy-accept").start()
 
     def cut(self) -> None:
         """Drop every connection and refuse new ones until :meth:`restore`."""
         self._open.clear()
         with self._lock:
-            pairs, self._pairs = self._pairs, []
-        for pair in pairs:
-            for sock in pair:
-                with contextlib.suppress(OSError):
-                    sock.close()
+            sockets, self._sockets = self._sockets, []
+        for sock in sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # wakes a pump blocked in recv()
+            sock.close()
 
     def restore(self) -> None:
         self._open.set()
@@ -67,9 +67,19 @@ class TcpProxy:
             except OSError:
                 client.close()
                 continue
+            client.settimeout(None)
+            upstream.settimeout(None)
             with self._lock:
-                self._pairs.append((client, upstream))
-            threading.Thread(target=self._pump, args=(client, upstream), daemon=True).start()
+                if not self._open.is_set():  # cut while connecting: cut() never saw this pair
+                    client.close()
+                    upstream.close()
+                    continue
+                self._sockets += [client, upstream]
+            self._serve(client, upstream)
+
+    def _serve(self, client: socket.socket, upstream: socket.socket) -> None:
+        """Pass bytes both ways until either side closes."""
+        threading.Thread(target=self._pump, args=(client, upstream), daemon=True).start()
 
     def _pump(self, a: socket.socket, b: socket.socket) -> None:
         peers = {a: b, b: a}
