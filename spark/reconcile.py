@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -103,9 +104,11 @@ def session(settings: ReconcileSettings) -> Iterator[SparkSession]:
 
 def preflight(settings: ReconcileSettings) -> None:
     """What a run needs, checked before Spark starts (which takes seconds and prints its own
-    lines): the database and its migrated schema, a role that can hold the window back, and
+    lines): known findings in the thresholds, the database and its migrated schema, a
+    role that can hold the window back, an output folder it can write, and
     with ``reconcile_read_topics`` a broker that lets it in (within
     ``kafka_connect_timeout_ms``). ``run`` checks them all again."""
+    findings.thresholds(settings.reconcile_thresholds)
     engine = create_engine(settings.sqlalchemy_url, poolclass=NullPool)
     try:
         with engine.connect() as conn:
@@ -113,6 +116,7 @@ def preflight(settings: ReconcileSettings) -> None:
             runs.require_hold_back(conn)
     finally:
         engine.dispose()
+    _output_root(settings)
     if settings.reconcile_read_topics:
         settings.require("kafka_bootstrap")
         _topic_ends(settings, set())
@@ -146,6 +150,7 @@ def _run(spark: SparkSession, settings: ReconcileSettings, engine: Engine,
     started_at = datetime.now(UTC)
     clock_start = time.monotonic()
     limits = findings.thresholds(settings.reconcile_thresholds)
+    output_root = _output_root(settings)
     schema = settings.schema_name
     cached: list[DataFrame] = []
     try:
@@ -205,9 +210,12 @@ def _run(spark: SparkSession, settings: ReconcileSettings, engine: Engine,
                 unknown = _unknown(spark, engine, schema, findings.foreign(everything))
                 claims = _claims(spark, engine, schema, findings.several(facts))
 
-        output = _output_dir(Path(settings.reconcile_output_dir), started_at)
+        output = _output_dir(output_root, started_at)
         with _phase(timings, "find and write"):
             spark.sparkContext.setJobDescription("outbox reconcile: findings")
+            # One task per core: the union of the findings has a partition per partition of
+            # each input (32 for 60 messages with the topics read), each a task of its own
+            # in the write and again in the count, with nothing to do in most of them.
             found = _cache(cached, findings.find(inputs, facts, unknown, claims))
             found.write.mode("error").parquet(str(output / "findings"))
             counts, samples = _count(found, checked=[
@@ -386,6 +394,19 @@ def _count(found: DataFrame, checked: list[str]) -> tuple[dict[str, int], dict[s
         counts[row.finding] = row.n
         samples[row.finding] = list(row.ids)
     return counts, samples
+
+
+def _output_root(settings: ReconcileSettings) -> Path:
+    """``reconcile_output_dir``, made if missing, once a folder could be made in it."""
+    root = Path(settings.reconcile_output_dir)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        os.rmdir(tempfile.mkdtemp(prefix=".probe-", dir=root))
+    except OSError as exc:
+        raise ConfigurationError(
+            f"cannot write the reconciliation's files under {root}: "
+            f"{exc.strerror or exc}; set --output-dir or OUTBOX_RECONCILE_OUTPUT_DIR") from None
+    return root
 
 
 def _output_dir(root: Path, started_at: datetime) -> Path:

@@ -70,3 +70,25 @@ def test_wrong_broker_address(settings: Settings, command: list[str]) -> None:
 def test_invalid_settings(settings: Settings, variable: str, value: str, fragment: str) -> None:
     result = run_outbox(None, "relay", env=outbox_env(settings, **{variable: value}))
     assert_one_line_error(result, fragment)
+
+
+@pytest.mark.parametrize(
+    ("args", "variables", "fragments"),
+    [
+        ([], {"OUTBOX_RECONCILE_THRESHOLDS": '{"lost_messages": 0}'},
+         ["unknown finding lost_messages", "undelivered_after_sla"]),
+        (["--threshold", "lost_messages=0"], {}, ["unknown finding lost_messages"]),
+        ([], {"OUTBOX_RECONCILE_THRESHOLDS": '{"discarded": -1}'},
+         ["threshold of discarded must be 0 or more"]),
+        (["--output-dir", "/proc/outbox-reports"], {},
+         ["cannot write the reconciliation's files under /proc/outbox-reports"]),
+    ],
+    ids=["unknown-finding-env", "unknown-finding-option", "negative-threshold", "output-dir"],
+)
+def test_a_reconciliation_misconfigured_says_so_before_spark_starts(
+    settings: Settings, args: list[str], variables: dict[str, str], fragments: list[str]
+) -> None:
+    """Found before Spark's start (seconds, and lines of its own), not after the tables
+    were read: one line, and nothing else."""
+    result = run_outbox(None, "reconcile", *args, env=outbox_env(settings, **variables))
+    assert_one_line_error(result, *fragments)
