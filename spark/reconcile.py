@@ -216,7 +216,8 @@ def _run(spark: SparkSession, settings: ReconcileSettings, engine: Engine,
             # One task per core: the union of the findings has a partition per partition of
             # each input (32 for 60 messages with the topics read), each a task of its own
             # in the write and again in the count, with nothing to do in most of them.
-            found = _cache(cached, findings.find(inputs, facts, unknown, claims))
+            found = _cache(cached, findings.find(inputs, facts, unknown, claims).coalesce(
+                spark.sparkContext.defaultParallelism))
             found.write.mode("error").parquet(str(output / "findings"))
             counts, samples = _count(found, checked=[
                 f.name for f in findings.FINDINGS if records is not None or not f.needs_topics])
