@@ -58,7 +58,6 @@ class TcpProxy:
                 try:
                     client.settimeout(5)
                     client = self.tls.wrap_socket(client, server_side=True)
-                    client.settimeout(None)
                 except OSError:  # not a TLS client (ssl.SSLError is an OSError)
                     client.close()
                     continue
