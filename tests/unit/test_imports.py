@@ -80,6 +80,23 @@ def test_the_package_names_every_public_name_and_only_those() -> None:
         outbox.Relay  # noqa: B018
 
 
+def test_type_checkers_see_the_names_the_package_imports_on_first_use() -> None:
+    """outbox/__init__.py names each public name twice: for mypy (under TYPE_CHECKING) and
+    for the runtime (``_HOMES``). The two lists must be the same names from the same homes."""
+    import outbox
+
+    tree = ast.parse((ROOT / "outbox" / "__init__.py").read_text())
+    (block,) = [node for node in tree.body if isinstance(node, ast.If)
+                and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"]
+    typed = {}
+    for node in block.body:
+        assert isinstance(node, ast.ImportFrom), ast.dump(node)
+        for alias in node.names:
+            assert alias.asname == alias.name, f"{alias.name} is not re-exported (`X as X`)"
+            typed[alias.name] = node.module
+    assert typed == outbox._HOMES
+
+
 @pytest.mark.parametrize("path", sorted((ROOT / "spark").glob("*.py")), ids=lambda p: p.name)
 def test_reconciliation_shares_no_code_with_the_relay_or_the_cli(path: Path) -> None:
     assert reaching(path, ("outbox.relay", "outbox.cli")) == []
