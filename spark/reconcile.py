@@ -213,11 +213,13 @@ def _run(spark: SparkSession, settings: ReconcileSettings, engine: Engine,
         output = _output_dir(output_root, started_at)
         with _phase(timings, "find and write"):
             spark.sparkContext.setJobDescription("outbox reconcile: findings")
-            # One task per core: the union of the findings has a partition per partition of
-            # each input (32 for 60 messages with the topics read), each a task of its own
-            # in the write and again in the count, with nothing to do in most of them.
+            # As many tasks as the messages were read in (one per core, more for a large
+            # window), not the union of the findings' partitions: one per partition of each
+            # input (32 for 60 messages with the topics read), each a task of its own in the
+            # write and again in the count, with nothing to do in most of them. A session
+            # that starts small (dynamic allocation) still gets one per read of a large window.
             found = _cache(cached, findings.find(inputs, facts, unknown, claims).coalesce(
-                spark.sparkContext.defaultParallelism))
+                max(parts, spark.sparkContext.defaultParallelism)))
             found.write.mode("error").parquet(str(output / "findings"))
             counts, samples = _count(found, checked=[
                 f.name for f in findings.FINDINGS if records is not None or not f.needs_topics])
