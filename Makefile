@@ -12,7 +12,7 @@ demo:
 
 test:
 	@scripts/bootstrap.sh dev,spark
-	$(VENV)/bin/pytest -q -n 2 --dist loadfile --durations=25
+	$(VENV)/bin/pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25
 
 # Pure functions, settings, CLI parsing and import rules: seconds, no database or broker.
 unit:

@@ -28,6 +28,20 @@ from outbox.relay.relay import Relay
 from outbox.settings import Settings, sqlalchemy_url
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The files of slow tests first, then the others by how many tests they hold, most
+    first. ``make test`` hands the two workers whole files in this order
+    (``--no-loadscope-reorder``): by its own order, by count alone, the files of one long test
+    (a Spark cluster, the soak) came last, and one worker ran them while the other idled."""
+    def weight(item: pytest.Item) -> tuple[bool, int]:
+        return item.get_closest_marker("slow") is None, -tests_in[item.path]
+
+    tests_in: dict[object, int] = {}
+    for item in items:
+        tests_in[item.path] = tests_in.get(item.path, 0) + 1
+    items.sort(key=weight)
+
+
 @pytest.fixture(scope="session")
 def services() -> Iterator[devservices.Services]:
     started = devservices.start()
