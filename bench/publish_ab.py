@@ -39,20 +39,27 @@ PUBLISH_CALL = """PERFORM {schema}.{function}(
         wake_class => 0, wake_base => 0, channel => '', delayed_note => '')"""
 
 
-def looped(engine: Engine, statement: str) -> float:
+def looped(engine: Engine, statement: str, commit_each: bool = False) -> float:
     """µs per run of ``statement`` (plpgsql, which may use the loop's ``i``) inside the
-    backend: ``LOOPED`` runs in one transaction, rolled back (no round trips, no commit)."""
+    backend: ``LOOPED`` runs in one transaction, rolled back (no round trips, no commit); or
+    (``commit_each``) each run a transaction of its own, committed without waiting for the
+    disk (asynchronous commit): what a statement costs a transaction that starts with it."""
+    commit = "COMMIT;" if commit_each else ""
     loop = f"""DO $loop$
 DECLARE started timestamptz := clock_timestamp();
 BEGIN
-    FOR i IN 1..{LOOPED} LOOP {statement}; END LOOP;
+    PERFORM set_config('synchronous_commit', 'off', false);
+    FOR i IN 1..{LOOPED} LOOP {statement}; {commit} END LOOP;
     PERFORM set_config('bench.elapsed', (extract(epoch FROM clock_timestamp() - started)
-                                         * 1e6 / {LOOPED})::text, true);
+                                         * 1e6 / {LOOPED})::text, false);
 END
 $loop$"""
     with engine.connect() as conn:
+        if commit_each:  # COMMIT in a DO block needs it to run outside a transaction block
+            conn = conn.execution_options(isolation_level="AUTOCOMMIT")
         conn.execute(text(loop.replace(":", r"\:")))
         elapsed = float(conn.execute(text("SELECT current_setting('bench.elapsed')")).scalar_one())
+        conn.execute(text("RESET synchronous_commit"))
         conn.rollback()
     return elapsed
 

@@ -21,7 +21,9 @@ Each as TPS and as a ratio to the INSERT alone of that round (durable commits, n
 nothing notifies), then the medians. Then each statement's own time in the backend (5,000
 in a plpgsql loop, rolled back: no round trip, no commit), alternated: where a publish's
 time goes inside PostgreSQL. Prototypes are built in their own schemas from the installed
-function's text; nothing of the product changes. Prints only.
+function's text; nothing of the product changes. Prints only. ``--backend-only``: only the
+backend's times, in one transaction and then each statement in a transaction of its own
+(asynchronous commit: the transaction's start, its locks and its commit without the disk).
 """
 
 from __future__ import annotations
@@ -112,19 +114,27 @@ def statements() -> dict[str, str]:
             "CAST(i % 64 AS smallint))"),
         "pending row INSERT": f"INSERT INTO {one}.pending {pending_row}",
         "pending row INSERT, no trigger": f"INSERT INTO {one}.untriggered {pending_row}",
+        "nothing (PERFORM 1)": "PERFORM 1",
     }
 
 
 def backend(engine: Engine, rounds: int) -> None:
+    """Each of :func:`statements` timed in the backend, the statements in turn (reversed in
+    every other round): many in one transaction, then each in a transaction of its own."""
     timed = statements()
-    took: dict[str, list[float]] = {name: [] for name in timed}
-    for n in range(rounds):
-        for name in (list(timed) if n % 2 == 0 else list(timed)[::-1]):
-            took[name].append(looped(engine, timed[name]))
-    say("in the backend, µs a statement (median; each round):")
-    for name, values in took.items():
-        say(f"  {name:32} {statistics.median(values):5.1f}  "
-            f"({', '.join(f'{v:.1f}' for v in values)})")
+    for commit_each, what in ((False, "in one transaction, rolled back"),
+                              (True, "each in a transaction of its own")):
+        took: dict[str, list[float]] = {name: [] for name in timed}
+        for n in range(rounds):
+            for name in (list(timed) if n % 2 == 0 else list(timed)[::-1]):
+                with engine.begin() as conn:  # committed pending rows keep their ids
+                    conn.execute(text(f"TRUNCATE {SCHEMAS['one row']}.pending, "
+                                      f"{SCHEMAS['one row']}.untriggered"))
+                took[name].append(looped(engine, timed[name], commit_each))
+        say(f"in the backend, µs a statement {what} (median; each round):")
+        for name, values in took.items():
+            say(f"  {name:32} {statistics.median(values):5.1f}  "
+                f"({', '.join(f'{v:.1f}' for v in values)})")
 
 
 def main() -> None:
@@ -132,6 +142,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=5.0, help="of pgbench, a run")
     parser.add_argument("--clients", type=int, nargs="+", default=[4, 16])
+    parser.add_argument("--backend-only", action="store_true",
+                        help="only the statements' own time in the backend, no pgbench")
     args = parser.parse_args()
     with fresh_services(pool_size=2) as (services, engine):
         for schema in set(SCHEMAS.values()):
@@ -142,6 +154,9 @@ def main() -> None:
         untriggered(engine, SCHEMAS["one row"])
         with engine.begin() as conn:
             conn.execute(text(BUSINESS_TABLE))
+        if args.backend_only:
+            backend(engine, args.rounds)
+            return
         bare = pgbench_script(SCHEMAS["built"], publish=False)
         by_side = scripts()
         ratios: dict[tuple[str, int], list[float]] = {

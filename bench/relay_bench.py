@@ -371,16 +371,18 @@ def relay_asleep(database_url: str, schema: str) -> Iterator[None]:
 
 
 def publish_cost(services: devservices.Services, engine: Engine, seconds: float,
-                 threads: int = 4) -> tuple[float, float, float]:
+                 threads: int = 4) -> tuple[float, float, float, float]:
     """Business INSERT transactions per second from ``threads`` threads: alone, with a
-    publish while relays are awake (no NOTIFY), with a publish while a relay sleeps."""
+    publish while relays are awake (no NOTIFY), with a publish while a relay sleeps, and
+    with the business INSERT twice instead (what any one more statement costs them)."""
     schema = "bench_publish"
     migrate.upgrade(services.database_url, schema)
     with engine.begin() as conn:
         conn.execute(text(BUSINESS_TABLE))
     outbox = Outbox(schema=schema)
+    business = text("INSERT INTO bench_orders (customer, total) VALUES (:c, 10.5)")
 
-    def run(outbox: Outbox | None) -> float:
+    def run(outbox: Outbox | None, inserts: int = 1) -> float:
         counts = [0] * threads
         stop_at = time.perf_counter() + seconds
 
@@ -388,8 +390,8 @@ def publish_cost(services: devservices.Services, engine: Engine, seconds: float,
             with Session(engine) as session:
                 while time.perf_counter() < stop_at:
                     with session.begin():
-                        session.execute(text("INSERT INTO bench_orders (customer, total) "
-                                             "VALUES (:c, 10.5)"), {"c": f"c{slot}"})
+                        for _ in range(inserts):
+                            session.execute(business, {"c": f"c{slot}"})
                         if outbox is not None:
                             outbox.publish(session, "orders", {"customer": f"c{slot}"},
                                            key=f"c{slot}-{counts[slot] % 100}")
@@ -405,7 +407,8 @@ def publish_cost(services: devservices.Services, engine: Engine, seconds: float,
     bare = run(None)
     awake = run(outbox)
     with relay_asleep(services.database_url, schema):
-        return bare, awake, run(outbox)
+        asleep = run(outbox)
+    return bare, awake, asleep, run(None, inserts=2)
 
 
 def sizes(engine: Engine) -> list[Any]:
@@ -491,11 +494,12 @@ def main() -> None:
                 f"max {worst:.1f} ms")
         if "4" not in skip:
             say("\n4. cost of publish in a business transaction (4 client threads)")
-            bare, awake, asleep = publish_cost(services, engine, args.publish_seconds)
+            bare, awake, asleep, twice = publish_cost(services, engine, args.publish_seconds)
             say(f"   business insert alone:               {bare:8,.0f} TPS  1.00x")
             say(f"   + publish, relays awake (no NOTIFY): {awake:8,.0f} TPS  {awake / bare:.2f}x")
             say(f"   + publish, a relay asleep (NOTIFY):  {asleep:8,.0f} TPS  "
                 f"{asleep / bare:.2f}x")
+            say(f"   the insert twice, no publish:        {twice:8,.0f} TPS  {twice / bare:.2f}x")
         say("\n5. table and index sizes after the runs (history schemas dropped)")
         for row in sizes(engine):
             say(f"   {'table' if row.relkind == 'r' else 'index'} {row.name:45} {row.size}")

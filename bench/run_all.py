@@ -10,9 +10,10 @@ On fresh embedded services (durable: fsync on), in this order:
    right after a CHECKPOINT (every page's first change logs a full-page image);
 2. business insert + publish vs business insert alone, at 4 and at 16 concurrent writers
    (Python threads), while relays are awake (no NOTIFY) and while one sleeps (every commit
-   NOTIFYs); then the same transactions from pgbench, whose C clients leave the database as
-   the bound (publish_bench.pgbench_publish), and there the business insert twice: what
-   any one more row costs the transaction, the floor for a publish that writes one;
+   NOTIFYs), and the business insert twice (what any one more statement costs them); then
+   the same transactions from pgbench, whose C clients leave the database as the bound
+   (publish_bench.pgbench_publish), and there the business insert twice too: what any one
+   more row costs the transaction, the floor for a publish that writes one;
 3. raw kafka-python produce (in a fresh process, as each relay runs; with kafka-python's own
    partitioner, and again with the relay's memo of key hashes), then one relay with
    the kafka-python and with the confluent transport draining --messages committed rows, then
@@ -175,12 +176,17 @@ def main() -> None:
         for writers in (4, 16):
             say(f"2. business insert + publish vs insert alone, {writers} writers, {seconds:g} s "
                 "each")
-            bare, awake, asleep = publish_cost(services, engine, seconds, threads=writers)
+            bare, awake, asleep, twice = publish_cost(services, engine, seconds,
+                                                      threads=writers)
             say(f"   alone {bare:,.0f} TPS, + publish {awake:,.0f} (relays awake), "
-                f"{asleep:,.0f} (a relay asleep: every commit NOTIFYs)")
+                f"{asleep:,.0f} (a relay asleep: every commit NOTIFYs), "
+                f"+ a 2nd business INSERT {twice:,.0f}")
             for label, tps in (("relays awake", awake), ("a relay asleep", asleep)):
                 figures.append(Figure(f"business insert + publish, {writers} writers, {label}",
                                       tps, "TPS", bare, "insert alone", (">=", 0.8)))
+            figures.append(Figure(f"business insert twice, no publish, {writers} writers "
+                                  "(any one more statement)", twice, "TPS", bare,
+                                  "insert alone"))
             say(f"   the same from pgbench (C clients: the database is the bound), {seconds:g} s "
                 "each")
             bare, awake, asleep, second = pgbench_publish(services, writers, seconds)
