@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Protocol, TypeVar
 
 import pytest
@@ -26,6 +28,9 @@ from outbox.dev import services as devservices
 from outbox.dev.topics import Record, create_topic, read_topic
 from outbox.relay.relay import Relay
 from outbox.settings import Settings, sqlalchemy_url
+
+#: Spark's settings for every session the suite starts, in process or in a subprocess.
+os.environ.setdefault("SPARK_CONF_DIR", str(Path(__file__).with_name("spark-conf")))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
