@@ -67,6 +67,16 @@ def text_table(figures: list[Figure]) -> str:
     return "\n".join(out)
 
 
+def round_ratios(runs: dict[str, list[float]], pairs: list[tuple[str, str]]) -> str:
+    """Each (figure, baseline) of ``pairs`` as its ratios round by round: interleaved rounds
+    drift together, so a round's ratio is a paired figure beside the ratio of medians that
+    the table judges by."""
+    return "Round by round: " + "; ".join(
+        f"{name} " + " / ".join(f"{value / base:.2f}x"
+                                for value, base in zip(runs[name], runs[baseline], strict=True))
+        + f" (of {baseline})" for name, baseline in pairs) + "."
+
+
 def replace_block(document: str, block: str, name: str = "make bench",
                   title: str = "`make bench`: the issue 10 targets in one run") -> str:
     """``document`` with the text between ``name``'s markers replaced by ``block``; everything

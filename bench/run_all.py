@@ -55,7 +55,7 @@ from relay_bench import (
     start_relays,
     stop,
 )
-from report import Figure, markdown_table, replace_block, text_table
+from report import Figure, markdown_table, replace_block, round_ratios, text_table
 from sqlalchemy import Engine, create_engine, text
 
 from outbox import migrate
@@ -228,6 +228,10 @@ def main() -> None:
                                     statistics.median(runs["kafka-python"]),
                                     "1 relay, kafka-python, no history"))
         figures = relay_figures + figures
+        by_round = round_ratios(runs, [("kafka-python", "raw"), ("confluent", "raw"),
+                                       ("2 relays, kafka-python", "kafka-python"),
+                                       ("2 relays, confluent", "confluent")])
+        say(f"   {by_round}")
     finally:
         engine.dispose()
         devservices.stop(services)
@@ -252,6 +256,8 @@ def main() -> None:
             "drain starts right after a CHECKPOINT.", width=95),
         "",
         markdown_table(figures),
+        "",
+        textwrap.fill(by_round, width=95),
         "",
         f"{met} of {judged} targets met.",
     ])

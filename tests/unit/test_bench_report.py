@@ -50,3 +50,9 @@ def test_without_markers_a_section_goes_before_the_first_heading() -> None:
     updated = report.replace_block("# B\n\nintro\n\n## other\n", "t")
     assert updated.index(report.BEGIN) < updated.index("## other")
     assert updated.startswith("# B\n\nintro\n\n## `make bench`")
+
+
+def test_round_ratios_pair_each_round_with_its_own_baseline() -> None:
+    runs = {"raw": [100.0, 200.0, 50.0], "relay": [90.0, 260.0, 50.0]}
+    assert report.round_ratios(runs, [("relay", "raw")]) == (
+        "Round by round: relay 0.90x / 1.30x / 1.00x (of raw).")
