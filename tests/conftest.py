@@ -34,17 +34,17 @@ os.environ.setdefault("SPARK_CONF_DIR", str(Path(__file__).with_name("spark-conf
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The files of slow tests first, then the others by how many tests they hold, most
-    first. ``make test`` hands the two workers whole files in this order
-    (``--no-loadscope-reorder``): by its own order, by count alone, the files of one long test
-    (a Spark cluster, the soak) came last, and one worker ran them while the other idled."""
-    def weight(item: pytest.Item) -> tuple[bool, int]:
-        return item.get_closest_marker("slow") is None, -tests_in[item.path]
-
-    tests_in: dict[object, int] = {}
+    """The files that hold a slow test first, then the others by how many tests they hold,
+    most first; each file's tests in their own order. ``make test`` hands the two workers
+    whole files in this order (``--no-loadscope-reorder``): by its own order, by count alone,
+    the files of one long test (a Spark cluster, the soak) came last, and one worker ran
+    them while the other idled."""
+    slow: dict[Path, bool] = {}
+    count: dict[Path, int] = {}
     for item in items:
-        tests_in[item.path] = tests_in.get(item.path, 0) + 1
-    items.sort(key=weight)
+        slow[item.path] = slow.get(item.path, False) or bool(item.get_closest_marker("slow"))
+        count[item.path] = count.get(item.path, 0) + 1
+    items.sort(key=lambda item: (not slow[item.path], -count[item.path]))
 
 
 @pytest.fixture(scope="session")
