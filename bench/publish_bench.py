@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from relay_bench import BUSINESS_TABLE, relay_asleep, start_relays, stop
+from relay_bench import BUSINESS, BUSINESS_TABLE, relay_asleep, start_relays, stop
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.orm import Session
 
@@ -39,7 +39,6 @@ from outbox.encoding import encode
 from outbox.settings import sqlalchemy_url
 
 SCHEMA = "bench_publish_cost"
-BUSINESS = text("INSERT INTO bench_orders (customer, total) VALUES (:c, 10.5)")
 ORDER = {"customer": "c"}  # the published payload
 
 

@@ -33,8 +33,8 @@ import re
 import statistics
 
 from publish_ab import PUBLISH_CALL, looped
-from publish_bench import BUSINESS, BUSINESS_TABLE, pgbench_script, pgbench_tps
-from relay_bench import say
+from publish_bench import pgbench_script, pgbench_tps
+from relay_bench import BUSINESS, BUSINESS_TABLE, say
 from soak import fresh_services
 from sqlalchemy import Engine, text
 
