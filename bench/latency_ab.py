@@ -10,7 +10,8 @@ its package) delivers what soak.py's publishers (``--load``) commit at ``--rate`
 ``--seconds``, in a schema and topic of its own, on one pair of fresh durable services;
 each side's schema is migrated by its own code. The publishers are
 this checkout's (the two revisions must accept its publish statement). Printed per round:
-p50, p99 and max of commit → recorded ack; then the medians of each side. A warm-up run of
+p50, p99 and max of commit → recorded ack, and commit → Kafka ack (``ack_probe.py``); then
+the medians of each side. A warm-up run of
 ``--warm-up`` seconds by each side comes first, not counted (``--warm-up 0``: none), as in
 drain_ab.py: the first runs on fresh services may pay for what is still cold. On 2 shared
 cores one revision's rounds spread over several milliseconds (BENCHMARKS.md, "Latency,
@@ -130,13 +131,16 @@ def main() -> None:
                 result = run(n, side, path, args.seconds)
                 rounds[side].append(result)
                 say(f"round {n} {side:3}: p50 {result.p50:6.2f} ms  p99 {result.p99:6.2f} "
-                    f"ms  max {result.worst:7.1f} ms  (slowest disk flush "
+                    f"ms  max {result.worst:7.1f} ms  (to the ack: p50 {result.ack_p50:.2f} "
+                    f"ms, p99 {result.ack_p99:.2f} ms; slowest disk flush "
                     f"{result.slowest_fsync:.1f} ms)")
     for side, revision in sides.items():
         say(f"{side} ({revision}): median p50 "
             f"{statistics.median(r.p50 for r in rounds[side]):.2f} ms, median p99 "
             f"{statistics.median(r.p99 for r in rounds[side]):.2f} ms over "
-            f"{len(rounds[side])} rounds")
+            f"{len(rounds[side])} rounds (to the ack: median p50 "
+            f"{statistics.median(r.ack_p50 for r in rounds[side]):.2f} ms, median p99 "
+            f"{statistics.median(r.ack_p99 for r in rounds[side]):.2f} ms)")
 
 
 if __name__ == "__main__":

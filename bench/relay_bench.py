@@ -176,12 +176,19 @@ def last_id(engine: Engine, schema: str) -> int:
             f"SELECT coalesce(max(id), 0) FROM {schema}.message")).scalar_one())
 
 
-def start_relays(env: dict[str, str], schema: str, count: int) -> list[subprocess.Popen[bytes]]:
-    return [
-        subprocess.Popen([sys.executable, "-m", "outbox", "--schema", schema, "relay",
-                          "--log-level", "WARNING"], env=env)
-        for _ in range(count)
-    ]
+def start_relays(env: dict[str, str], schema: str, count: int, acks: Path | None = None
+                 ) -> list[subprocess.Popen[bytes]]:
+    """``count`` relay processes; with ``acks`` (a folder), each through ``ack_probe.py``,
+    writing the moment of every Kafka acknowledgement to ``acks/relay-N.acks`` as it exits."""
+    def command(n: int) -> list[str]:
+        if acks is None:
+            return [sys.executable, "-m", "outbox"]
+        return [sys.executable, str(Path(__file__).with_name("ack_probe.py")),
+                str(acks / f"relay-{n}.acks")]
+
+    return [subprocess.Popen([*command(n), "--schema", schema, "relay", "--log-level",
+                              "WARNING"], env=env)
+            for n in range(count)]
 
 
 def migrate_as(env: dict[str, str], schema: str) -> None:

@@ -11,10 +11,12 @@
    them. pgbench's C clients leave the 2 cores to the outbox, as applications on machines
    of their own would: at 1,000 msg/s the Python threads took 0.42-0.52 of a core and
    pgbench 0.12-0.13 (BENCHMARKS.md, "Latency, session 22"). Printed per minute: p50, p99
-   and max of commit → recorded ack: the op record's time (taken after Kafka acknowledged)
-   minus the moment the application's COMMIT returned (one clock: the machine's). For
-   comparison, p50 from the transaction's start (the prepare row's created_at) to the op
-   record, which also counts the publishing transaction itself; and the slowest flush of a
+   and max of commit → Kafka ack, the target's figure: the moment the relay's Kafka client
+   received the broker's acknowledgement of the message (the relay runs through
+   ``ack_probe.py``, which notes it) minus the moment the application's COMMIT returned (one
+   clock: the machine's); and of commit → recorded: the op record's time, taken after the
+   ack. For comparison, p50 from the transaction's start (the prepare row's created_at) to
+   the op record, which also counts the publishing transaction itself; and the slowest flush of a
    probe on the database's disk (an 8 KiB write and fdatasync every 10 ms, as a commit
    does): a minute whose max is the disk's stall shows it there.
 2. Retention: the maximum drain rate of one relay is measured first (a backlog drained); then
@@ -36,6 +38,7 @@ import argparse
 import datetime
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -46,6 +49,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from ack_probe import read_acks
 from confluent_kafka import Producer
 from publish_bench import pgbench_defines, pgbench_script, run_pgbench
 from relay_bench import (
@@ -94,11 +98,18 @@ def fresh_services(pool_size: int) -> Iterator[tuple[devservices.Services, Engin
 
 @dataclass(frozen=True)
 class LatencyMinute:
+    """One minute of a latency run, in ms: commit → Kafka ack (``ack_*``: the relay's client
+    receiving the broker's acknowledgement, what issue 10's target names) and commit →
+    recorded (the op record's time, after the ack)."""
+
     minute: int
     messages: int
     p50: float
     p99: float
     worst: float
+    ack_p50: float
+    ack_p99: float
+    ack_worst: float
     #: p50 from the publishing transaction's start instead of its commit
     p50_from_begin: float
     #: the slowest fdatasync of an 8 KiB write on the database's disk (``disk_stalls``)
@@ -227,7 +238,8 @@ def latency_soak(services: devservices.Services, engine: Engine, env: dict[str, 
     schema, topic = f"soak_latency_{rate}{tag}", f"soak-latency-{rate}{tag}".replace("_", "-")
     migrate_as(env, schema)
     create_topic(services.kafka_bootstrap, topic, partitions=PARTITIONS)
-    relays = start_relays(env, schema, 1)
+    acks = Path(tempfile.mkdtemp(prefix="outbox-acks-"))
+    relays = start_relays(env, schema, 1, acks=acks)
     outbox = Outbox(schema=schema)
     time.sleep(3)  # the relay is up and owns its shards
     with engine.connect() as conn:
@@ -249,26 +261,54 @@ def latency_soak(services: devservices.Services, engine: Engine, env: dict[str, 
         minute = int((at - started_at.timestamp()) // 60)
         slowest[minute] = max(slowest.get(minute, 0.0), seconds * 1000)
     ids, times = zip(*committed, strict=True)
+    probe = acks / "relay-0.acks"
+    partitions, offsets, acked = read_acks(probe) if probe.exists() else ([], [], [])
+    shutil.rmtree(acks)
     with engine.connect() as conn:
         rows = conn.execute(text(f"""
             WITH c AS (SELECT * FROM unnest(CAST(:ids AS bigint[]),
                                             CAST(:times AS float8[])) AS c(id, at)),
+                 a AS (SELECT p, o, min(at) AS at
+                       FROM unnest(CAST(:partitions AS integer[]), CAST(:offsets AS bigint[]),
+                                   CAST(:acked AS float8[])) AS a(p, o, at)
+                       GROUP BY 1, 2),
                  l AS (SELECT floor((c.at - extract(epoch FROM CAST(:t0 AS timestamptz))) / 60)
                                   ::int AS minute,
                               extract(epoch FROM o.created_at) - c.at AS latency,
+                              a.at - c.at AS to_ack,
+                              a.at > extract(epoch FROM o.created_at) AS ack_after_record,
                               extract(epoch FROM o.created_at - m.created_at) AS from_begin
                        FROM c JOIN {schema}.op_record AS o ON o.message_id = c.id
                               JOIN {schema}.message AS m ON m.id = c.id
+                              LEFT JOIN a ON a.p = o.kafka_partition AND a.o = o.kafka_offset
                        WHERE o.action = 'DELIVERED')
-            SELECT minute, count(*) AS n,
+            SELECT minute, count(*) AS n, count(to_ack) AS acked,
+                   count(*) FILTER (WHERE ack_after_record) AS impossible,
                    percentile_cont(0.5) WITHIN GROUP (ORDER BY latency) AS p50,
                    percentile_cont(0.99) WITHIN GROUP (ORDER BY latency) AS p99,
                    max(latency) AS worst,
+                   percentile_cont(0.5) WITHIN GROUP (ORDER BY to_ack) AS ack_p50,
+                   percentile_cont(0.99) WITHIN GROUP (ORDER BY to_ack) AS ack_p99,
+                   max(to_ack) AS ack_worst,
                    percentile_cont(0.5) WITHIN GROUP (ORDER BY from_begin) AS p50_from_begin
             FROM l GROUP BY 1 ORDER BY 1"""),
-            {"ids": list(ids), "times": list(times), "t0": started_at}).all()
+            {"ids": list(ids), "times": list(times), "t0": started_at,
+             "partitions": partitions, "offsets": offsets, "acked": acked}).all()
+    if any(r.impossible for r in rows):  # the relay records a message after its ack
+        raise SystemExit(f"{sum(r.impossible for r in rows):,} acks in the relay's probe come "
+                         "after their op record: the probe does not time the ack")
+    missing = sum(r.n - r.acked for r in rows)
+    if missing:  # an older relay (an A/B's side) whose transport the probe does not know
+        say(f"   {missing:,} delivered messages have no ack in the relay's probe: commit → "
+            "ack is left out")
+
+    def ms(seconds: float | None, whole: bool) -> float:
+        return seconds * 1000 if seconds is not None and whole else float("nan")
+
     return [LatencyMinute(r.minute + 1, r.n, r.p50 * 1000, r.p99 * 1000, r.worst * 1000,
-                          r.p50_from_begin * 1000, slowest.get(r.minute, float("nan")))
+                          ms(r.ack_p50, not missing), ms(r.ack_p99, not missing),
+                          ms(r.ack_worst, not missing), r.p50_from_begin * 1000,
+                          slowest.get(r.minute, float("nan")))
             for r in rows if r.minute < minutes]
 
 
@@ -578,10 +618,11 @@ def main() -> None:
             minutes = latency_soak(services, engine, env, args.rate, args.minutes,
                                    load=args.load)
             for m in minutes:
-                say(f"   minute {m.minute:2}: {m.messages:6,} messages, p50 {m.p50:6.1f} ms, "
-                    f"p99 {m.p99:6.1f} ms, max {m.worst:7.1f} ms (p50 from the transaction's "
-                    f"start {m.p50_from_begin:6.1f} ms; slowest disk flush "
-                    f"{m.slowest_fsync:5.1f} ms)")
+                say(f"   minute {m.minute:2}: {m.messages:6,} messages; to the ack p50 "
+                    f"{m.ack_p50:5.1f} ms, p99 {m.ack_p99:5.1f} ms, max {m.ack_worst:7.1f} ms; "
+                    f"recorded p50 {m.p50:5.1f} ms, p99 {m.p99:5.1f} ms, max {m.worst:7.1f} "
+                    f"ms (p50 from the transaction's start {m.p50_from_begin:5.1f} ms; slowest "
+                    f"disk flush {m.slowest_fsync:5.1f} ms)")
         if args.latency_only:
             return
         say(f"2. maximum drain rate of 1 relay ({args.drain_messages:,} messages)")
@@ -596,11 +637,13 @@ def main() -> None:
 
     tail, before = windows(samples, args.minutes)
     grew = growth(tail, before)
-    latency_ok = bool(minutes) and all(m.p50 <= 5 and m.p99 <= 25 for m in minutes)
+    latency_ok = bool(minutes) and all(m.ack_p50 <= 5 and m.ack_p99 <= 25 for m in minutes)
+    recorded_ok = bool(minutes) and all(m.p50 <= 5 and m.p99 <= 25 for m in minutes)
     bounded = max(s.backlog for s in samples[len(samples) // 2:]) <= 2 * rate
     if minutes:  # a --retention-only run has no latency to judge
-        say(f"\nlatency target (p50 ≤ 5 ms, p99 ≤ 25 ms every minute): "
-            f"{'met' if latency_ok else 'not met'}")
+        say(f"\nlatency target, commit → Kafka ack (p50 ≤ 5 ms, p99 ≤ 25 ms every minute): "
+            f"{'met' if latency_ok else 'not met'}; the same bounds on commit → recorded: "
+            f"{'met' if recorded_ok else 'not met'}")
     say(f"retention: sizes grew {grew:+.1%} over the last 3 minutes (median samples; "
         f"target ≤ +5%): "
         f"{'met' if grew <= 0.05 else 'not met'}; backlog bounded: {bounded}")
@@ -644,14 +687,17 @@ def main() -> None:
         f"embedded PostgreSQL and Tansu, 1 relay ({args.client} transport), 1 KiB payloads, "
         f"1,000 keys, {PARTITIONS} partitions.",
         "",
-        f"Commit → recorded ack at {args.rate:,} msg/s ({LOADS[args.load]} publishing, one "
-        f"message per transaction): target p50 ≤ 5 ms and p99 ≤ 25 ms in every minute — "
-        f"**{'met' if latency_ok else 'not met'}**.",
+        f"Commit → Kafka ack at {args.rate:,} msg/s ({LOADS[args.load]} publishing, one "
+        f"message per transaction; the ack's moment is taken in the relay by "
+        f"`bench/ack_probe.py`): target p50 ≤ 5 ms and p99 ≤ 25 ms in every minute — "
+        f"**{'met' if latency_ok else 'not met'}**. Commit → recorded (the op record, written "
+        f"after the ack) within the same bounds: {'met' if recorded_ok else 'not met'}.",
         "",
-        "| minute | messages | p50 | p99 | max | p50 from the transaction's start "
-        "| slowest disk flush |",
-        "|---|---|---|---|---|---|---|",
-        *(f"| {m.minute} | {m.messages:,} | {m.p50:.1f} ms | {m.p99:.1f} ms | {m.worst:.1f} ms "
+        "| minute | messages | to the ack: p50 | p99 | max | recorded: p50 | p99 | max "
+        "| recorded p50 from the transaction's start | slowest disk flush |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+        *(f"| {m.minute} | {m.messages:,} | {m.ack_p50:.1f} ms | {m.ack_p99:.1f} ms "
+          f"| {m.ack_worst:.1f} ms | {m.p50:.1f} ms | {m.p99:.1f} ms | {m.worst:.1f} ms "
           f"| {m.p50_from_begin:.1f} ms | {m.slowest_fsync:.1f} ms |" for m in minutes),
         "",
         retention_line,

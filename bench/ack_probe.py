@@ -1,0 +1,77 @@
+"""`outbox relay` with the moment of each Kafka acknowledgement written down (benchmarks only).
+
+    python bench/ack_probe.py ACKS_FILE [outbox's arguments ...]
+
+Runs the ``outbox`` command as ``python -m outbox`` would, having first wrapped the two
+places where a relay's Kafka client learns that a record landed: kafka-python's
+``ProducerBatch.done`` (its sender thread, as the produce response is read) and the
+transport seam's ``Report.landed`` (the librdkafka transport's delivery report, served by
+its reporter thread). Each landing adds (partition, offset, wall-clock time) to one array of
+doubles; at exit the array is written to ACKS_FILE (:func:`read_acks`). A record's op record
+holds its partition and offset, so the benchmark finds each message's ack by them.
+
+The relay does what it always does; the probe costs a clock read and an append per record.
+"""
+
+from __future__ import annotations
+
+import atexit
+import runpy
+import sys
+import time
+from array import array
+from pathlib import Path
+from typing import Any
+
+ACKS = array("d")
+
+
+def install() -> None:
+    """Wraps the landing of a record in both clients (what the imported code has of them)."""
+    from kafka.producer.producer_batch import ProducerBatch
+
+    done = ProducerBatch.done
+
+    def batch_done(batch: Any, base_offset: Any = None, timestamp_ms: Any = None,
+                   top_level_exception: Any = None, record_exceptions_fn: Any = None) -> Any:
+        at = time.time()  # before the records' futures wake the relay
+        finished = done(batch, base_offset, timestamp_ms, top_level_exception,
+                        record_exceptions_fn)
+        if finished and top_level_exception is None and base_offset is not None:
+            partition = batch.topic_partition.partition
+            for offset in range(base_offset, base_offset + batch.record_count):
+                ACKS.extend((partition, offset, at))  # one C call: atomic under the GIL
+        return finished
+
+    ProducerBatch.done = batch_done
+    try:
+        from outbox.relay.transport import Report
+    except ImportError:  # an older relay (an A/B's old side): kafka-python's acks only
+        return
+    landed = Report.landed
+
+    def report_landed(report: Any, partition: int, offset: int) -> None:
+        ACKS.extend((partition, offset, time.time()))
+        landed(report, partition, offset)
+
+    Report.landed = report_landed  # type: ignore[method-assign]
+
+
+def read_acks(path: Path) -> tuple[list[int], list[int], list[float]]:
+    """Partitions, offsets and ack times (seconds since the epoch) of a probe's file."""
+    values = array("d")
+    values.frombytes(path.read_bytes())
+    return ([int(p) for p in values[0::3]], [int(o) for o in values[1::3]],
+            list(values[2::3]))
+
+
+def main() -> None:
+    target = Path(sys.argv[1])
+    atexit.register(lambda: target.write_bytes(ACKS.tobytes()))
+    install()
+    sys.argv = ["outbox", *sys.argv[2:]]
+    runpy.run_module("outbox", run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main()
