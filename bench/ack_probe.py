@@ -10,6 +10,11 @@ its reporter thread). Each landing adds (partition, offset, wall-clock time) to 
 doubles; at exit the array is written to ACKS_FILE (:func:`read_acks`). A record's op record
 holds its partition and offset, so the benchmark finds each message's ack by them.
 
+It also wraps ``Relay._send``, where a fetched batch is handed to the Kafka client: each
+message's (id, wall-clock time) goes to ACKS_FILE.sends (:func:`read_sends`), so that
+commit → ack splits into commit → handed over (the relay's wake-up and fetch) and handed
+over → ack (the client and the broker).
+
 The relay does what it always does; the probe costs a clock read and an append per record.
 """
 
@@ -24,10 +29,12 @@ from pathlib import Path
 from typing import Any
 
 ACKS = array("d")
+SENDS = array("d")
 
 
 def install() -> None:
-    """Wraps the landing of a record in both clients (what the imported code has of them)."""
+    """Wraps the landing of a record in both clients, and the relay's hand-off of a batch to
+    them (what the imported code has of these)."""
     from kafka.producer.producer_batch import ProducerBatch
 
     done = ProducerBatch.done
@@ -55,6 +62,19 @@ def install() -> None:
         landed(report, partition, offset)
 
     Report.landed = report_landed  # type: ignore[method-assign]
+    from outbox.relay.relay import Relay
+
+    if not hasattr(Relay, "_send"):  # an older relay: no hand-off times
+        return
+    send = Relay._send
+
+    def handed_over(relay: Any, transport: Any, batch: Any) -> Any:
+        at = time.time()
+        for row in batch:
+            SENDS.extend((row.id, at))
+        return send(relay, transport, batch)
+
+    Relay._send = handed_over  # type: ignore[method-assign]
 
 
 def read_acks(path: Path) -> tuple[list[int], list[int], list[float]]:
@@ -65,9 +85,22 @@ def read_acks(path: Path) -> tuple[list[int], list[int], list[float]]:
             list(values[2::3]))
 
 
+def read_sends(path: Path) -> tuple[list[int], list[float]]:
+    """Message ids and the moments they were handed to the Kafka client, of a probe's file
+    (``ACKS_FILE.sends``)."""
+    values = array("d")
+    values.frombytes(path.with_name(path.name + ".sends").read_bytes())
+    return [int(i) for i in values[0::2]], list(values[1::2])
+
+
 def main() -> None:
     target = Path(sys.argv[1])
-    atexit.register(lambda: target.write_bytes(ACKS.tobytes()))
+
+    def write() -> None:
+        target.write_bytes(ACKS.tobytes())
+        target.with_name(target.name + ".sends").write_bytes(SENDS.tobytes())
+
+    atexit.register(write)
     install()
     sys.argv = ["outbox", *sys.argv[2:]]
     runpy.run_module("outbox", run_name="__main__", alter_sys=True)

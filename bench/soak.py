@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import platform
 import shutil
@@ -49,7 +50,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from ack_probe import read_acks
+from ack_probe import read_acks, read_sends
 from confluent_kafka import Producer
 from publish_bench import pgbench_defines, pgbench_script, run_pgbench
 from relay_bench import (
@@ -110,10 +111,16 @@ class LatencyMinute:
     ack_p50: float
     ack_p99: float
     ack_worst: float
+    #: p50 of commit → the batch handed to the Kafka client (the relay's wake-up and fetch),
+    #: and of that hand-off → the ack (the client and the broker)
+    handed_p50: float
+    handed_to_ack_p50: float
     #: p50 from the publishing transaction's start instead of its commit
     p50_from_begin: float
     #: the slowest fdatasync of an 8 KiB write on the database's disk (``disk_stalls``)
     slowest_fsync: float
+    #: seconds of the minute during which PostgreSQL ran a checkpoint (``checkpoints``)
+    checkpointing: float
 
 
 @contextmanager
@@ -145,6 +152,27 @@ def disk_stalls(folder: str, every: float = 0.01) -> Iterator[list[tuple[float, 
     finally:
         done.set()
         worker.join()
+
+
+def checkpoints(log: Path) -> list[tuple[float, float]]:
+    """(start, end) in seconds since the epoch of each checkpoint in PostgreSQL's ``log``
+    (``log_checkpoints`` is on by default): while one runs, the first change to each page
+    writes the whole page to the WAL, and the checkpoint's own writes share the disk."""
+    spans: list[tuple[float, float]] = []
+    started = None
+    for line in log.read_text(errors="replace").splitlines():
+        if "checkpoint starting" in line or "checkpoint complete" in line:
+            moment = datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S.%f")
+            at = (moment.replace(tzinfo=datetime.UTC) if line[24:27] == "UTC"
+                  else moment).timestamp()  # naive: the machine's zone, as the server's
+            if "starting" in line:
+                started = at
+            elif started is not None:
+                spans.append((started, at))
+                started = None
+    if started is not None:
+        spans.append((started, math.inf))
+    return spans
 
 
 #: Called by a publishing thread after each COMMIT: message id, key, the moment it returned.
@@ -260,9 +288,15 @@ def latency_soak(services: devservices.Services, engine: Engine, env: dict[str, 
     for at, seconds in flushes:
         minute = int((at - started_at.timestamp()) // 60)
         slowest[minute] = max(slowest.get(minute, 0.0), seconds * 1000)
+    spans = checkpoints(Path(services.root) / "postgres.log")
+
+    def checkpointing(minute: int) -> float:
+        start = started_at.timestamp() + minute * 60
+        return sum(max(0.0, min(end, start + 60) - max(begin, start)) for begin, end in spans)
     ids, times = zip(*committed, strict=True)
     probe = acks / "relay-0.acks"
     partitions, offsets, acked = read_acks(probe) if probe.exists() else ([], [], [])
+    sent_ids, sent_at = read_sends(probe) if probe.exists() else ([], [])
     shutil.rmtree(acks)
     with engine.connect() as conn:
         rows = conn.execute(text(f"""
@@ -272,15 +306,21 @@ def latency_soak(services: devservices.Services, engine: Engine, env: dict[str, 
                        FROM unnest(CAST(:partitions AS integer[]), CAST(:offsets AS bigint[]),
                                    CAST(:acked AS float8[])) AS a(p, o, at)
                        GROUP BY 1, 2),
+                 s AS (SELECT id, max(at) AS at
+                       FROM unnest(CAST(:sent_ids AS bigint[]),
+                                   CAST(:sent_at AS float8[])) AS s(id, at)
+                       GROUP BY 1),
                  l AS (SELECT floor((c.at - extract(epoch FROM CAST(:t0 AS timestamptz))) / 60)
                                   ::int AS minute,
                               extract(epoch FROM o.created_at) - c.at AS latency,
                               a.at - c.at AS to_ack,
+                              s.at - c.at AS handed, a.at - s.at AS handed_to_ack,
                               a.at > extract(epoch FROM o.created_at) AS ack_after_record,
                               extract(epoch FROM o.created_at - m.created_at) AS from_begin
                        FROM c JOIN {schema}.op_record AS o ON o.message_id = c.id
                               JOIN {schema}.message AS m ON m.id = c.id
                               LEFT JOIN a ON a.p = o.kafka_partition AND a.o = o.kafka_offset
+                              LEFT JOIN s ON s.id = c.id
                        WHERE o.action = 'DELIVERED')
             SELECT minute, count(*) AS n, count(to_ack) AS acked,
                    count(*) FILTER (WHERE ack_after_record) AS impossible,
@@ -290,10 +330,14 @@ def latency_soak(services: devservices.Services, engine: Engine, env: dict[str, 
                    percentile_cont(0.5) WITHIN GROUP (ORDER BY to_ack) AS ack_p50,
                    percentile_cont(0.99) WITHIN GROUP (ORDER BY to_ack) AS ack_p99,
                    max(to_ack) AS ack_worst,
+                   percentile_cont(0.5) WITHIN GROUP (ORDER BY handed) AS handed_p50,
+                   percentile_cont(0.5) WITHIN GROUP (ORDER BY handed_to_ack)
+                       AS handed_to_ack_p50,
                    percentile_cont(0.5) WITHIN GROUP (ORDER BY from_begin) AS p50_from_begin
             FROM l GROUP BY 1 ORDER BY 1"""),
             {"ids": list(ids), "times": list(times), "t0": started_at,
-             "partitions": partitions, "offsets": offsets, "acked": acked}).all()
+             "partitions": partitions, "offsets": offsets, "acked": acked,
+             "sent_ids": sent_ids, "sent_at": sent_at}).all()
     if any(r.impossible for r in rows):  # the relay records a message after its ack
         raise SystemExit(f"{sum(r.impossible for r in rows):,} acks in the relay's probe come "
                          "after their op record: the probe does not time the ack")
@@ -307,8 +351,9 @@ def latency_soak(services: devservices.Services, engine: Engine, env: dict[str, 
 
     return [LatencyMinute(r.minute + 1, r.n, r.p50 * 1000, r.p99 * 1000, r.worst * 1000,
                           ms(r.ack_p50, not missing), ms(r.ack_p99, not missing),
-                          ms(r.ack_worst, not missing), r.p50_from_begin * 1000,
-                          slowest.get(r.minute, float("nan")))
+                          ms(r.ack_worst, not missing), ms(r.handed_p50, not missing),
+                          ms(r.handed_to_ack_p50, not missing), r.p50_from_begin * 1000,
+                          slowest.get(r.minute, float("nan")), checkpointing(r.minute))
             for r in rows if r.minute < minutes]
 
 
@@ -619,10 +664,13 @@ def main() -> None:
                                    load=args.load)
             for m in minutes:
                 say(f"   minute {m.minute:2}: {m.messages:6,} messages; to the ack p50 "
-                    f"{m.ack_p50:5.1f} ms, p99 {m.ack_p99:5.1f} ms, max {m.ack_worst:7.1f} ms; "
+                    f"{m.ack_p50:5.1f} ms, p99 {m.ack_p99:5.1f} ms, max {m.ack_worst:7.1f} ms "
+                    f"(p50 to the hand-off {m.handed_p50:4.1f} ms, from there to the ack "
+                    f"{m.handed_to_ack_p50:4.1f} ms); "
                     f"recorded p50 {m.p50:5.1f} ms, p99 {m.p99:5.1f} ms, max {m.worst:7.1f} "
                     f"ms (p50 from the transaction's start {m.p50_from_begin:5.1f} ms; slowest "
-                    f"disk flush {m.slowest_fsync:5.1f} ms)")
+                    f"disk flush {m.slowest_fsync:5.1f} ms; checkpointing "
+                    f"{m.checkpointing:2.0f} s of it)")
         if args.latency_only:
             return
         say(f"2. maximum drain rate of 1 relay ({args.drain_messages:,} messages)")
@@ -693,12 +741,16 @@ def main() -> None:
         f"**{'met' if latency_ok else 'not met'}**. Commit → recorded (the op record, written "
         f"after the ack) within the same bounds: {'met' if recorded_ok else 'not met'}.",
         "",
-        "| minute | messages | to the ack: p50 | p99 | max | recorded: p50 | p99 | max "
-        "| recorded p50 from the transaction's start | slowest disk flush |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| minute | messages | to the ack: p50 | p99 | max | p50 to the hand-off "
+        "| p50 hand-off to ack | recorded: p50 | p99 | max "
+        "| recorded p50 from the transaction's start | slowest disk flush "
+        "| seconds of it checkpointing |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         *(f"| {m.minute} | {m.messages:,} | {m.ack_p50:.1f} ms | {m.ack_p99:.1f} ms "
-          f"| {m.ack_worst:.1f} ms | {m.p50:.1f} ms | {m.p99:.1f} ms | {m.worst:.1f} ms "
-          f"| {m.p50_from_begin:.1f} ms | {m.slowest_fsync:.1f} ms |" for m in minutes),
+          f"| {m.ack_worst:.1f} ms | {m.handed_p50:.1f} ms | {m.handed_to_ack_p50:.1f} ms "
+          f"| {m.p50:.1f} ms | {m.p99:.1f} ms | {m.worst:.1f} ms "
+          f"| {m.p50_from_begin:.1f} ms | {m.slowest_fsync:.1f} ms | {m.checkpointing:.0f} |"
+          for m in minutes),
         "",
         retention_line,
         "",

@@ -1,6 +1,6 @@
 """bench/ack_probe.py, which the latency benchmarks' commit → Kafka ack rests on: a relay run
-through it delivers as usual, and every delivered message's ack is timed between the
-message's publish and its op record."""
+through it delivers as usual; every delivered message is handed to the Kafka client after
+its publish, and acknowledged after that and before its op record."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from tests.conftest import both_transports, publish_orders, wait_delivered
 from tests.processes import OutboxProcess, outbox_env
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from ack_probe import read_acks
+from ack_probe import read_acks, read_sends
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 pytestmark = both_transports
@@ -38,13 +38,15 @@ def test_every_ack_is_timed_between_the_publish_and_the_op_record(
 
     partitions, offsets, times = read_acks(probe)
     acked = dict(zip(zip(partitions, offsets, strict=True), times, strict=True))
+    handed = dict(zip(*read_sends(probe), strict=True))
     with engine.connect() as conn:
         rows = conn.execute(text(f"""
-            SELECT o.kafka_partition, o.kafka_offset,
+            SELECT o.message_id, o.kafka_partition, o.kafka_offset,
                    CAST(extract(epoch FROM m.created_at) AS float8) AS published,
                    CAST(extract(epoch FROM o.created_at) AS float8) AS recorded
             FROM {schema}.op_record AS o JOIN {schema}.message AS m ON m.id = o.message_id
             WHERE o.action = 'DELIVERED'""")).all()
-    assert len(rows) == len(ids) == len(acked)
+    assert len(rows) == len(ids) == len(acked) == len(handed)
     for row in rows:
-        assert row.published < acked[row.kafka_partition, row.kafka_offset] <= row.recorded, row
+        ack = acked[row.kafka_partition, row.kafka_offset]
+        assert row.published < handed[row.message_id] < ack <= row.recorded, row
