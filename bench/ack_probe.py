@@ -77,19 +77,28 @@ def install() -> None:
     Relay._send = handed_over  # type: ignore[method-assign]
 
 
-def read_acks(path: Path) -> tuple[list[int], list[int], list[float]]:
-    """Partitions, offsets and ack times (seconds since the epoch) of a probe's file."""
+def sends_file(path: Path) -> Path:
+    """Where the probe writing acks to ``path`` writes the hand-offs."""
+    return path.with_name(path.name + ".sends")
+
+
+def _doubles(path: Path) -> array[float]:
     values = array("d")
     values.frombytes(path.read_bytes())
+    return values
+
+
+def read_acks(path: Path) -> tuple[list[int], list[int], list[float]]:
+    """Partitions, offsets and ack times (seconds since the epoch) of a probe's file."""
+    values = _doubles(path)
     return ([int(p) for p in values[0::3]], [int(o) for o in values[1::3]],
             list(values[2::3]))
 
 
 def read_sends(path: Path) -> tuple[list[int], list[float]]:
     """Message ids and the moments they were handed to the Kafka client, of a probe's file
-    (``ACKS_FILE.sends``)."""
-    values = array("d")
-    values.frombytes(path.with_name(path.name + ".sends").read_bytes())
+    (:func:`sends_file`)."""
+    values = _doubles(sends_file(path))
     return [int(i) for i in values[0::2]], list(values[1::2])
 
 
@@ -98,7 +107,7 @@ def main() -> None:
 
     def write() -> None:
         target.write_bytes(ACKS.tobytes())
-        target.with_name(target.name + ".sends").write_bytes(SENDS.tobytes())
+        sends_file(target).write_bytes(SENDS.tobytes())
 
     atexit.register(write)
     install()

@@ -57,10 +57,14 @@ $loop$"""
     with engine.connect() as conn:
         if commit_each:  # COMMIT in a DO block needs it to run outside a transaction block
             conn = conn.execution_options(isolation_level="AUTOCOMMIT")
-        conn.execute(text(loop.replace(":", r"\:")))
-        elapsed = float(conn.execute(text("SELECT current_setting('bench.elapsed')")).scalar_one())
-        conn.execute(text("RESET synchronous_commit"))
-        conn.rollback()
+        try:
+            conn.execute(text(loop.replace(":", r"\:")))
+            elapsed = float(conn.execute(
+                text("SELECT current_setting('bench.elapsed')")).scalar_one())
+        finally:  # the timed rows (or a failed loop) undone; the connection durable again
+            conn.rollback()
+            conn.execute(text("RESET synchronous_commit"))
+            conn.commit()
     return elapsed
 
 

@@ -39,6 +39,7 @@ import datetime
 import math
 import os
 import platform
+import re
 import shutil
 import statistics
 import sys
@@ -154,22 +155,26 @@ def disk_stalls(folder: str, every: float = 0.01) -> Iterator[list[tuple[float, 
         worker.join()
 
 
+#: A checkpoint's start or end in PostgreSQL's log (its default line prefix, ``%m [%p] ``).
+CHECKPOINT_LINE = re.compile(r"^(?P<at>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}) (?P<zone>\S+) "
+                             r".*\bcheckpoint (?P<what>starting|complete)", re.MULTILINE)
+
+
 def checkpoints(log: Path) -> list[tuple[float, float]]:
     """(start, end) in seconds since the epoch of each checkpoint in PostgreSQL's ``log``
     (``log_checkpoints`` is on by default): while one runs, the first change to each page
     writes the whole page to the WAL, and the checkpoint's own writes share the disk."""
     spans: list[tuple[float, float]] = []
     started = None
-    for line in log.read_text(errors="replace").splitlines():
-        if "checkpoint starting" in line or "checkpoint complete" in line:
-            moment = datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S.%f")
-            at = (moment.replace(tzinfo=datetime.UTC) if line[24:27] == "UTC"
-                  else moment).timestamp()  # naive: the machine's zone, as the server's
-            if "starting" in line:
-                started = at
-            elif started is not None:
-                spans.append((started, at))
-                started = None
+    for found in CHECKPOINT_LINE.finditer(log.read_text(errors="replace")):
+        moment = datetime.datetime.strptime(found["at"], "%Y-%m-%d %H:%M:%S.%f")
+        at = (moment.replace(tzinfo=datetime.UTC) if found["zone"] == "UTC"
+              else moment).timestamp()  # naive: the machine's zone, as the server's
+        if found["what"] == "starting":
+            started = at
+        elif started is not None:
+            spans.append((started, at))
+            started = None
     if started is not None:
         spans.append((started, math.inf))
     return spans
@@ -295,8 +300,8 @@ def latency_soak(services: devservices.Services, engine: Engine, env: dict[str, 
         return sum(max(0.0, min(end, start + 60) - max(begin, start)) for begin, end in spans)
     ids, times = zip(*committed, strict=True)
     probe = acks / "relay-0.acks"
-    partitions, offsets, acked = read_acks(probe) if probe.exists() else ([], [], [])
-    sent_ids, sent_at = read_sends(probe) if probe.exists() else ([], [])
+    partitions, offsets, acked, sent_ids, sent_at = (
+        (*read_acks(probe), *read_sends(probe)) if probe.exists() else ([], [], [], [], []))
     shutil.rmtree(acks)
     with engine.connect() as conn:
         rows = conn.execute(text(f"""
