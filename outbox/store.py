@@ -343,11 +343,11 @@ def fetch_deliverable(
     Under a trickle (2-3 rows a batch) planning was most of the relay's database time, so
     both statements run on ``fetching`` where they can, planned once:
 
-    * the ids, always. The relay's p50 commit → ack at 1,000 msg/s was 0.7-3.3 ms lower in
-      each of 5 alternated rounds (BENCHMARKS.md, "Latency, session 22"). Until the ids in
-      flight went as ranges, a plan made once compared each row with each of them, so a
-      backlog's fetches (thousands in flight) were planned for their parameters on ``conn``
-      ("The fetch planned once under a backlog, session 29");
+    * the ids, always. The relay's p50 commit → op record at 1,000 msg/s was 0.7-3.3 ms
+      lower in each of 5 alternated rounds (BENCHMARKS.md, "Latency, session 22"). Until the
+      ids in flight went as ranges, a plan made once compared each row with each of them, so
+      a backlog's fetches (thousands in flight) were planned for their parameters on
+      ``conn`` ("The fetch planned once under a backlog, session 29");
     * the messages, when one range of ``message`` holds them all: read from that range, a
       plan made once locks it alone, where one of the parent would lock every range of
       retained history ("Latency, session 23"). Otherwise through the parent, on ``conn``,
@@ -461,7 +461,7 @@ def mark_delivered(
 ) -> list[tuple[str, float]]:
     """Record ``(message id, partition, offset)`` acknowledgements as op records.
 
-    Returns ``(topic, commit-to-ack seconds)`` for each row this call closed.
+    Returns ``(topic, publish-to-ack seconds)`` for each row this call closed.
     """
     if not acks:
         return []
@@ -934,7 +934,7 @@ def held_messages(conn: Connection, schema: str, *, topic: str | None = None,
 def delivery_history(conn: Connection, schema: str, window_seconds: float
                      ) -> list[dict[str, Any]]:
     """Per minute since the start of the minute ``window_seconds`` ago (and first, with
-    ``minute`` None, all of them): ``delivered`` and ``latency``, the commit-to-ack p50, p95
+    ``minute`` None, all of them): ``delivered`` and ``latency``, the publish-to-ack p50, p95
     and p99 in seconds."""
     rows = conn.execute(query("delivery_history", schema), {"window_seconds": window_seconds})
     return [dict(row._mapping) for row in rows]

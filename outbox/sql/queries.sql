@@ -131,9 +131,10 @@ SELECT (SELECT count(*) FROM promoted) AS promoted,
 -- Close a delivered batch in one statement: the pending rows are deleted (the message rows
 -- are not touched) and each gets a DELIVERED op record with the partition and offset Kafka
 -- acknowledged. A row another relay already closed is left alone. Returns each row's
--- commit-to-ack latency (database clock). The rows are deleted by key (= ANY walks the
--- primary key: the cost follows the batch); joined with the acks as a set, the planner
--- hash-joined them with every pending row, 10 ms a batch at a 50,000-message backlog.
+-- publish-to-ack latency (database clock: the op record's time minus the prepare row's).
+-- The rows are deleted by key (= ANY walks the primary key: the cost follows the batch);
+-- joined with the acks as a set, the planner hash-joined them with every pending row, 10 ms
+-- a batch at a 50,000-message backlog.
 -- The recorder runs it with enable_seqscan off (store.engine): pending's statistics lie.
 WITH delivered AS (
     DELETE FROM {schema}.pending AS p
@@ -619,7 +620,7 @@ LIMIT :limit;
 
 -- name: delivery_history
 -- Deliveries since the start of the minute :window_seconds ago, per minute and (the row whose
--- minute is NULL) in all: how many, and percentiles of the commit-to-ack latency (the
+-- minute is NULL) in all: how many, and percentiles of the publish-to-ack latency (the
 -- DELIVERED op record's time minus the prepare row's). Walks op_record's BRIN index on
 -- created_at, so it reads the window, not the history; message rows by primary key.
 SELECT date_trunc('minute', o.created_at) AS minute, count(*) AS delivered,
