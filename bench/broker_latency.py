@@ -1,0 +1,164 @@
+"""Produce → ack latency of the bare Kafka clients against the embedded broker, with nothing
+else running: on an empty topic, then on the same topic holding ``--fill`` records.
+
+    python bench/broker_latency.py [--seconds 60] [--rate 1000] [--fill 600000]
+
+The relay's commit → ack includes this part (its hand-off → ack, `bench/soak.py`); this run
+says what it costs with the database idle, and whether it grows with what the broker holds
+(the embedded broker keeps every record in memory), for each client with the relay's
+producer settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import time
+from collections.abc import Callable
+
+from confluent_kafka import Producer
+from kafka import KafkaProducer
+
+from outbox.dev import services as devservices
+from outbox.dev.topics import create_topic
+from outbox.relay.confluent import librdkafka_config
+from outbox.relay.producer import PRODUCER_DEFAULTS, KeyHashPartitioner
+from outbox.settings import RelaySettings
+
+PAYLOAD = b"x" * 1024
+KEYS = 1000
+
+class Client:
+    """One client with the relay's producer settings, sending to one topic."""
+
+    def __init__(self, bootstrap: str, topic: str) -> None:
+        self.topic = topic
+
+    def send(self, key: bytes, landed: Callable[[], None]) -> None:
+        """Hands one record over; ``landed()`` is called once it is acknowledged."""
+        raise NotImplementedError
+
+    def wait(self, seconds: float) -> None:
+        """Passes up to ``seconds`` (serving the client's callbacks if it needs that)."""
+        time.sleep(seconds)
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class Confluent(Client):
+    def __init__(self, bootstrap: str, topic: str) -> None:
+        super().__init__(bootstrap, topic)
+        self.producer = Producer(librdkafka_config(RelaySettings(kafka_bootstrap=bootstrap)))
+
+    def send(self, key: bytes, landed: Callable[[], None]) -> None:
+        def report(error: object, _message: object) -> None:
+            if error is None:
+                landed()
+
+        self.producer.produce(self.topic, PAYLOAD, key, on_delivery=report)
+        self.producer.poll(0)
+
+    def wait(self, seconds: float) -> None:
+        self.producer.poll(seconds)
+
+    def close(self) -> None:
+        self.producer.flush(30)
+
+
+class KafkaPython(Client):
+    def __init__(self, bootstrap: str, topic: str) -> None:
+        super().__init__(bootstrap, topic)
+        self.producer = KafkaProducer(bootstrap_servers=bootstrap, **PRODUCER_DEFAULTS,
+                                      partitioner=KeyHashPartitioner())
+
+    def send(self, key: bytes, landed: Callable[[], None]) -> None:
+        self.producer.send(self.topic, value=PAYLOAD, key=key).add_callback(
+            lambda _metadata: landed())
+
+    def close(self) -> None:
+        self.producer.close(30)
+
+
+CLIENTS: dict[str, type[Client]] = {"kafka-python": KafkaPython, "confluent": Confluent}
+
+
+def paced(client: Client, seconds: float, rate: float) -> list[float]:
+    """Sends ``rate`` records a second for ``seconds``; each record's seconds to its ack."""
+    latencies: list[float] = []
+
+    def took(since: float) -> None:
+        latencies.append(time.monotonic() - since)
+
+    started = time.monotonic()
+    sent = 0
+    while (now := time.monotonic()) - started < seconds:
+        due = started + sent / rate
+        if now < due:
+            client.wait(due - now)
+            continue
+        client.send(b"key-%d" % (sent % KEYS), functools.partial(took, now))
+        sent += 1
+    client.wait(1.0)  # the last records' acks
+    return latencies
+
+
+def fill(client: Client, records: int) -> float:
+    """Sends ``records`` as fast as the client takes them; records a second to the last ack."""
+    acked = [0]
+
+    def landed() -> None:
+        acked[0] += 1
+
+    started = time.monotonic()
+    for i in range(records):
+        while True:
+            try:
+                client.send(b"key-%d" % (i % KEYS), landed)
+                break
+            except BufferError:  # librdkafka's queue is full
+                client.wait(0.01)
+    while acked[0] < records and time.monotonic() - started < 300:
+        client.wait(0.05)
+    return records / (time.monotonic() - started)
+
+
+def row(client: str, topic: str, latencies: list[float]) -> str:
+    cuts = statistics.quantiles(latencies, n=100)
+    return (f"| {client} | {topic} | {len(latencies):,} | {cuts[49] * 1000:.2f} ms | "
+            f"{cuts[98] * 1000:.2f} ms | {max(latencies) * 1000:.1f} ms |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=60)
+    parser.add_argument("--rate", type=float, default=1000)
+    parser.add_argument("--fill", type=int, default=600_000)
+    args = parser.parse_args()
+    print("starting fresh embedded PostgreSQL (durable, idle) and Kafka broker ...", flush=True)
+    services = devservices.start(durable=True)
+    try:
+        bootstrap = f"127.0.0.1:{services.kafka_port}"
+        rows = ["| client | topic | records | p50 | p99 | max |", "|---|---|---|---|---|---|"]
+        for name, make in CLIENTS.items():
+            topic = f"latency-{name}"
+            create_topic(bootstrap, topic, partitions=6)
+            client = make(bootstrap, topic)
+            try:
+                rows.append(row(name, "empty", paced(client, args.seconds, args.rate)))
+                print(rows[-1], flush=True)
+                rate = fill(client, args.fill)
+                print(f"  filled with {args.fill:,} records at {rate:,.0f} msg/s", flush=True)
+                rows.append(row(name, f"holding {args.fill:,}",
+                                paced(client, args.seconds, args.rate)))
+                print(rows[-1], flush=True)
+            finally:
+                client.close()
+        print("\n".join(["", *rows]))
+    finally:
+        devservices.stop(services)
+
+
+if __name__ == "__main__":
+    main()
