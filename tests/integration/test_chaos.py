@@ -7,9 +7,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.chaos import run_chaos
 
 
+@pytest.mark.slow
 def test_chaos(tmp_path: Path) -> None:
     verdict = run_chaos(tmp_path, [(4, "kill"), (8, "cut"), (15, "restart-postgres"),
                                    (19, "kill"), (22, "kill")])

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+import pytest
 import yaml
 from sqlalchemy import Engine
 
@@ -139,6 +140,7 @@ def test_every_compose_command_runs(settings: Settings, engine: Engine) -> None:
         assert f"127.0.0.1:{metrics_port(name)}/metrics" in health[-1]
 
 
+@pytest.mark.slow
 def test_the_reconcile_job_runs_its_command(settings: Settings, tmp_path: Path) -> None:
     """``docker compose run --rm reconcile``: its image's target has Java and the spark extra
     (tests/unit/test_dockerfile.py); here its command runs against the suite's services."""

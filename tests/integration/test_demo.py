@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parents[2]
 
 
+@pytest.mark.slow
 def test_the_demo_runs_the_whole_flow_and_reconciles_clean() -> None:
     result = subprocess.run([sys.executable, "examples/orders_demo.py"], cwd=ROOT,
                             capture_output=True, text=True, timeout=600)

@@ -113,6 +113,7 @@ def produce(bootstrap: str, topic: str, partition: int, key: bytes | None,
 # --- clean data --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_real_flow_reconciles_clean(
     spark: SparkSession, services: devservices.Services, engine: Engine, schema: str,
     topic: str, tmp_path: Path

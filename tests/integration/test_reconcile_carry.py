@@ -21,6 +21,7 @@ from tests.integration.test_reconcile import found, insert_message, produce, rec
 spark = test_reconcile.spark
 
 
+@pytest.mark.slow
 def test_messages_left_open_are_judged_by_later_runs_until_they_are_delivered(
     spark: SparkSession, services: devservices.Services, engine: Engine, schema: str,
     topic: str, tmp_path: Path

@@ -43,6 +43,7 @@ def holds_run_lock(engine: Engine, schema: str) -> bool:
         ), {"lock_class": RUN_LOCK_CLASS, "schema": schema}).scalar_one())
 
 
+@pytest.mark.slow
 def test_a_second_run_of_the_schema_exits_while_the_first_runs_then_follows_it(
     spark: SparkSession, services: devservices.Services, engine: Engine, schema: str,
     tmp_path: Path
