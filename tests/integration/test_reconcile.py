@@ -1,4 +1,5 @@
-"""Spark reconciliation (issue 5) on real Spark, PostgreSQL and Kafka.
+"""Spark reconciliation (issue 5) on real Spark, PostgreSQL and Kafka, locally and on a
+standalone cluster (issue 15).
 
 Clean data comes from the real flow (publish, two-phase, the relay); defects are injected
 afterwards with SQL and by producing stray records, each on messages of its own, so every
@@ -31,7 +32,8 @@ from outbox.spark import queries, sources
 from outbox.spark import reconcile as job
 from outbox.spark.kafka_source import KafkaRangeReader, high_watermarks
 from outbox.spark.runs import RunOutcome
-from tests.conftest import TRANSPORTS, publish_orders, running_relay, wait_delivered
+from tests import spark_cluster
+from tests.conftest import TRANSPORTS, publish_orders, running_relay, wait_delivered, wait_until
 
 INTEGRITY = {
     "undelivered_after_sla", "delivered_although_rolled_back", "op_record_without_message",
@@ -401,6 +403,52 @@ def test_a_run_finds_the_same_with_either_kafka_client(
     assert found_with["confluent"] == found_with["kafka-python"]
     assert found_with["confluent"]["op_record_position_mismatch"] == {defects.misplaced_op}
     assert found_with["confluent"]["key_order_broken"] == {defects.order_swapped}
+
+
+# --- on a Spark cluster ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[spark_cluster.Cluster]:
+    with spark_cluster.standalone(tmp_path_factory.mktemp("spark-cluster")) as started:
+        yield started
+
+
+@pytest.mark.slow
+def test_spark_submit_to_a_standalone_cluster_finds_what_the_local_run_finds(
+    spark: SparkSession, engine: Engine, defects: Defects, defect_run: job.Result,
+    cluster: spark_cluster.Cluster, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    """Issue 15: ``spark-submit --master spark://...`` with the job's code shipped as a zip
+    and executors whose Python lacks this package (tests/spark_cluster.py); its findings must
+    equal the local run's on the same data (this module's ``defect_run``, shared with the
+    tests above)."""
+    settings = defects.settings
+    package = spark_cluster.package(tmp_path_factory.mktemp("package"))
+    node_python = spark_cluster.node_python(tmp_path_factory.mktemp("node"))
+    with engine.begin() as conn:  # the cluster run starts from where the local run did
+        conn.execute(text(f"DELETE FROM {settings.schema_name}.reconcile_run"))
+
+    submitted = spark_cluster.spark_submit(
+        cluster, package, node_python,
+        {"OUTBOX_DATABASE_URL": settings.database_url, "OUTBOX_SCHEMA": settings.schema_name,
+         "OUTBOX_KAFKA_BOOTSTRAP": settings.kafka_bootstrap}, tmp_path,
+        "--read-topics", "--until", defect_run.window.until.isoformat(),
+        "--sla-seconds", str(settings.reconcile_sla_seconds),
+        "--partitions", str(settings.reconcile_partitions), "--output-dir", str(tmp_path / "out"))
+
+    assert submitted.returncode == defect_run.exit_code == 1, submitted.stderr[-5000:]
+    (run_dir,) = (tmp_path / "out").iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert {part: summary["window"][part] for part in ("since", "until", "source")} == {
+        part: defect_run.summary["window"][part] for part in ("since", "until", "source")}
+    assert summary["counts"] == defect_run.summary["counts"]
+    assert summary["findings"] == defect_run.summary["findings"]
+    assert spark_cluster.findings_by_name(spark, run_dir) == spark_cluster.findings_by_name(
+        spark, defect_run.output_path)
+    wait_until(lambda: len(cluster.status()["completedapps"]) == 1, 30, "the app to complete")
+    (app,) = cluster.status()["completedapps"]
+    assert app["name"] == "outbox-reconcile" and app["cores"] == 1
 
 
 # --- incremental runs and the command line -----------------------------------------------------

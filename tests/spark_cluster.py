@@ -1,8 +1,8 @@
-"""Reconciliation on a real Spark cluster (issue 15): ``spark-submit --master spark://...`` to a
-standalone master and worker started from the installed pyspark distribution, the job's own
+"""A Spark cluster for the reconciliation's cluster test (issue 15, in test_reconcile.py):
+a standalone master and worker started from the installed pyspark distribution, the job's own
 code shipped as a zip (``--py-files``) and the JDBC driver as a jar (``--jars``). The executors
-run a Python that has the job's dependencies but not this package, so the run works only if
-the shipping does. Its findings must equal the local run's on the same data.
+run a Python that has the job's dependencies but not this package, so a run works only if the
+shipping does.
 
 A small cluster (one worker, one core, 1 GiB) because the test machines have two cores.
 """
@@ -23,27 +23,15 @@ from pathlib import Path
 from typing import Any
 
 import pyspark
-import pytest
 from pyspark.sql import SparkSession
-from sqlalchemy import Engine, text
 
 import outbox
 from outbox.dev import services as devservices
 from outbox.settings import ReconcileSettings
-from outbox.spark import reconcile as job
 from tests.conftest import wait_until
-from tests.integration import test_reconcile
 from tests.wheel import build_wheel
 
-pytestmark = pytest.mark.slow
-
 SPARK_HOME = Path(pyspark.__file__).parent
-
-#: test_reconcile.py's local session and its data set with one defect of each kind.
-spark = test_reconcile.spark
-defects = test_reconcile.defects
-defect_run = test_reconcile.defect_run
-
 
 @dataclass(frozen=True)
 class Cluster:
@@ -85,10 +73,10 @@ def stop_daemon(process: subprocess.Popen[bytes]) -> None:
         process.wait(30)
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    """A standalone master and one worker (1 core, 1 GiB) on free loopback ports."""
-    work = tmp_path_factory.mktemp("spark-cluster")
+@contextlib.contextmanager
+def standalone(work: Path) -> Iterator[Cluster]:
+    """A standalone master and one worker (1 core, 1 GiB) on free loopback ports, logging
+    and working in ``work``."""
     port, ui_port = devservices.free_port(), devservices.free_port()
     started = Cluster(f"spark://127.0.0.1:{port}", ui_port)
     daemons = [start_daemon(work / "master.log", "org.apache.spark.deploy.master.Master",
@@ -106,18 +94,16 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             stop_daemon(daemon)
 
 
-@pytest.fixture(scope="module")
-def package(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def package(folder: Path) -> Path:
     """The job's own code as it is shipped: the project's wheel, named ``.zip`` (PySpark puts
     only .zip, .egg and .jar files of ``--py-files`` on the executors' Python path)."""
-    folder = tmp_path_factory.mktemp("package")
     return build_wheel(folder).rename(folder / "transactional_outbox.zip")
 
 
-@pytest.fixture(scope="module")
-def node_python(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A Python like a cluster node's: the job's dependencies, but not this package."""
-    venv = tmp_path_factory.mktemp("node") / "venv"
+def node_python(folder: Path) -> str:
+    """A Python like a cluster node's (a venv in ``folder``): the job's dependencies, but not
+    this package."""
+    venv = folder / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
                    timeout=120)
     python = str(venv / "bin" / "python")
@@ -152,32 +138,3 @@ def findings_by_name(spark: SparkSession, run_dir: Path) -> dict[str, set[int | 
     for row in spark.read.parquet(str(run_dir / "findings")).collect():
         ids.setdefault(row.finding, set()).add(row.message_id)
     return ids
-
-
-def test_spark_submit_to_a_standalone_cluster_finds_what_the_local_run_finds(
-    spark: SparkSession, engine: Engine, defects: test_reconcile.Defects,
-    defect_run: job.Result, cluster: Cluster, package: Path, node_python: str, tmp_path: Path
-) -> None:
-    settings = defects.settings
-    with engine.begin() as conn:  # the cluster run starts from where the local run did
-        conn.execute(text(f"DELETE FROM {settings.schema_name}.reconcile_run"))
-
-    submitted = spark_submit(
-        cluster, package, node_python,
-        {"OUTBOX_DATABASE_URL": settings.database_url, "OUTBOX_SCHEMA": settings.schema_name,
-         "OUTBOX_KAFKA_BOOTSTRAP": settings.kafka_bootstrap}, tmp_path,
-        "--read-topics", "--until", defect_run.window.until.isoformat(),
-        "--sla-seconds", str(settings.reconcile_sla_seconds),
-        "--partitions", str(settings.reconcile_partitions), "--output-dir", str(tmp_path / "out"))
-
-    assert submitted.returncode == defect_run.exit_code == 1, submitted.stderr[-5000:]
-    (run_dir,) = (tmp_path / "out").iterdir()
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert {part: summary["window"][part] for part in ("since", "until", "source")} == {
-        part: defect_run.summary["window"][part] for part in ("since", "until", "source")}
-    assert summary["counts"] == defect_run.summary["counts"]
-    assert summary["findings"] == defect_run.summary["findings"]
-    assert findings_by_name(spark, run_dir) == findings_by_name(spark, defect_run.output_path)
-    wait_until(lambda: len(cluster.status()["completedapps"]) == 1, 30, "the app to complete")
-    (app,) = cluster.status()["completedapps"]
-    assert app["name"] == "outbox-reconcile" and app["cores"] == 1
