@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from pyspark.sql import SparkSession
 from sqlalchemy import Engine, make_url, text
 from sqlalchemy.orm import Session
 
@@ -22,6 +23,8 @@ from outbox import Outbox
 from outbox.console.overview import PREVIEW_BYTES, Deliveries
 from outbox.dev import services as devservices
 from outbox.settings import ConsoleSettings, Settings
+from outbox.spark import reconcile as job
+from outbox.spark.runs import RunOutcome
 from tests.conftest import (
     assert_refused,
     count_status,
@@ -31,8 +34,11 @@ from tests.conftest import (
     wait_delivered,
     wait_until,
 )
+from tests.integration import test_reconcile
 from tests.processes import run_outbox, start_outbox
 
+#: The suite's one local SparkSession (test_reconcile.py's fixture).
+spark = test_reconcile.spark
 TOKEN = "correct horse battery staple"
 SCRIPT = b"<script>alert('payload')</script>"
 SCRIPT_KEY = "<script>alert('key')</script>"
@@ -259,16 +265,16 @@ def test_the_console_role_reads_and_resumes_and_nothing_more(
             "app", "relay", "sweeper", "reconcile", "checker", "console")])
 
 
-@pytest.mark.slow
 def test_reconciliation_runs_are_listed_with_their_report(
-    engine: Engine, settings: Settings, schema: str, topic: str, tmp_path: Path
+    spark: SparkSession, engine: Engine, settings: Settings, schema: str, topic: str,
+    tmp_path: Path
 ) -> None:
     outbox = Outbox(settings=settings)
     with Session(engine) as session, session.begin():
         outbox.publish(session, topic, {"n": 1})
-    run = run_outbox(settings, "reconcile", "--tables-only", "--master", "local[1]",
-                     "--output-dir", str(tmp_path))
-    assert run.returncode == 0, run.stderr[-3000:]
+    run = job.run(spark, settings.model_copy(update={
+        "reconcile_read_topics": False, "reconcile_output_dir": str(tmp_path)}))
+    assert run.outcome is RunOutcome.CLEAN, run.summary
     (folder,) = tmp_path.iterdir()
 
     with running_console(settings) as url:
