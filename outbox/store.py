@@ -225,7 +225,7 @@ class Fetching:
     def batch(self, params: dict[str, Any]) -> list[Any] | None:
         """``fetch_batch``: the next batch's ids and their messages from the hot range, in
         one statement planned once; None when no range is hot. A row whose message is not
-        in that range comes with a NULL topic (the caller reads those ids again)."""
+        in that range comes with a NULL topic (the caller then reads the batch's ids again)."""
         if self.hot is None:
             return None
         return self._guarded(self.hot, _batch_sql(self.schema, self.hot), params)
@@ -279,7 +279,8 @@ def _batch_sql(schema: str, name: str) -> str:
 class IdRanges(NamedTuple):
     """Ids as the body of an ``int8multirange`` literal (:func:`id_ranges`), rendered once and
     joined cheaply: the relay renders each batch's ids when it sends the batch, and joins
-    those of the batches in flight for each fetch (up to 4 while a batch is in flight).
+    those of the batches in flight for each fetch (up to 3: the loop fetches only with room
+    in its pipeline of 4).
     Rendered at every fetch instead, ids with no runs (those of several relays interleave)
     cost twice an array's rendering, about 0.7 µs a message of the relay's interpreter."""
 
@@ -354,8 +355,8 @@ def fetch_deliverable(
       planned for the ranges between the batch's first and last id.
 
     With a range hot (the last batch was read from it), both steps are one statement,
-    ``fetch_batch``: one round trip a batch ("Latency, session 24"). The ids whose messages
-    lie elsewhere are read again by the second step."""
+    ``fetch_batch``: one round trip a batch ("Latency, session 24"). If any of its messages
+    lies elsewhere, the batch's ids are read again by the second step."""
     params = {"shards": int_array(shards), "limit": limit, "in_flight": in_flight.literal,
               "held": list(held)}
     rows = fetching.batch({**params, "max_bytes": max_bytes}) if fetching is not None else None
@@ -654,7 +655,7 @@ def history_ranges(conn: Connection, schema: str) -> list[str]:
 
 def tend_range(conn: Connection, schema: str, name: str) -> str:
     """Summarize a range's new BRIN block ranges and analyze it if due; returns what it did
-    (``untouched``, ``summarized``, ``analyzed`` or ``busy``)."""
+    (``untouched``, ``summarized``, ``analyzed``, ``busy`` or ``gone``)."""
     return str(conn.execute(query("tend_range", schema), {"name": name}).scalar_one())
 
 

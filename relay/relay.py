@@ -108,7 +108,8 @@ class Relay:
         self._engine: Engine = store.engine(
             settings.sqlalchemy_url, settings=store.DELIVERY_SETTINGS, pool_size=2,
             max_overflow=0, pool_pre_ping=True)
-        #: the fetch's first step, planned once, while few rows are in flight
+        #: the fetch's statements planned once (store.Fetching): the ids, always, and the
+        #: messages when one range of history holds them
         self._fetching_engine: Engine = store.engine(
             settings.sqlalchemy_url, settings=store.FETCHING_SETTINGS, pool_size=1,
             max_overflow=0, pool_pre_ping=True)

@@ -32,7 +32,7 @@ from outbox.schema import metadata, one_of
 from outbox.settings import validate_identifier
 
 #: Namespace of the advisory lock that lets one reconciliation run of a schema at a time
-#: (first half of the lock key; outbox/store.py's locks use 0x0B0C to 0x0B0E).
+#: (first half of the lock key; outbox/store.py's locks use 0x0B0C to 0x0B0E and 0x0B10).
 RUN_LOCK_CLASS = 0x0B1C
 
 

@@ -87,8 +87,8 @@ ORDER BY id;
 -- primary key from the range of `message` the relay's last batch was read from (named in
 -- the braces below), on a plan made once that locks that range alone. A row whose message
 -- is not there (the ids moved on to the next range, or retention moved the row to the
--- default partition) comes with a NULL topic, and the relay reads those ids again with
--- read_deliverable. The byte budget is read_deliverable's, over the messages found.
+-- default partition) comes with a NULL topic, and the relay reads the batch's ids again
+-- with read_deliverable. The byte budget is read_deliverable's, over the messages found.
 SELECT id, topic, key, header_keys, header_values, payload, content_type
 FROM (
     SELECT i.message_id AS id, m.topic, m.key, m.header_keys, m.header_values, m.payload,
@@ -659,10 +659,10 @@ LIMIT :limit;
 --   {schema}_app      writes prepare rows through publish_message() and decides through
 --                     decide_message() (revisions 0014 and 0005: no INSERT on the tables);
 --                     reads no payloads, updates and deletes nothing;
---   {schema}_relay    delivers (delivery columns of pending only), keeps leases, prunes
---                     through revision 0006's partition functions, and reads the ranges of
---                     message directly (SELECT on each, revision 0015; nothing else on
---                     partitions);
+--   {schema}_relay    delivers (delivery columns of pending, and the check columns `resume`
+--                     re-arms), keeps leases, prunes through revision 0006's partition
+--                     functions, and reads the ranges of message directly (SELECT on each,
+--                     revision 0015; nothing else on partitions);
 --   {schema}_sweeper  checks back (check columns of pending only; grant it SELECT on the
 --                     tables your SQL checkers read);
 --   {schema}_console  the operator console: reads what it shows and resumes (the resume
