@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pyspark.sql import SparkSession
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
@@ -37,6 +38,8 @@ from outbox import Outbox
 from outbox.dev import services as devservices
 from outbox.dev.topics import create_topic, read_topic
 from outbox.settings import Settings
+from outbox.spark import reconcile as job
+from outbox.spark.runs import RunOutcome
 from tests.certificates import make_certificates
 from tests.conftest import (
     both_transports,
@@ -47,9 +50,13 @@ from tests.conftest import (
     wait_delivered,
     wait_until,
 )
+from tests.integration import test_reconcile
 from tests.integration.test_cli_errors import assert_one_line_error
 from tests.processes import outbox_env, run_outbox, start_outbox
 from tests.tcp_proxy import TcpProxy
+
+#: The suite's one local SparkSession (test_reconcile.py's fixture).
+spark = test_reconcile.spark
 
 
 class Broker:
@@ -158,8 +165,8 @@ def test_a_relay_without_tls_gets_one_line_naming_the_setting(
 
 @pytest.mark.slow
 def test_reconciliation_reads_the_topic_over_tls(
-    engine: Engine, tls_settings: Settings, schema: str, tls_broker: tuple[str, dict[str, str]],
-    tmp_path: Path
+    spark: SparkSession, engine: Engine, tls_settings: Settings, schema: str,
+    tls_broker: tuple[str, dict[str, str]], tmp_path: Path
 ) -> None:
     bootstrap, client = tls_broker
     topic = f"tls-reconcile-{schema}"
@@ -172,14 +179,13 @@ def test_reconciliation_reads_the_topic_over_tls(
         wait_delivered(engine, schema, len(ids))
     finally:
         stop_relay(relay)
-    until = (datetime.now(UTC) + timedelta(seconds=1)).isoformat()
-    result = run_outbox(None, "reconcile", "--read-topics", "--until", until, "--master",
-                        "local[2]", "--partitions", "2", "--output-dir", str(tmp_path),
-                        env=outbox_env(tls_settings, **tls))
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.startswith("outbox reconciliation run 1: CLEAN"), result.stdout
-    summary = json.loads(next(tmp_path.glob("run-*/summary.json")).read_text())
-    assert {name: summary["counts"][name] for name in ("messages", "op_records", "kafka_records")
+    # on the suite's Spark session: its executors read the topic with these settings
+    result = job.run(spark, tls_settings.model_copy(update={
+        "reconcile_read_topics": True, "reconcile_partitions": 2,
+        "reconcile_output_dir": str(tmp_path)}), until=datetime.now(UTC) + timedelta(seconds=1))
+    assert result.outcome is RunOutcome.CLEAN, result.summary
+    assert {name: result.summary["counts"][name]
+            for name in ("messages", "op_records", "kafka_records")
             } == {"messages": 50, "op_records": 50, "kafka_records": 50}
 
 
