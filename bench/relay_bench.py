@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
+import functools
 import os
 import signal
 import statistics
@@ -187,8 +189,23 @@ def start_relays(env: dict[str, str], schema: str, count: int, acks: Path | None
                 str(acks / f"relay-{n}.acks")]
 
     return [subprocess.Popen([*command(n), "--schema", schema, "relay", "--log-level",
-                              "WARNING"], env=env)
+                              "WARNING"], env=env,
+                              preexec_fn=functools.partial(_ends_with_its_parent, os.getpid()))
             for n in range(count)]
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+PR_SET_PDEATHSIG = 1
+
+
+def _ends_with_its_parent(parent: int) -> None:
+    """In the relay's process, before it runs: SIGTERM when the thread that started it ends.
+    A benchmark stopped by a signal runs no ``finally``; the embedded services are reaped by
+    the next start, but a relay would retry against a database that is gone until killed.
+    (Every caller starts relays from its main thread.)"""
+    _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # it ended before the line above
+        os._exit(1)
 
 
 def migrate_as(env: dict[str, str], schema: str) -> None:
