@@ -17,9 +17,8 @@ from outbox.schema import SHARDS
 from outbox.settings import Settings
 from tests.conftest import both_transports, count_status, publish_orders, wait_delivered, wait_until
 
-pytestmark = both_transports
 
-
+@both_transports
 def test_committed_messages_are_delivered_exactly_once_with_op_records(
     engine: Engine, outbox: Outbox, topic: str, schema: str, settings: Settings, relay: Relay
 ) -> None:
@@ -45,6 +44,7 @@ def test_committed_messages_are_delivered_exactly_once_with_op_records(
         assert (op.kafka_partition, op.kafka_offset) == (record.partition, record.offset)
 
 
+@both_transports
 def test_rolled_back_messages_are_never_delivered(
     engine: Engine, outbox: Outbox, topic: str, schema: str, settings: Settings, relay: Relay
 ) -> None:
@@ -60,6 +60,7 @@ def test_rolled_back_messages_are_never_delivered(
     assert rows == 1
 
 
+@both_transports
 def test_late_commit_is_not_skipped(
     engine: Engine, outbox: Outbox, topic: str, schema: str, settings: Settings, relay: Relay
 ) -> None:
@@ -76,6 +77,7 @@ def test_late_commit_is_not_skipped(
     assert sorted(order) == [early_id, late_id]
 
 
+@both_transports
 def test_writers_of_one_key_are_ordered_by_commit(
     engine: Engine, outbox: Outbox, topic: str, schema: str, settings: Settings, relay: Relay
 ) -> None:
@@ -99,6 +101,7 @@ def test_writers_of_one_key_are_ordered_by_commit(
     assert [r.message_id for r in records] == [first_id, second_id[0]]
 
 
+@both_transports
 def test_per_key_order_holds_across_many_keys_and_transactions(
     engine: Engine, outbox: Outbox, topic: str, schema: str, settings: Settings, relay: Relay
 ) -> None:
@@ -136,6 +139,7 @@ def test_per_key_order_holds_across_many_keys_and_transactions(
     assert {bytes(row.key): list(row.ids) for row in expected} == dict(delivered)
 
 
+@both_transports
 def test_many_messages_in_one_transaction(
     engine: Engine, outbox: Outbox, topic: str, schema: str, settings: Settings, relay: Relay
 ) -> None:
@@ -146,6 +150,7 @@ def test_many_messages_in_one_transaction(
     assert count_status(engine, schema, "PENDING") == 0
 
 
+@both_transports
 def test_relay_wakes_on_commit_without_waiting_for_a_poll(
     engine: Engine, outbox: Outbox, topic: str, schema: str, settings: Settings
 ) -> None:

@@ -28,8 +28,6 @@ from tests.conftest import (
 from tests.isolated import Isolated, isolated_services
 from tests.processes import run_outbox
 
-pytestmark = both_transports
-
 
 @pytest.fixture
 def isolated(kafka_client: str) -> Iterator[Isolated]:
@@ -52,6 +50,7 @@ def first_occurrences_in_order(records: list[Record]) -> bool:
     return True
 
 
+@both_transports
 def test_broker_cut_delays_delivery_then_it_resumes_with_nothing_lost(
     isolated: Isolated, caplog: pytest.LogCaptureFixture, kafka_client: str
 ) -> None:
@@ -83,6 +82,7 @@ def test_broker_cut_delays_delivery_then_it_resumes_with_nothing_lost(
         assert max(lines.values()) == 1, f"librdkafka repeats itself: {lines.most_common(3)}"
 
 
+@both_transports
 def test_abandon_during_a_broker_cut_stops_at_once_and_the_batch_stays_pending(
     isolated: Isolated, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -105,6 +105,7 @@ def test_abandon_during_a_broker_cut_stops_at_once_and_the_batch_stays_pending(
     assert {r.message_id for r in records} >= set(stuck)
 
 
+@both_transports
 def test_postgres_restart_is_survived(isolated: Isolated,
                                       caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="outbox.relay")
@@ -124,6 +125,7 @@ def test_postgres_restart_is_survived(isolated: Isolated,
     assert "paused" in caplog.text or "cannot renew" in caplog.text
 
 
+@both_transports
 def test_permanently_rejected_message_is_parked_and_other_keys_flow(
     engine: Engine, settings: Settings, schema: str, topic: str
 ) -> None:
@@ -178,6 +180,7 @@ def test_only_permanent_rejections_count_towards_parking(
     assert tuple(row) == (3, "permanent")
 
 
+@both_transports
 def test_a_refused_message_holds_its_key_back_in_the_batches_sent_behind_it(
     engine: Engine, settings: Settings, schema: str, topic: str
 ) -> None:
@@ -204,6 +207,7 @@ def _ops(engine: Engine, schema: str, message_id: int) -> list[str]:
             {"id": message_id}).scalars())
 
 
+@both_transports
 def test_idle_in_transaction_session_does_not_stall_other_deliveries(
     engine: Engine, outbox: Outbox, settings: Settings, schema: str, topic: str
 ) -> None:
