@@ -2,6 +2,7 @@
 else running: on an empty topic, then on the same topic holding ``--fill`` records.
 
     python bench/broker_latency.py [--seconds 60] [--rate 1000] [--fill 600000]
+    python bench/broker_latency.py --beside HOST:PORT [--client confluent] [--rate 200]
 
 The relay's commit → ack includes this part (its hand-off → ack, `bench/soak.py`); this run
 says what it costs with the database idle, and whether it grows with what the broker holds
@@ -130,12 +131,34 @@ def row(client: str, topic: str, latencies: list[float]) -> str:
             f"{cuts[98] * 1000:.2f} ms | {max(latencies) * 1000:.1f} ms |")
 
 
+def beside(bootstrap: str, name: str, minutes: float, seconds: float, rate: float) -> None:
+    """The bare client's produce → ack beside whatever else runs on the machine (a latency
+    soak's relay, PostgreSQL and pgbench), to a topic of its own."""
+    topic = f"beside-{name}"
+    create_topic(bootstrap, topic, partitions=6)
+    client = CLIENTS[name](bootstrap, topic)
+    try:
+        print("| client | window | records | p50 | p99 | max |\n|---|---|---|---|---|---|")
+        for window in range(int(minutes * 60 / seconds)):
+            print(row(name, f"{window + 1}", paced(client, seconds, rate)), flush=True)
+    finally:
+        client.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=60)
     parser.add_argument("--rate", type=float, default=1000)
     parser.add_argument("--fill", type=int, default=600_000)
+    parser.add_argument("--beside", metavar="BOOTSTRAP",
+                        help="no services of its own: measure against this running broker, "
+                        "a row per --seconds, for --minutes (beside another benchmark)")
+    parser.add_argument("--minutes", type=float, default=3)
+    parser.add_argument("--client", choices=CLIENTS, default="kafka-python")
     args = parser.parse_args()
+    if args.beside:
+        beside(args.beside, args.client, args.minutes, args.seconds, args.rate)
+        return
     print("starting fresh embedded PostgreSQL (durable, idle) and Kafka broker ...", flush=True)
     services = devservices.start(durable=True)
     try:
