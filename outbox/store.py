@@ -1,7 +1,8 @@
 """The only module that speaks the outbox's SQL (``sql/queries.sql``).
 
 Each function takes a SQLAlchemy ``Connection`` (or returns a statement for the caller's
-session to run), so the library, the relay and the CLI share one set of queries.
+session to run; the relay's LISTEN connection, in ``fall_asleep`` and ``rise``, is psycopg's
+own), so the library, the relay and the CLI share one set of queries.
 """
 
 from __future__ import annotations

@@ -74,7 +74,8 @@ class InFlight:
     acked: bool = False
     #: the producer refused a keyed record of it before sending, or one sent alone failed
     refused: bool = False
-    #: ids of the rows sent alone (each in a request of its own, see Relay._send)
+    #: ids of the rows whose outcome is their own: sent alone (each in a request of its own,
+    #: see Relay._send), or refused before sending
     alone: set[int] = field(default_factory=set)
     #: the rows' ids, rendered once for the fetches made while it is in flight
     ids: store.IdRanges = field(init=False)
