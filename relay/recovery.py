@@ -72,9 +72,11 @@ class Recovery:
             tail.found.update(part.found)
             if not part.complete:
                 tail.complete = False
-                log.warning("relay %s: the tail of topic %s is longer than %d records; the "
-                            "messages beyond it are sent again (duplicates possible)",
-                            self.settings.worker_id, topic, self.settings.relay_tail_max_records)
+                log.warning("relay %s: the tails read at takeover reached %d records in topic "
+                            "%s (OUTBOX_RELAY_TAIL_MAX_RECORDS); the messages beyond it, and "
+                            "those of the topics not read yet, are sent again (duplicates "
+                            "possible)", self.settings.worker_id,
+                            self.settings.relay_tail_max_records, topic)
                 break
         recovered = self._record(conn, tail, shards)
         leases.settled(conn, shards)

@@ -372,9 +372,9 @@ class Relay:
             self._suspects.discard(message_id)
             metrics.PARKED.labels(topic).inc()
             reason = next(f.error for f in failures if f.id == message_id)
-            log.error("message %d parked after %d permanent rejections: %s (resume it with "
-                      "`outbox resume %d`)", message_id, self.settings.relay_max_attempts,
-                      reason, message_id)
+            log.error("message %d to topic %s parked after %d permanent rejections: %s "
+                      "(resume it with `outbox resume %d`)", message_id, topic,
+                      self.settings.relay_max_attempts, reason, message_id)
         if acks:
             self.lifecycle.recovered()
         transient = [f for f in failures if not f.permanent]
@@ -396,7 +396,7 @@ class Relay:
             if not warned and time.monotonic() - started > SLOW_ACK_SECONDS:
                 warned = True
                 self.lifecycle.outage(
-                    f"Kafka has not acknowledged {len(flight.rows)} messages for "
+                    f"Kafka has not acknowledged {len(flight.sent)} messages for "
                     f"{SLOW_ACK_SECONDS:.0f}s (the producer retries for "
                     f"{self.settings.kafka_delivery_timeout_ms / 1000:.0f}s)", since=started)
 

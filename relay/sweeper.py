@@ -222,8 +222,11 @@ class Sweeper:
             done, _ = wait([*running, self._stopped], max(timeout, 0.0),
                            return_when=FIRST_COMPLETED)
             for future in done:
-                if running.pop(future, None) is not None and future.exception() is not None:
-                    log.warning("check-back failed, retried when its claim expires: %s",
+                ended = running.pop(future, None)
+                if ended is not None and future.exception() is not None:
+                    log.warning("message %d (producer group %r): check-back failed, retried "
+                                "when its claim expires: %s", ended.claim.message.id,
+                                ended.claim.message.producer_group,
                                 first_line(future.exception()))
 
     def _refuse_bad_sql_checkers(self, conn: Connection) -> None:
@@ -256,6 +259,8 @@ class Sweeper:
         """One check-back, in a worker thread; then records its outcome."""
         message = item.claim.message
         resolution, kind, detail = self._ask(item)
+        if item.expired:  # counted and logged at its deadline (_expire), which cancelled it
+            return
         if kind in ("ERROR", "TIMEOUT"):
             log.warning("message %d (producer group %r): %s; counted as inconclusive",
                         message.id, message.producer_group, detail)

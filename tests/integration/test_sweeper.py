@@ -192,6 +192,27 @@ def test_a_checker_that_times_out_counts_as_inconclusive_and_its_late_answer_is_
         ("DISCARDED", "2 inconclusive check-backs, the last: checker timed out after 0.2 s")]
 
 
+def test_a_check_cancelled_at_its_deadline_is_logged_and_counted_once(
+    engine: Engine, orders: Outbox, fast: Settings, schema: str,
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    """A checker waiting in a query is cancelled at the deadline, which the sweeper logs and
+    counts; the cancellation then ending the check is not a second failure of it."""
+    def waits_in_a_query(message: Message, conn: Connection) -> str:
+        conn.execute(text("SELECT pg_sleep(2)"))
+        return "COMMIT"
+
+    message_id = prepare(engine, orders)
+    with caplog.at_level(logging.WARNING, "outbox.sweeper"), \
+            sweeping(fast, {GROUP: waits_in_a_query}, check_max=2, checker_timeout=0.2):
+        wait_status(engine, schema, message_id, "DISCARDED")
+    counted = [r.getMessage() for r in caplog.records
+               if r.getMessage().startswith(f"message {message_id} ")
+               and "counted as inconclusive" in r.getMessage()]
+    assert counted == [f"message {message_id} (producer group {GROUP!r}): checker timed out "
+                       f"after 0.2 s; counted as inconclusive"] * 2
+
+
 def test_a_slow_checker_does_not_starve_the_others(
     engine: Engine, orders: Outbox, fast: Settings, schema: str
 ) -> None:
