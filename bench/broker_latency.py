@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 from confluent_kafka import Producer
 from kafka import KafkaProducer
+from relay_bench import produce_here
 
 from outbox.dev import services as devservices
 from outbox.dev.topics import create_topic
@@ -105,26 +106,6 @@ def paced(client: Client, seconds: float, rate: float) -> list[float]:
     return latencies
 
 
-def fill(client: Client, records: int) -> float:
-    """Sends ``records`` as fast as the client takes them; records a second to the last ack."""
-    acked = [0]
-
-    def landed() -> None:
-        acked[0] += 1
-
-    started = time.monotonic()
-    for i in range(records):
-        while True:
-            try:
-                client.send(b"key-%d" % (i % KEYS), landed)
-                break
-            except BufferError:  # librdkafka's queue is full
-                client.wait(0.01)
-    while acked[0] < records and time.monotonic() - started < 300:
-        client.wait(0.05)
-    return records / (time.monotonic() - started)
-
-
 def row(client: str, topic: str, latencies: list[float]) -> str:
     cuts = statistics.quantiles(latencies, n=100)
     return (f"| {client} | {topic} | {len(latencies):,} | {cuts[49] * 1000:.2f} ms | "
@@ -171,7 +152,7 @@ def main() -> None:
             try:
                 rows.append(row(name, "empty", paced(client, args.seconds, args.rate)))
                 print(rows[-1], flush=True)
-                rate = fill(client, args.fill)
+                rate = produce_here(bootstrap, topic, args.fill, name, key_memo=True)
                 print(f"  filled with {args.fill:,} records at {rate:,.0f} msg/s", flush=True)
                 rows.append(row(name, f"holding {args.fill:,}",
                                 paced(client, args.seconds, args.rate)))
