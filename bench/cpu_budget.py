@@ -6,19 +6,22 @@ Fresh durable embedded services with ``pg_stat_statements`` loaded (planning tra
 ``--rate`` messages a second from soak.py's publishers (4 threads, one 1 KiB message per
 transaction) and one relay delivering them. Over a window in the middle of the run it prints
 the CPU cores each group of processes used (the relay, the PostgreSQL backends serving it,
-those serving the publishers, the broker, the publishing process) and the statements by
-server time, planning apart from execution: what the latency target competes with for the
-machine's cores. Prints only (BENCHMARKS.md quotes it by hand).
+those serving the publishers, the broker, the publishing process), how long each group's
+threads were ready to run but waited for a core, and the statements by server time,
+planning apart from execution: what the latency target competes with for the machine's
+cores. Prints only (BENCHMARKS.md quotes it by hand).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import subprocess
 import threading
 import time
+from pathlib import Path
 from typing import NamedTuple
 
 from relay_bench import cpu_seconds, delivered, running, say, start_relays, stop
@@ -28,6 +31,20 @@ from sqlalchemy import Engine, text
 from outbox import Outbox, migrate, store
 from outbox.dev import services as devservices
 from outbox.dev.topics import create_topic
+
+
+def waited_seconds(pid: int) -> float:
+    """Seconds the threads of ``pid`` have spent ready to run but waiting for a core (the
+    scheduler's run-queue time, ``/proc/<pid>/task/*/schedstat``); 0 once it is gone."""
+    waited = 0
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return 0.0
+    for task in tasks:
+        with contextlib.suppress(OSError):
+            waited += int((task / "schedstat").read_text().split()[1])
+    return waited / 1e9
 
 
 class Statement(NamedTuple):
@@ -118,6 +135,7 @@ def main() -> None:
         relays = start_relays(env, schema, 1)
         time.sleep(3)  # the relay is up and owns its shards
         measured: dict[str, float] = {}
+        waited: dict[str, float] = {}
         window_statements: list[Statement] = []
 
         def measure() -> None:
@@ -125,13 +143,15 @@ def main() -> None:
             named = groups(engine, relays[0].pid, services.tansu_pid)
             with engine.connect() as conn:
                 conn.execute(text("SELECT pg_stat_statements_reset()"))
-            before = {pid: cpu_seconds(pid) for pid in named}
+            before = {pid: (cpu_seconds(pid), waited_seconds(pid)) for pid in named}
             started = time.monotonic()
             time.sleep(args.window)
             elapsed = time.monotonic() - started
             for pid, group in named.items():
-                used = (cpu_seconds(pid) - before[pid]) / elapsed
+                used = (cpu_seconds(pid) - before[pid][0]) / elapsed
                 measured[group] = measured.get(group, 0.0) + used
+                ready = (waited_seconds(pid) - before[pid][1]) / elapsed
+                waited[group] = waited.get(group, 0.0) + ready
             window_statements.extend(statements(engine, 12))
 
         watcher = threading.Thread(target=measure)
@@ -146,11 +166,14 @@ def main() -> None:
             time.sleep(0.2)
         stop(relays)
     per_message = 1e6 / args.rate
-    say("\ncores used over the window (µs of CPU per message):")
+    say("\ncores used over the window (µs of CPU per message), and seconds a second its threads"
+        "\nwere ready to run but waited for a core:")
     for group, cores in sorted(measured.items(), key=lambda item: -item[1]):
         if cores >= 0.005:
-            say(f"  {group:32s} {cores:5.2f} ({cores * per_message:4.0f} µs)")
-    say(f"  {'all of the above':32s} {sum(measured.values()):5.2f} of {os.cpu_count()}")
+            say(f"  {group:32s} {cores:5.2f} ({cores * per_message:4.0f} µs)   waited "
+                f"{waited[group]:5.2f}")
+    say(f"  {'all of the above':32s} {sum(measured.values()):5.2f} of {os.cpu_count()}"
+        f"         waited {sum(waited.values()):5.2f}")
     say("\nstatements over the window, by server time (ms in all; µs per call):")
     for s in window_statements:
         calls = max(s.calls, 1)
