@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import operator
 import random
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping
 from datetime import timedelta
@@ -16,7 +17,14 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from outbox import connectors, store
 from outbox.checkers import Checker, to_resolution
 from outbox.connectors import AsyncBind, AsyncTarget, DjangoConnection, Rows, SyncBind, SyncTarget
-from outbox.encoding import CONTROL, EncodedMessage, cloudevent_headers, delivery_time, encode
+from outbox.encoding import (
+    CONTROL,
+    EncodedMessage,
+    cloudevent_headers,
+    delivery_time,
+    encode,
+    merged_headers,
+)
 from outbox.exceptions import (
     MISSING_OBJECTS,
     ConfigurationError,
@@ -66,13 +74,10 @@ class Outbox:
             settings = with_overrides(settings, **overrides)
         self.settings: PublishSettings = settings
         self.schema = self.settings.schema_name
-        if (not isinstance(producer_group, str) or not producer_group
-                or CONTROL.search(producer_group)):
-            raise ConfigurationError(f"producer_group must be a non-empty str without control "
-                                     f"characters, got {producer_group!r}")
-        self.producer_group = producer_group
+        self.producer_group = _name(producer_group, "producer_group")
         #: When set, every message carries CloudEvents headers with this ``ce_source``.
-        self.cloudevents_source = cloudevents_source
+        self.cloudevents_source = (None if cloudevents_source is None else
+                                   _name(cloudevents_source, "cloudevents_source"))
         #: Checkers by producer group, registered with :meth:`checker`.
         self.checkers: dict[str, Checker] = {}
         self._random = random.Random()
@@ -132,7 +137,7 @@ class Outbox:
         source = options.get("cloudevent_source") or self.cloudevents_source
         if event_type or source:
             # the caller's own headers win, as they do over trace headers
-            headers = {**cloudevent_headers(event_type or topic, source), **(headers or {})}
+            headers = merged_headers(cloudevent_headers(event_type or topic, source), headers)
         return encode(
             topic,
             payload,
@@ -236,6 +241,12 @@ class Outbox:
             raise InvalidMessage(
                 f"check_immunity must be a timedelta of zero or more, got {check_immunity!r}"
             )
+        if check_immunity is not None and check_after > self.settings.max_delay:
+            # an undecided row holds back its key that long
+            raise InvalidMessage(
+                f"check_immunity {check_immunity} is longer than max_delay "
+                f"({timedelta(seconds=self.settings.max_delay)}); raise OUTBOX_MAX_DELAY to "
+                "wait longer before the first check-back")
         return store.publish(
             self.schema,
             message,
@@ -275,6 +286,7 @@ class Outbox:
 
     def _decide(self, bind: SyncBind | AsyncBind, message_id: int, resolution: Resolution
                 ) -> Coroutine[Any, Any, None] | None:
+        message_id = _decided_id(message_id, self.schema)
         if connectors.is_async(bind):
             return self._decide_async(bind, message_id, resolution)
         statement, params = store.decide(self.schema, message_id, resolution, self._actor)
@@ -393,7 +405,8 @@ class Outbox:
         """
         if callable(producer_group):
             return self.checker(None)(producer_group)
-        group = producer_group or self.producer_group
+        group = (self.producer_group if producer_group is None else
+                 _name(producer_group, "producer_group"))
 
         def register(func: C) -> C:
             if group in self.checkers:
@@ -402,6 +415,15 @@ class Outbox:
             return func
 
         return register
+
+
+def _name(value: Any, what: str) -> str:
+    """A producer group or CloudEvents source: refused at once when it is not a usable str
+    (an empty one would silently mean the default, or no CloudEvents at all)."""
+    if not isinstance(value, str) or not value or CONTROL.search(value):
+        raise ConfigurationError(f"{what} must be a non-empty str without control "
+                                 f"characters, got {value!r}")
+    return value
 
 
 _PUBLISH_KEYS = frozenset(get_type_hints(PublishOptions))
@@ -446,6 +468,23 @@ def _refuse_engine(session: object) -> None:
             "publish() and prepare() write inside your transaction: pass a session or "
             "connection with an open transaction, not an Engine"
         )
+
+
+def _decided_id(message_id: Any, schema: str) -> int:
+    """The id a decision names as an ``int`` (any integer type with ``__index__``, numpy's
+    included). A float, bool or string is refused here: sent as one, PostgreSQL finds no
+    function for it, an error that reads as an unmigrated schema."""
+    if isinstance(message_id, bool):
+        raise InvalidMessage("message_id must be an integer (the id prepare() returned), "
+                             "got a bool")
+    try:
+        value = operator.index(message_id)
+    except TypeError:
+        raise InvalidMessage(f"message_id must be an integer (the id prepare() returned), "
+                             f"got {type(message_id).__name__}") from None
+    if not 0 < value < 2**63:
+        raise MessageNotFound(f"no message {value} in outbox schema {schema!r}")
+    return value
 
 
 def _check_decision(row: Any, message_id: int, resolution: Resolution,

@@ -10,6 +10,7 @@ prepare row will share?
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections import namedtuple
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -75,10 +76,26 @@ def is_async(bind: SyncBind | AsyncBind) -> TypeIs[AsyncBind]:
     return isinstance(bind, _ASYNC)
 
 
+def unproxied(bind: Any) -> Any:
+    """The connection behind Django's ``django.db.connection``, a proxy to this thread's
+    default connection; anything else as it is. From Python 3.12, ``isinstance`` with a
+    protocol reads attributes statically and no longer sees through the proxy."""
+    if "django" not in sys.modules:
+        return bind
+    from django.utils.connection import ConnectionProxy
+
+    if isinstance(bind, ConnectionProxy):
+        from django.db import connections
+
+        return connections[bind.alias]  # the proxy forwards attributes to the connection
+    return bind
+
+
 def own_transaction(bind: Engine | AsyncEngine | psycopg.Connection[Any]
                     | psycopg.AsyncConnection[Any] | DjangoConnection
                     ) -> Engine | AsyncEngine | OwnTransaction | AsyncOwnTransaction:
     """What commits a call at once: an engine, or a connection outside any transaction."""
+    bind = unproxied(bind)
     if isinstance(bind, Engine | AsyncEngine):
         return bind
     if isinstance(bind, psycopg.AsyncConnection):
@@ -93,7 +110,7 @@ def own_transaction(bind: Engine | AsyncEngine | psycopg.Connection[Any]
 
 def execute(bind: SyncBind, statement: TextClause, params: dict[str, Any]) -> Rows:
     """Run ``statement`` in the caller's open transaction (an engine: in its own)."""
-    target = bind() if isinstance(bind, scoped_session) else bind
+    target = bind() if isinstance(bind, scoped_session) else unproxied(bind)
     if isinstance(target, Engine):
         with target.begin() as conn:
             return list(conn.execute(statement, params))

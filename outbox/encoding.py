@@ -119,7 +119,7 @@ def encode_payload(payload: object) -> tuple[bytes, str]:
         return utf8(payload, "payload"), TEXT
     try:
         text = json.dumps(payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RecursionError) as exc:
         raise InvalidMessage(
             f"payload of type {type(payload).__name__} is not JSON-serialisable ({exc}); "
             "pass bytes, str, or JSON-compatible data"
@@ -167,7 +167,7 @@ def delivery_time(
                                  f"({longest}); raise OUTBOX_MAX_DELAY to delay longer")
         return {"delay_seconds": deliver_after.total_seconds()}
     if deliver_at is not None:
-        if not isinstance(deliver_at, datetime) or deliver_at.tzinfo is None:
+        if not isinstance(deliver_at, datetime) or deliver_at.utcoffset() is None:
             raise InvalidMessage(
                 f"deliver_at must be a timezone-aware datetime, got {deliver_at!r}"
             )
@@ -184,18 +184,28 @@ def key_hash(topic: str, key: bytes) -> int:
 
 
 def _check_size(body: bytes, key: bytes | None, header_keys: list[str] | None,
-                header_values: list[bytes] | None, limit: int) -> None:
-    """The whole record counts: key and headers too, not only the payload."""
+                header_values: list[bytes] | None, content_type: str | None,
+                limit: int) -> None:
+    """The whole record counts: key, headers and an explicit content type (sent as a
+    header), not only the payload."""
     extra = len(key or b"") + sum(len(name.encode()) for name in header_keys or ()) + sum(
-        len(value) for value in header_values or ())
+        len(value) for value in header_values or ()) + len((content_type or "").encode())
     if len(body) + extra <= limit:
         return
     size = (f"payload is {len(body)} bytes" if not extra else
-            f"message is {len(body) + extra} bytes (payload {len(body)}, key and headers "
-            f"{extra})")
+            f"message is {len(body) + extra} bytes (payload {len(body)}, key, headers and "
+            f"content type {extra})")
     raise InvalidMessage(
         f"{size}, over the maximum of {limit}; store large data elsewhere and publish a "
         "reference, or raise max_payload_bytes")
+
+
+def merged_headers(ours: dict[str, str], theirs: Any) -> Any:
+    """The outbox's headers (trace context, CloudEvents attributes) under the caller's, which
+    win; the caller's are checked to be a mapping first."""
+    if theirs is not None and not isinstance(theirs, Mapping):
+        return theirs  # encode_headers refuses it, as it would without ours
+    return {**ours, **(theirs or {})}
 
 
 def encode(
@@ -212,13 +222,12 @@ def encode(
     topic = validate_topic(topic)
     raw_key = encode_key(key)
     traced = trace_headers()
-    if traced:
-        headers = {**traced, **(headers or {})}  # the caller's own headers win
-    header_keys, header_values = encode_headers(headers)
+    header_keys, header_values = encode_headers(merged_headers(traced, headers)
+                                                if traced else headers)
     body, detected = encode_payload(payload)
     if content_type is not None:
         validate_name(content_type, "content_type")
-    _check_size(body, raw_key, header_keys, header_values, max_payload_bytes)
+    _check_size(body, raw_key, header_keys, header_values, content_type, max_payload_bytes)
     if raw_key is None:
         shard, lock_key = random_shard % SHARDS, None
     else:

@@ -535,6 +535,6 @@ def _headers(row: store.Deliverable) -> list[tuple[str, bytes]]:
     return headers
 
 
-@functools.cache
+@functools.lru_cache(maxsize=256)  # content types are few; a bound all the same
 def _encoded(content_type: str) -> bytes:
     return content_type.encode()

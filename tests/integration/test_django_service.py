@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, text
 
-from outbox import NotInTransaction, Outbox, SchemaNotMigrated
+from outbox import NotInTransaction, Outbox, SchemaNotMigrated, connectors
 from outbox.dev.topics import create_topic
 from outbox.relay.relay import Relay
 from outbox.settings import Settings
@@ -93,6 +93,26 @@ def test_django_connection_two_phase_and_autocommit(service: Any, settings: Sett
     with engine.connect() as conn:
         rows = dict(conn.execute(text(f"SELECT id, resolution FROM {schema}.message_state")).all())
     assert rows == {first: "COMMIT", second: "ROLLBACK"}
+
+
+def test_django_db_connection_is_taken_through_its_proxy(service: Any, engine: Engine,
+                                                         schema: str) -> None:
+    """``django.db.connection`` is a proxy; from Python 3.12 ``isinstance`` with a protocol
+    no longer sees through it, and publishing through it raised ConfigurationError. The
+    outbox takes the connection behind it on every Python."""
+    from django.db import connection, connections, transaction
+
+    from examples.django_service.orders.views import outbox
+
+    assert type(connection).__name__ == "ConnectionProxy"
+    assert connectors.unproxied(connection) is connections["default"]
+    with transaction.atomic():
+        published = outbox.publish(connection, "orders", {"n": 1})
+    sent = outbox.send_in_transaction(connection, "orders", {"n": 2},
+                                      lambda _message: "COMMIT")
+    with engine.connect() as conn:
+        ids = set(conn.execute(text(f"SELECT id FROM {schema}.message")).scalars())
+    assert {published, sent.message_id} <= ids
 
 
 def test_an_unmigrated_schema_says_which_command_to_run(django_project: None,

@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session
 
 from outbox import (
     DecisionConflict,
+    InvalidMessage,
     Message,
     MessageNotFound,
     Outbox,
@@ -170,6 +171,30 @@ def test_prepare_rolled_back_with_the_business_transaction_leaves_nothing(
 
     with pytest.raises(MessageNotFound, match=f"no message {message_id}"):
         outbox.commit(engine, message_id)
+
+
+class Id:
+    """An integer type of some other library (numpy's, for one): it has ``__index__``."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __index__(self) -> int:
+        return self.value
+
+
+def test_a_decision_names_its_message_by_an_integer_id(engine: Engine, outbox: Outbox,
+                                                       schema: str) -> None:
+    """An id read back as a float or a bool was sent as one, and PostgreSQL's "no such
+    function" was taken for an unmigrated schema: the error said to run `outbox db upgrade`."""
+    message_id = prepare(engine, outbox, "orders", {"n": 1})
+    for wrong in (float(message_id), True, str(message_id), None):
+        with pytest.raises(InvalidMessage, match="message_id must be an integer"):
+            outbox.commit(engine, wrong)  # type: ignore[arg-type]
+    with pytest.raises(MessageNotFound, match=f"no message {2**70}"):
+        outbox.rollback(engine, 2**70)
+    outbox.commit(engine, Id(message_id))  # type: ignore[arg-type]
+    assert message_row(engine, schema, message_id).resolution == "COMMIT"
 
 
 def test_a_decision_in_the_callers_transaction_shares_its_fate(

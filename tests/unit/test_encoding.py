@@ -107,7 +107,11 @@ def test_keyless_messages_are_placed_by_the_random_shard_and_take_no_lock() -> N
 
 
 def test_the_payload_limit_is_inclusive_and_an_explicit_content_type_wins() -> None:
-    message = encoded(b"x" * 100, content_type="application/xml")
-    assert message.content_type == "application/xml"
+    assert encoded(b"x" * 100).content_type == "application/octet-stream"
     with pytest.raises(InvalidMessage, match="payload is 101 bytes, over the maximum of 100"):
         encoded(b"x" * 101)
+    # an explicit content type is sent as a header, and counts as one
+    message = encoded(b"x" * 85, content_type="application/xml")
+    assert message.content_type == "application/xml"
+    with pytest.raises(InvalidMessage, match=r"message is 101 bytes .* content type 15"):
+        encoded(b"x" * 86, content_type="application/xml")

@@ -3,16 +3,31 @@ the caller's transaction) are refused with one line before any statement is sent
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, tzinfo
 
 import pytest
 from sqlalchemy import Engine
+from sqlalchemy.orm import Session
 
 from outbox import ConfigurationError, InvalidMessage, Outbox
 from outbox.settings import PublishSettings
 from tests.unit.test_publish_validation import publish_and_commit
 
 NOW = datetime.now(UTC)
+
+
+class NoOffset(tzinfo):
+    """A tzinfo that knows no offset: the datetime is naive for all purposes."""
+
+    def utcoffset(self, _dt: datetime | None) -> None:
+        return None
+
+
+def nested(depth: int) -> list[object]:
+    payload: list[object] = []
+    for _ in range(depth):
+        payload = [payload]
+    return payload
 
 
 @pytest.fixture
@@ -41,11 +56,16 @@ def outbox() -> Outbox:
         ({"deliver_at": NOW + timedelta(days=400)}, "deliver_at"),
         ({"headers": {"big": "x" * 2000}}, "over the maximum of 1000"),
         ({"key": "k" * 2000}, "over the maximum of 1000"),
+        ({"content_type": "x" * 2000}, "over the maximum of 1000"),
+        ({"payload": nested(100_000)}, "not JSON-serialisable"),
+        ({"headers": [("a", "b")], "cloudevent_source": "urn:x"}, "headers must be a mapping"),
+        ({"deliver_at": datetime(2030, 1, 1, tzinfo=NoOffset())}, "timezone-aware"),
     ],
     ids=["surrogate-payload", "surrogate-json", "surrogate-key", "surrogate-header-value",
          "surrogate-header-name", "nul-header-name", "empty-header-name", "crlf-header-value",
          "nul-content-type", "crlf-content-type", "int-content-type", "empty-content-type",
-         "timedelta-max", "year-9999", "beyond-max-delay", "big-header", "big-key"],
+         "timedelta-max", "year-9999", "beyond-max-delay", "big-header", "big-key",
+         "big-content-type", "deep-json", "header-list-with-cloudevents", "no-offset"],
 )
 def test_bad_publish_input_is_one_invalid_message(engine: Engine, outbox: Outbox,
                                                   connections: list[str],
@@ -62,6 +82,31 @@ def test_bad_publish_input_is_one_invalid_message(engine: Engine, outbox: Outbox
 def test_a_bad_producer_group_is_refused_when_the_outbox_is_made(group: object) -> None:
     with pytest.raises(ConfigurationError, match="producer_group"):
         Outbox(settings=PublishSettings(), producer_group=group)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("source", ["", 5, "urn:\x00"])
+def test_a_bad_cloudevents_source_is_refused_when_the_outbox_is_made(source: object) -> None:
+    """An empty one meant no CloudEvents at all, an int failed every publish later."""
+    with pytest.raises(ConfigurationError, match="cloudevents_source"):
+        Outbox(settings=PublishSettings(), cloudevents_source=source)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("group", ["", 123])
+def test_a_checker_for_a_bad_group_is_refused(outbox: Outbox, group: object) -> None:
+    """An empty group fell back to the outbox's own, an int registered a group no message
+    can have."""
+    with pytest.raises(ConfigurationError, match="producer_group"):
+        outbox.checker(group)  # type: ignore[call-overload]
+    assert outbox.checkers == {}
+
+
+def test_check_immunity_beyond_max_delay_is_refused(engine: Engine, outbox: Outbox,
+                                                    connections: list[str]) -> None:
+    """An undecided message holds back its key until its first check-back."""
+    with pytest.raises(InvalidMessage, match=r"check_immunity .* longer than max_delay"), \
+            Session(engine) as session, session.begin():
+        outbox.prepare(session, "orders", {"id": 1}, check_immunity=timedelta(days=3650))
+    assert connections == []
 
 
 def test_send_in_transaction_refuses_a_non_callable_before_writing(
