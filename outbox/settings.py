@@ -36,8 +36,28 @@ from outbox.exceptions import ConfigurationError, ServiceUnavailable
 #: Environment variable naming the TOML config file (also set by ``outbox --config``).
 CONFIG_ENV = "OUTBOX_CONFIG"
 IDENTIFIER = re.compile(r"[a-z_][a-z0-9_]*")
+#: The largest value an ``integer`` argument or a librdkafka property takes.
+INT32_MAX = 2**31 - 1
 #: PostgreSQL truncates names at 63 bytes; the longest role suffix is ``_reconcile``.
 MAX_SCHEMA_LENGTH = 63 - len("_reconcile")
+
+#: PostgreSQL's reserved key words (``pg_get_keywords()``, categories R and T, version 15):
+#: a schema named one of these cannot be written without quotes.
+RESERVED_WORDS = frozenset({
+    "all", "analyse", "analyze", "and", "any", "array", "as", "asc", "asymmetric",
+    "authorization", "binary", "both", "case", "cast", "check", "collate", "collation",
+    "column", "concurrently", "constraint", "create", "cross", "current_catalog",
+    "current_date", "current_role", "current_schema", "current_time", "current_timestamp",
+    "current_user", "default", "deferrable", "desc", "distinct", "do", "else", "end",
+    "except", "false", "fetch", "for", "foreign", "freeze", "from", "full", "grant",
+    "group", "having", "ilike", "in", "initially", "inner", "intersect", "into", "is",
+    "isnull", "join", "lateral", "leading", "left", "like", "limit", "localtime",
+    "localtimestamp", "natural", "not", "notnull", "null", "offset", "on", "only", "or",
+    "order", "outer", "overlaps", "placing", "primary", "references", "returning", "right",
+    "select", "session_user", "similar", "some", "symmetric", "table", "tablesample",
+    "then", "to", "trailing", "true", "union", "unique", "user", "using", "variadic",
+    "verbose", "when", "where", "window", "with",
+})
 
 
 def validate_identifier(value: str, what: str = "schema") -> str:
@@ -49,7 +69,7 @@ def validate_identifier(value: str, what: str = "schema") -> str:
             f"invalid {what} name {value!r}: use lower-case letters, digits and '_' "
             f"(at most {MAX_SCHEMA_LENGTH} characters, not starting with a digit)"
         )
-    if value.startswith("pg_") or value == "information_schema":
+    if value.startswith("pg_") or value == "information_schema" or value in RESERVED_WORDS:
         raise ConfigurationError(
             f"invalid {what} name {value!r}: PostgreSQL reserves it; choose another name")
     return value
@@ -134,6 +154,10 @@ class _Base(BaseSettings):
             except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
                 raise ConfigurationError(
                     f"config file {config_file} is not valid TOML: {exc}") from None
+            except OSError as exc:  # unreadable: permissions, a mount gone
+                raise ConfigurationError(
+                    f"config file {config_file} cannot be read: {exc.strerror or exc}"
+                ) from None
         return tuple(sources)
 
     def masked(self) -> dict[str, Any]:
@@ -208,6 +232,13 @@ class DatabaseSettings(_Base):
                            pattern=r"^\S+$")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
 
+    @field_validator("database_url", mode="before")
+    @classmethod
+    def _trimmed(cls, value: object) -> object:
+        """A URL read from a secret file often ends in a newline: it would be part of the
+        database's name."""
+        return value.strip() if isinstance(value, str) else value
+
     @field_validator("log_level", mode="before")
     @classmethod
     def _level(cls, value: object) -> object:
@@ -246,15 +277,30 @@ class KafkaSettings(_Base):
     kafka_ssl_certfile: str | None = Field(default=None, description="client certificate")
     kafka_ssl_keyfile: str | None = Field(default=None, description="client private key")
     kafka_delivery_timeout_ms: int = Field(
-        default=120_000, ge=1000, description="how long the producer retries a send (at least 1 s)"
+        default=120_000, ge=1000, le=INT32_MAX,
+        description="how long the producer retries a send (at least 1 s)"
     )
     kafka_connect_timeout_ms: int = Field(
         default=15_000, ge=100, le=3_600_000,
         description="how long a relay or a reconciliation waits at start for a broker to answer"
     )
     kafka_max_request_size: int = Field(
-        default=2 * 1024 * 1024, gt=0, description="largest record the producer sends"
+        default=2 * 1024 * 1024, ge=1000, le=1_000_000_000,
+        description="largest record the producer sends (librdkafka's range)"
     )
+
+    @field_validator("kafka_bootstrap")
+    @classmethod
+    def _bootstrap(cls, value: str) -> str:
+        """``host[:port],...`` (``[v6]:port`` for IPv6), checked now rather than by the Kafka
+        client once the relay has started; spaces around entries dropped."""
+        entries = [entry.strip() for entry in value.split(",")] if value.strip() else []
+        for entry in entries:
+            problem = _bootstrap_problem(entry)
+            if problem:
+                raise ValueError(f"{problem} in {value!r}: write host:port,host:port "
+                                 "(an IPv6 address as [address]:port)")
+        return ",".join(entries)
 
     def kafka_security(self, client: Literal["kafka-python", "librdkafka"] = "kafka-python"
                        ) -> dict[str, Any]:
@@ -296,6 +342,24 @@ class KafkaSettings(_Base):
         return ServiceUnavailable(
             f"no Kafka broker answers at {self.kafka_bootstrap} over {protocol}{login}: "
             f"check {', '.join(check[:-1])} and {check[-1]}")
+
+
+def _bootstrap_problem(entry: str) -> str | None:
+    """What is wrong with one ``host[:port]`` of a bootstrap list, or None."""
+    if entry.startswith("["):
+        host, _, rest = entry[1:].partition("]")
+        if rest and not rest.startswith(":"):
+            return f"bad entry {entry!r}"
+        port = rest[1:] if rest else None
+    elif entry.count(":") > 1:
+        return f"IPv6 address {entry!r} without brackets"
+    else:
+        host, _, port = entry.partition(":") if ":" in entry else (entry, "", None)
+    if not host:
+        return "an empty host" if entry else "an empty entry"
+    if port is not None and not (port.isdigit() and 0 < int(port) < 65536):
+        return f"port {port!r} of {entry!r} is not a number from 1 to 65535"
+    return None
 
 
 #: Each security setting's name in the Kafka clients' own configurations.
@@ -386,10 +450,11 @@ class RelaySettings(DatabaseSettings, KafkaSettings):
         default=60.0, ge=1, le=86400, description="seconds between the relay's retention passes"
     )
     prune_batch_size: int = Field(
-        default=5000, gt=0, description="default-partition rows deleted per statement"
+        default=5000, gt=0, le=INT32_MAX,
+        description="default-partition rows deleted per statement"
     )
     partition_size: int = Field(
-        default=PARTITION_SIZE, gt=0,
+        default=PARTITION_SIZE, gt=0, le=10**12,
         description="message ids per new partition, at least (a multiple at high rates, so "
                     "the window holds about 24); retention drops whole partitions"
     )

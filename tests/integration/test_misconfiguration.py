@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine, make_url, text
 
-from outbox.settings import Settings
+from outbox.settings import RESERVED_WORDS, Settings
 from tests.integration.test_cli_errors import assert_one_line_error
 from tests.processes import outbox_env, run_outbox
 
@@ -136,3 +136,18 @@ def test_an_unknown_outbox_variable_is_reported(settings: Settings) -> None:
     assert result.returncode == 0
     assert ("unknown setting OUTBOX_RELAY_BACH_SIZE is ignored (did you mean "
             "OUTBOX_RELAY_BATCH_SIZE?)") in result.stderr
+
+
+def test_the_reserved_words_refused_as_schema_names_are_the_servers(engine: Engine) -> None:
+    """A schema named ``user`` passed the name check, then `outbox db upgrade` failed with
+    a syntax error and a traceback: PostgreSQL's reserved words cannot be written unquoted.
+    The list the settings refuse is the server's own."""
+    with engine.connect() as conn:
+        server = set(conn.execute(text(
+            "SELECT word FROM pg_get_keywords() WHERE catcode IN ('R', 'T')")).scalars())
+    assert server == RESERVED_WORDS
+
+
+def test_a_reserved_word_as_schema_gets_one_line(settings: Settings) -> None:
+    env = outbox_env(settings, OUTBOX_SCHEMA="user")
+    assert_one_line_error(run_outbox(None, "db", "upgrade", env=env), "schema name 'user'")

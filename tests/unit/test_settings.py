@@ -143,6 +143,46 @@ def test_invalid_values_are_one_line_per_field() -> None:
         load_settings(SweepSettings)
 
 
+@pytest.mark.parametrize(("bootstrap", "problem"), [
+    ("kafka1:9O92", "port '9O92'"), ("k1:9092,,k2:9092", "an empty entry"),
+    ("::1:9092", "without brackets"), (":9092", "an empty host"), ("k1:70000", "port '70000'"),
+])
+def test_a_bootstrap_list_is_checked_when_the_settings_load(bootstrap: str, problem: str
+                                                            ) -> None:
+    """A port kafka-python could not parse was a traceback after the relay had started."""
+    with pytest.raises(ConfigurationError, match=f"kafka_bootstrap: .*{re.escape(problem)}"):
+        load_settings(RelaySettings, kafka_bootstrap=bootstrap)
+
+
+def test_a_bootstrap_list_loses_its_spaces_and_keeps_ipv6_in_brackets() -> None:
+    settings = load_settings(RelaySettings, kafka_bootstrap=" k1:9092, [::1]:9093 ,k3")
+    assert settings.kafka_bootstrap == "k1:9092,[::1]:9093,k3"
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("kafka_max_request_size", 2), ("kafka_delivery_timeout_ms", 3_000_000_000),
+    ("prune_batch_size", 3_000_000_000), ("partition_size", 2**62),
+])
+def test_sizes_beyond_what_the_clients_and_functions_take_are_refused(field: str, value: int
+                                                                      ) -> None:
+    """librdkafka's properties and PostgreSQL's integer arguments are 32-bit; a partition
+    size near 2^62 overflowed the next range's bounds, and a request size of 2 (meant as
+    2 MB) parked every message."""
+    with pytest.raises(ConfigurationError, match=field):
+        load_settings(RelaySettings, **{field: value})
+
+
+def test_a_database_url_from_a_secret_file_loses_its_newline() -> None:
+    os.environ["OUTBOX_DATABASE_URL"] = " postgresql://app@db/shop\n"
+    assert load_settings(DatabaseSettings).database_url == "postgresql://app@db/shop"
+
+
+def test_an_unreadable_config_file_is_one_line() -> None:
+    os.environ["OUTBOX_CONFIG"] = "/proc/self/mem"  # a file, whose reading fails
+    with pytest.raises(ConfigurationError, match="config file /proc/self/mem cannot be read"):
+        load_settings(RelaySettings)
+
+
 def test_with_overrides_replaces_values_and_validates_them_again() -> None:
     base = RelaySettings(database_url="postgresql://app@db/shop", relay_batch_size=10)
     changed = with_overrides(base, schema="billing", relay_batch_size=None, retention_hours=1)
