@@ -160,6 +160,7 @@ def _run(spark: SparkSession, settings: ReconcileSettings, engine: Engine,
             clock = queries.window_end(conn, until, settings.reconcile_sla_seconds)
             mark = queries.watermark(conn, schema)
             conn.rollback()
+        _require_past(since, until, clock.now)
         window, source = _window(since, mark, clock)
         timings: dict[str, float] = {}
         with _phase(timings, "read tables"):
@@ -285,6 +286,19 @@ def _findings_summary(counts: dict[str, int], samples: dict[str, list[int]],
          "exceeded": f.name in exceeded, "sample_ids": samples.get(f.name, [])}
         for f in findings.FINDINGS
     ]
+
+
+def _require_past(since: datetime | None, until: datetime | None, now: datetime) -> None:
+    """A window given by hand lies in the past, and starts before it ends. A run's end is
+    where the next run starts: one reaching into the future would leave every later run
+    nothing to audit until then."""
+    for name, value in (("--since", since), ("--until", until)):
+        if value is not None and value > now:
+            raise ConfigurationError(
+                f"{name} {_iso(value)} is after the database's clock ({_iso(now)}): a window "
+                "must lie in the past (the next run starts where this one ends)")
+    if since is not None and until is not None and since >= until:
+        raise ConfigurationError(f"--since {_iso(since)} is not before --until {_iso(until)}")
 
 
 def _window(since: datetime | None, mark: queries.Watermark, clock: queries.Clock

@@ -23,7 +23,7 @@ from pyspark.sql import SparkSession
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
-from outbox import Outbox, migrate
+from outbox import ConfigurationError, Outbox, migrate
 from outbox.cli import main
 from outbox.dev import services as devservices
 from outbox.dev.topics import create_topic, read_topic
@@ -475,6 +475,26 @@ def test_next_run_covers_only_what_is_new_since_the_last(
                                         "carried_in": 0, "carried_out": 0}
     assert second.window.since == first.window.until
     assert second.outcome is RunOutcome.CLEAN
+
+
+def test_a_window_given_by_hand_lies_in_the_past(
+    spark: SparkSession, services: devservices.Services, engine: Engine, schema: str,
+    tmp_path: Path
+) -> None:
+    """A run's end is where the next starts: `--until` a day ahead recorded a run ending
+    then, and every run after it found "nothing new" until that day."""
+    settings = reconcile_settings(services, schema, tmp_path).model_copy(
+        update={"reconcile_read_topics": False})
+    now = datetime.now(UTC)
+    ahead, hour_ago = now + timedelta(days=1), now - timedelta(hours=1)
+    for since, until, error in ((None, ahead, "--until .* is after the database's clock"),
+                                (ahead, None, "--since .* is after the database's clock"),
+                                (hour_ago, hour_ago, "--since .* is not before --until")):
+        with pytest.raises(ConfigurationError, match=error):
+            job.run(spark, settings, since=since, until=until)
+    with engine.connect() as conn:
+        assert conn.execute(text(f"SELECT count(*) FROM {schema}.reconcile_run")).scalar() == 0
+    assert job.run(spark, settings).window.until <= datetime.now(UTC)
 
 
 def test_command_exits_1_over_a_threshold_and_0_when_that_finding_only_reports(
