@@ -552,6 +552,15 @@ class ConsoleSettings(DatabaseSettings):
     console_refresh_seconds: float = Field(
         default=5.0, ge=1, le=3600, description="seconds between the page's refreshes")
 
+    @field_validator("console_metrics_urls")
+    @classmethod
+    def _http(cls, urls: list[str]) -> list[str]:
+        """Only http(s): the page fetches each one (``file://`` would read a local file)."""
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"{url!r} is not an http:// or https:// URL")
+        return urls
+
 
 class Settings(PublishSettings, RelaySettings, SweepSettings, ReconcileSettings,
                ConsoleSettings):

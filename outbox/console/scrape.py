@@ -41,7 +41,8 @@ def scrape_all(urls: list[str]) -> list[Endpoint]:
 
 
 def scrape(url: str) -> Endpoint:
-    """One endpoint's shown samples, summed over their labels; down with the reason."""
+    """One endpoint's shown samples, summed over their labels; down with the reason (one
+    wrong URL must not take the page down with it)."""
     try:
         with urllib.request.urlopen(url, timeout=TIMEOUT_SECONDS) as reply:
             body = reply.read().decode()
@@ -49,12 +50,15 @@ def scrape(url: str) -> Endpoint:
         return Endpoint(url, up=False, error=str(getattr(exc, "reason", exc)))
     values: dict[str, float] = {}
     families = set()
-    for family in text_string_to_metric_families(body):
-        families.add(family.name)
-        for sample in family.samples:
-            if sample.name in SHOWN:
-                label = SHOWN[sample.name]
-                values[label] = values.get(label, 0.0) + sample.value
+    try:
+        for family in text_string_to_metric_families(body):
+            families.add(family.name)
+            for sample in family.samples:
+                if sample.name in SHOWN:
+                    label = SHOWN[sample.name]
+                    values[label] = values.get(label, 0.0) + sample.value
+    except (ValueError, IndexError, TypeError) as exc:  # a page that is not a /metrics
+        return Endpoint(url, up=False, error=f"not Prometheus metrics ({exc})"[:200])
     # A sweeper's process also registers the relay's metrics (it imports their module).
     kind = ("sweeper" if "outbox_check_backs" in families
             else "relay" if "outbox_relay_owned_shards" in families else "?")
