@@ -17,10 +17,10 @@ import socket
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, Self, TypeVar
 
 from psycopg.conninfo import conninfo_to_dict
-from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -301,6 +301,32 @@ class KafkaSettings(_Base):
                 raise ValueError(f"{problem} in {value!r}: write host:port,host:port "
                                  "(an IPv6 address as [address]:port)")
         return ",".join(entries)
+
+    @model_validator(mode="after")
+    def _security(self) -> Self:
+        """A SASL protocol needs its mechanism and login, and a login or TLS file set for a
+        protocol that does not use it is a mistake (it would be ignored): both refused now,
+        not after the relay's clients have waited for a broker that cannot let them in."""
+        protocol = self.kafka_security_protocol
+        login = {"kafka_sasl_mechanism": self.kafka_sasl_mechanism,
+                 "kafka_sasl_username": self.kafka_sasl_username,
+                 "kafka_sasl_password": self.kafka_sasl_password}
+        files = {"kafka_ssl_cafile": self.kafka_ssl_cafile,
+                 "kafka_ssl_certfile": self.kafka_ssl_certfile,
+                 "kafka_ssl_keyfile": self.kafka_ssl_keyfile}
+        if protocol.startswith("SASL"):
+            missing = [name for name, value in login.items() if not value]
+            if missing:
+                raise ValueError(f"kafka_security_protocol {protocol} needs "
+                                 f"{', '.join(missing)}")
+        unused = [name for name, value in login.items() if value
+                  and not protocol.startswith("SASL")]
+        unused += [name for name, value in files.items() if value
+                   and not protocol.endswith("SSL")]
+        if unused:
+            raise ValueError(f"{', '.join(unused)} set, but kafka_security_protocol "
+                             f"{protocol} does not use it")
+        return self
 
     def kafka_security(self, client: Literal["kafka-python", "librdkafka"] = "kafka-python"
                        ) -> dict[str, Any]:
@@ -597,5 +623,7 @@ def _given(overrides: dict[str, Any]) -> dict[str, Any]:
 
 
 def _one_line(exc: ValidationError) -> str:
-    lines = [f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()]
+    """``field: message; ...`` (a rule across fields names them in its message)."""
+    lines = [f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" if err["loc"]
+             else err["msg"].removeprefix("Value error, ") for err in exc.errors()]
     return "invalid settings: " + "; ".join(lines)

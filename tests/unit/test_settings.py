@@ -71,6 +71,7 @@ def test_config_errors_are_one_clear_line(tmp_path: Path) -> None:
 def test_secrets_are_masked_in_config_output() -> None:
     env = clean_env(OUTBOX_DATABASE_URL="postgresql://app:hunter2@db:5432/shop",
                     OUTBOX_KAFKA_SASL_PASSWORD="kafka-secret",
+                    OUTBOX_KAFKA_SASL_MECHANISM="PLAIN", OUTBOX_KAFKA_SASL_USERNAME="relay",
                     OUTBOX_KAFKA_SECURITY_PROTOCOL="SASL_SSL")
     result = run_outbox(None, "config", env=env)
     assert result.returncode == 0, result.stderr
@@ -172,6 +173,25 @@ def test_sizes_beyond_what_the_clients_and_functions_take_are_refused(field: str
         load_settings(RelaySettings, **{field: value})
 
 
+@pytest.mark.parametrize(("given", "error"), [
+    ({"kafka_security_protocol": "SASL_SSL", "kafka_sasl_username": "relay"},
+     "kafka_security_protocol SASL_SSL needs kafka_sasl_mechanism, kafka_sasl_password"),
+    ({"kafka_sasl_username": "relay"},
+     "kafka_sasl_username set, but kafka_security_protocol PLAINTEXT does not use it"),
+    ({"kafka_security_protocol": "SASL_PLAINTEXT", "kafka_sasl_mechanism": "PLAIN",
+      "kafka_sasl_username": "relay", "kafka_sasl_password": "pw",
+      "kafka_ssl_cafile": "/etc/ca.pem"},
+     "kafka_ssl_cafile set, but kafka_security_protocol SASL_PLAINTEXT does not use it"),
+])
+def test_half_set_kafka_security_is_refused_when_the_settings_load(given: dict[str, str],
+                                                                    error: str) -> None:
+    """kafka-python waited for its connect timeout, then said no broker answers;
+    librdkafka named a mechanism (GSSAPI) no one had set."""
+    with pytest.raises(ConfigurationError) as raised:
+        load_settings(RelaySettings, **given)
+    assert str(raised.value) == f"invalid settings: {error}"
+
+
 def test_a_database_url_from_a_secret_file_loses_its_newline() -> None:
     os.environ["OUTBOX_DATABASE_URL"] = " postgresql://app@db/shop\n"
     assert load_settings(DatabaseSettings).database_url == "postgresql://app@db/shop"
@@ -197,7 +217,9 @@ def test_with_overrides_replaces_values_and_validates_them_again() -> None:
 
 def test_masked_hides_every_password_and_keeps_the_rest() -> None:
     settings = Settings(database_url="postgresql://app:hunter2@db:5432/shop",
-                        kafka_sasl_password="kafka-secret", kafka_bootstrap="k:9092")
+                        kafka_security_protocol="SASL_PLAINTEXT", kafka_sasl_mechanism="PLAIN",
+                        kafka_sasl_username="relay", kafka_sasl_password="kafka-secret",
+                        kafka_bootstrap="k:9092")
     masked = settings.masked()
     assert masked["database_url"] == "postgresql://app:***@db:5432/shop"
     assert masked["kafka_sasl_password"] == "***"
