@@ -72,6 +72,11 @@ def validate_identifier(value: str, what: str = "schema") -> str:
     if value.startswith("pg_") or value == "information_schema" or value in RESERVED_WORDS:
         raise ConfigurationError(
             f"invalid {what} name {value!r}: PostgreSQL reserves it; choose another name")
+    if value == "public" and what == "schema":
+        raise ConfigurationError(
+            "invalid schema name 'public': the outbox's roles are granted on their whole "
+            "schema (the reconciliation role would read every table in it); choose a schema "
+            "of the outbox's own")
     return value
 
 

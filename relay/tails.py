@@ -39,8 +39,21 @@ class Tail:
         self.records += 1
         for name, value in reversed(list(headers or ())):  # the relay appends it last but one
             if name == ID_HEADER and value is not None:
-                self.found.setdefault(int(value), (partition, offset))
+                message_id = _message_id(value)
+                if message_id is not None:
+                    self.found.setdefault(message_id, (partition, offset))
                 return
+
+
+def _message_id(value: str | bytes) -> int | None:
+    """An ``outbox-id`` header's message id; None for a value no relay writes (another
+    producer's header of the same name): ``int()`` of it ended the relay, and every relay
+    that took the shards over read the same tail and ended too."""
+    text = value.decode("ascii", "replace") if isinstance(value, bytes) else value
+    if not text.isascii() or not text.isdigit() or len(text) > 19:
+        return None
+    message_id = int(text)
+    return message_id if 0 < message_id < 2**63 else None
 
 
 class TailReader(Protocol):

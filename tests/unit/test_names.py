@@ -24,7 +24,7 @@ def test_valid_topics_pass(topic: str) -> None:
 
 @pytest.mark.parametrize("name", ["evil\n", "outbox\n", "Outbox", "1abc", "a-b", "",
                                   "pg_catalog", "pg_toast", "information_schema",
-                                  "user", "order", "group", "default", "left",
+                                  "user", "order", "group", "default", "left", "public",
                                   "a" * (MAX_SCHEMA_LENGTH + 1)])
 def test_a_schema_name_postgres_would_mangle_or_refuse_is_refused(name: str) -> None:
     with pytest.raises(ConfigurationError, match="schema name") as raised:

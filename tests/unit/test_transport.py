@@ -16,7 +16,7 @@ from outbox.exceptions import ConfigurationError
 from outbox.relay import confluent
 from outbox.relay.confluent import librdkafka_config, translate
 from outbox.relay.producer import Sent, producer_config
-from outbox.relay.tails import KafkaPythonTailReader
+from outbox.relay.tails import KafkaPythonTailReader, Tail
 from outbox.relay.transport import Report, UnknownOffset, is_permanent, make_transport
 from outbox.settings import Settings
 
@@ -68,6 +68,17 @@ def test_the_connect_timeout_reaches_every_kafka_python_client() -> None:
     settings = Settings(kafka_bootstrap="k1:9093", kafka_connect_timeout_ms=2_500)
     assert producer_config(settings)["bootstrap_timeout_ms"] == 2_500
     assert KafkaPythonTailReader(settings)._config["bootstrap_timeout_ms"] == 2_500
+
+
+def test_a_tail_skips_outbox_id_headers_no_relay_wrote() -> None:
+    """Another producer's ``outbox-id`` header in a topic's tail: ``int()`` of it ended the
+    relay reading it, and every relay that took the shards over read the same tail."""
+    tail = Tail()
+    for offset, value in enumerate([b"abc", b"12a", b"-5", b"0", b"9" * 20,
+                                    "\u0661\u0662", b"42", "43"]):
+        tail.add(0, offset, [("outbox-id", value)])
+    assert tail.found == {42: (0, 6), 43: (0, 7)}
+    assert tail.records == 8
 
 
 def test_unset_security_settings_are_left_to_librdkafkas_defaults() -> None:
