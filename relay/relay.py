@@ -254,6 +254,11 @@ class Relay:
             if woken:
                 wakeup.found_work(bool(batch))
                 woken = False
+            if not batch and shards and self.lifecycle.in_outage \
+                    and not recorder.in_flight_count():
+                # the database answers and no batch awaits an ack: an outage that ended while
+                # there was nothing to deliver is over too (else the next one goes unsaid)
+                self.lifecycle.recovered()
             now = time.monotonic()
             busy_since = (busy_since or now) if batch else 0.0
             if wakeup.asleep_on != shards or (batch and now - busy_since >= BUSY_BEFORE_RISING):

@@ -229,3 +229,26 @@ def test_idle_in_transaction_session_does_not_stall_other_deliveries(
         assert state, "the idle transaction stayed open while the others were delivered"
         idle.rollback()
     assert sorted(r.message_id for r in read_topic(settings.kafka_bootstrap, topic)) == ids
+
+
+def test_an_outage_ended_while_idle_is_said_and_the_next_is_said_again(
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    """An idle relay's database outage was over only at its next delivery: until then the
+    relay stayed "in outage", and a broker outage after it was never logged."""
+    caplog.set_level(logging.WARNING, logger="outbox.relay")
+    with isolated_services() as iso, running_relay(iso.settings):
+        publish_orders(iso.engine, iso.outbox, iso.topic, [("k", 0)])
+        wait_delivered(iso.engine, "outbox", 1)
+        with iso.engine.connect() as conn:
+            conn.execute(text(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE pid <> "
+                "pg_backend_pid() AND backend_type = 'client backend' AND datname = "
+                "current_database()"))
+        wait_until(lambda: "paused" in caplog.text, 30, "the outage")
+        wait_until(lambda: "delivering again" in caplog.text, 30, "the relay to say it is back")
+        iso.proxy.cut()
+        publish_orders(iso.engine, iso.outbox, iso.topic, [("k", 1)])
+        wait_until(lambda: "has not acknowledged" in caplog.text, 30, "the broker's outage")
+        iso.proxy.restore()
+        wait_delivered(iso.engine, "outbox", 2, timeout=60)
