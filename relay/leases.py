@@ -232,6 +232,9 @@ class LeaseKeeper(threading.Thread):
                     log.warning("relay %s cannot renew its leases (%s); retrying every %.1fs",
                                 self._leases.worker_id, first_line(exc), interval)
                     self._failing = True
+                    # unrenewed, they lapse: none is delivered from here (for the alert on
+                    # uncovered shards); the next renewal sets the gauge again
+                    metrics.OWNED_SHARDS.set(0)
                 self._engine.dispose()
                 self._halt.wait(interval)
         self._engine.dispose()

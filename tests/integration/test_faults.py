@@ -9,12 +9,14 @@ from collections import Counter
 from collections.abc import Iterator
 
 import pytest
+from prometheus_client import REGISTRY
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
 from outbox import Outbox, store
 from outbox.dev import services as devservices
 from outbox.dev.topics import Record, read_topic
+from outbox.encoding import SHARDS
 from outbox.settings import Settings
 from tests.conftest import (
     both_transports,
@@ -252,3 +254,19 @@ def test_an_outage_ended_while_idle_is_said_and_the_next_is_said_again(
         wait_until(lambda: "has not acknowledged" in caplog.text, 30, "the broker's outage")
         iso.proxy.restore()
         wait_delivered(iso.engine, "outbox", 2, timeout=60)
+
+
+def test_a_relay_that_cannot_renew_its_leases_reports_no_shards() -> None:
+    """With its database gone the relay delivers nothing, but its gauge kept the shards it
+    last held: OutboxShardsUncovered (fewer than 64 shards owned) could not fire."""
+    def owned() -> float | None:
+        return REGISTRY.get_sample_value("outbox_relay_owned_shards")
+
+    with isolated_services() as iso, running_relay(iso.settings):
+        wait_until(lambda: owned() == SHARDS, 30, "the relay to own every shard")
+        devservices.stop_postgres(iso.services)
+        try:
+            wait_until(lambda: owned() == 0, 30, "the gauge to say no shard is held")
+        finally:
+            devservices.start_postgres(iso.services, durable=False)
+        wait_until(lambda: owned() == SHARDS, 60, "the relay to own every shard again")
