@@ -137,6 +137,15 @@ def test_application_role_cannot_forge_state_shards_headers_or_history(
         publish_call(schema, header_keys="ARRAY['outbox-id']",  # a forged id header
                      header_values="ARRAY[CAST('1' AS bytea)]"),
     ], match="violates check constraint")
+    assert_refused(logins["app"], [  # rows the relay and sweeper could not read (0018)
+        publish_call(schema, header_keys="ARRAY['a', 'b']",
+                     header_values="ARRAY[CAST('1' AS bytea)]"),
+        publish_call(schema, header_keys="ARRAY['a']", header_values="ARRAY[NULL::bytea]"),
+        publish_call(schema, header_keys="ARRAY[['a'], ['b']]",
+                     header_values="ARRAY[['1'::bytea], ['2'::bytea]]"),
+    ], match="header_keys and header_values must pair up")
+    assert_refused(logins["app"], [publish_call(schema, resolution="'UNKNOWN'")],
+                   match="needs check_after_seconds")
     with engine.begin() as conn:  # a DBA's shortcut: the trigger still checks such a role
         conn.execute(text(f"GRANT INSERT ON {schema}.pending TO {schema}_app_login"))
     assert_refused(logins["app"], [
