@@ -68,6 +68,10 @@ class Outbox:
         cloudevents_source: str | None = None,
     ) -> None:
         overrides = {"schema": schema, "max_payload_bytes": max_payload_bytes}
+        if settings is not None and not isinstance(settings, PublishSettings):
+            raise ConfigurationError(
+                f"settings must be a PublishSettings or Settings, got {type(settings).__name__}"
+                " (a relay's or sweeper's settings lack the publishing ones)")
         if settings is None:
             settings = load_settings(PublishSettings, **overrides)
         elif schema is not None or max_payload_bytes is not None:

@@ -153,7 +153,11 @@ def _migrate(shared: Shared, direction: str, revision: str) -> DatabaseSettings:
     from outbox import migrate
 
     settings = shared.settings(DatabaseSettings)
-    getattr(migrate, direction)(settings.database_url, settings.schema_name, revision)
+    if direction == "upgrade":  # its first ranges of history are partition_size ids each
+        partition_size = shared.settings(RelaySettings).partition_size
+        migrate.upgrade(settings.database_url, settings.schema_name, revision, partition_size)
+    else:
+        migrate.downgrade(settings.database_url, settings.schema_name, revision)
     click.echo(f"schema {settings.schema_name} is at revision "
                f"{migrate.current(settings.database_url, settings.schema_name)}")
     return settings

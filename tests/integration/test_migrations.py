@@ -200,6 +200,27 @@ def test_revision_creates_one_lease_per_shard(engine: Engine, schema: str) -> No
     assert shards == SHARDS
 
 
+def test_the_cli_upgrade_makes_its_first_ranges_of_partition_size(
+    services: devservices.Services, engine: Engine
+) -> None:
+    """docs/operations.md says `outbox db upgrade` makes the first ranges of history of
+    `partition_size` ids; it made them of the default, a million, whatever the setting."""
+    schema = f"m_{uuid.uuid4().hex[:10]}"
+    env = {**__import__("os").environ, "OUTBOX_DATABASE_URL": services.database_url,
+           "OUTBOX_SCHEMA": schema, "OUTBOX_PARTITION_SIZE": "5000"}
+    try:
+        up = run_outbox(None, "db", "upgrade", env=env)
+        assert up.returncode == 0, up.stderr
+        with engine.connect() as conn:
+            sizes = {upper - lower for lower, upper in conn.execute(text(
+                f"SELECT low, high FROM {schema}.partition_bounds('{schema}.message') "
+                "WHERE low IS NOT NULL"))}  # the first range starts at MINVALUE
+        assert sizes == {5000}
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text(f"DROP SCHEMA IF EXISTS {schema} CASCADE"))
+
+
 def test_upgrade_downgrade_upgrade_through_the_cli(
     services: devservices.Services, engine: Engine
 ) -> None:

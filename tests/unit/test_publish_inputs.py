@@ -10,7 +10,7 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 from outbox import ConfigurationError, InvalidMessage, Outbox
-from outbox.settings import PublishSettings
+from outbox.settings import PublishSettings, RelaySettings
 from tests.unit.test_publish_validation import publish_and_commit
 
 NOW = datetime.now(UTC)
@@ -82,6 +82,13 @@ def test_bad_publish_input_is_one_invalid_message(engine: Engine, outbox: Outbox
 def test_a_bad_producer_group_is_refused_when_the_outbox_is_made(group: object) -> None:
     with pytest.raises(ConfigurationError, match="producer_group"):
         Outbox(settings=PublishSettings(), producer_group=group)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("settings", [RelaySettings(), {"schema_name": "shop"}])
+def test_settings_that_are_not_publishing_settings_are_refused(settings: object) -> None:
+    """A relay's settings lack max_payload_bytes: an AttributeError at the first publish."""
+    with pytest.raises(ConfigurationError, match="settings must be a PublishSettings"):
+        Outbox(settings=settings)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("source", ["", 5, "urn:\x00"])
