@@ -202,10 +202,13 @@ def _check_size(body: bytes, key: bytes | None, header_keys: list[str] | None,
 
 def merged_headers(ours: dict[str, str], theirs: Any) -> Any:
     """The outbox's headers (trace context, CloudEvents attributes) under the caller's, which
-    win; the caller's are checked to be a mapping first."""
+    win, whatever the case of their names (``TraceParent`` replaces ``traceparent``); the
+    caller's are checked to be a mapping first."""
     if theirs is not None and not isinstance(theirs, Mapping):
         return theirs  # encode_headers refuses it, as it would without ours
-    return {**ours, **(theirs or {})}
+    named = {name.lower() for name in theirs or () if isinstance(name, str)}
+    return {**{name: value for name, value in ours.items() if name.lower() not in named},
+            **(theirs or {})}
 
 
 def encode(

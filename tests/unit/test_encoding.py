@@ -19,6 +19,7 @@ from outbox.encoding import (
     encode_key,
     encode_payload,
     key_hash,
+    merged_headers,
 )
 from outbox.schema import SHARDS
 
@@ -115,3 +116,11 @@ def test_the_payload_limit_is_inclusive_and_an_explicit_content_type_wins() -> N
     assert message.content_type == "application/xml"
     with pytest.raises(InvalidMessage, match=r"message is 101 bytes .* content type 15"):
         encoded(b"x" * 86, content_type="application/xml")
+
+
+def test_the_callers_header_wins_over_the_outboxs_whatever_the_case_of_its_name() -> None:
+    """Both ``traceparent`` and the caller's ``TraceParent`` were stored and sent."""
+    ours = {"traceparent": "00-ours", "ce_id": "1"}
+    assert merged_headers(ours, {"TraceParent": "00-theirs"}) == {
+        "ce_id": "1", "TraceParent": "00-theirs"}
+    assert merged_headers(ours, None) == ours
