@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import operator
+import os
 import random
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping
 from datetime import timedelta
@@ -37,7 +39,7 @@ from outbox.exceptions import (
 )
 from outbox.message import Message, PrepareOptions, PublishOptions, TransactionResult
 from outbox.schema import Resolution
-from outbox.settings import PublishSettings, load_settings, with_overrides
+from outbox.settings import PublishSettings, load_settings, unknown_variables, with_overrides
 
 #: What commits the prepare row of ``send_in_transaction`` at once, before the local
 #: transaction runs: an engine, or a psycopg or Django connection outside any transaction.
@@ -48,6 +50,7 @@ LocalTransaction = Callable[[Message], Resolution | str | None]
 AsyncLocalTransaction = Callable[
     [Message], Awaitable[Resolution | str | None] | Resolution | str | None
 ]
+log = logging.getLogger("outbox")
 T = TypeVar("T")
 C = TypeVar("C", bound=Checker)
 
@@ -74,6 +77,8 @@ class Outbox:
                 " (a relay's or sweeper's settings lack the publishing ones)")
         if settings is None:
             settings = load_settings(PublishSettings, **overrides)
+            for warning in unknown_variables(os.environ):  # a typo would go unnoticed
+                log.warning("%s", warning)
         elif schema is not None or max_payload_bytes is not None:
             settings = with_overrides(settings, **overrides)
         self.settings: PublishSettings = settings

@@ -3,6 +3,7 @@ the caller's transaction) are refused with one line before any statement is sent
 
 from __future__ import annotations
 
+import logging
 from datetime import UTC, datetime, timedelta, tzinfo
 
 import pytest
@@ -82,6 +83,18 @@ def test_bad_publish_input_is_one_invalid_message(engine: Engine, outbox: Outbox
 def test_a_bad_producer_group_is_refused_when_the_outbox_is_made(group: object) -> None:
     with pytest.raises(ConfigurationError, match="producer_group"):
         Outbox(settings=PublishSettings(), producer_group=group)  # type: ignore[arg-type]
+
+
+def test_an_outbox_read_from_the_environment_warns_of_a_misspelt_variable(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Only the CLI warned: an application's OUTBOX_SHCEMA published into the default schema
+    without a word."""
+    monkeypatch.setenv("OUTBOX_SHCEMA", "billing")
+    with caplog.at_level(logging.WARNING, "outbox"):
+        assert Outbox().schema == "outbox"
+    assert "unknown setting OUTBOX_SHCEMA is ignored (did you mean OUTBOX_SCHEMA?)" in (
+        caplog.text)
 
 
 @pytest.mark.parametrize("settings", [RelaySettings(), {"schema_name": "shop"}])
