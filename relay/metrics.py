@@ -170,11 +170,15 @@ class BacklogGauges:
             self.due = started + (self._clock() - started) * BACKLOG_COUNT_SHARE
 
 
-def serve(port: int, address: str = "0.0.0.0") -> None:
-    """Serve /metrics; a port in use or not ours to bind is a configuration error."""
+def serve(port: int, address: str = "0.0.0.0") -> int:
+    """Serve /metrics, and say where (port 0 is one the system picks); a port in use or not
+    ours to bind is a configuration error."""
     try:
-        start_http_server(port, addr=address)
+        server, _thread = start_http_server(port, addr=address)
     except OSError as exc:
         raise ConfigurationError(
             f"cannot serve metrics on {address}:{port}: {exc.strerror or exc}; "
             "choose another --metrics-port") from None
+    served: int = server.server_port
+    log.info("serving metrics on http://%s:%d/metrics", address, served)
+    return served

@@ -1,10 +1,16 @@
 """The relay's latency histogram, observed a batch at a time, exposes what the Prometheus
-client's own Histogram exposes for the same values."""
+client's own Histogram exposes for the same values; the metrics are served where the log
+says."""
 
 from __future__ import annotations
 
+import logging
+import urllib.request
+
+import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
+from outbox.relay import metrics
 from outbox.relay.metrics import LATENCY, BatchHistogram
 
 BOUNDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -43,3 +49,13 @@ def test_the_relay_s_latency_series_keeps_its_name_and_buckets() -> None:
             "outbox_delivery_latency_seconds_count",
             "outbox_delivery_latency_seconds_sum"} <= names.keys()
     assert len([name for name in names if "_bucket" in name]) == len(BOUNDS) + 1
+
+
+def test_metrics_on_port_0_are_served_where_the_log_says(caplog: pytest.LogCaptureFixture
+                                                         ) -> None:
+    """OUTBOX_RELAY_METRICS_PORT=0 served on a port the system picked and no line named."""
+    with caplog.at_level(logging.INFO, "outbox.relay"):
+        port = metrics.serve(0, "127.0.0.1")
+    assert f"serving metrics on http://127.0.0.1:{port}/metrics" in caplog.text
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        assert b"outbox_relay_owned_shards" in reply.read()
