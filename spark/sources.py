@@ -39,8 +39,9 @@ def jdbc_options(database_url: str) -> dict[str, str]:
     if not url.host or not url.database:
         raise ConfigurationError("the database URL needs a host and a database name for JDBC")
     query = urlencode({k: v if isinstance(v, str) else v[-1] for k, v in url.query.items()})
+    host = f"[{url.host}]" if ":" in url.host else url.host  # an IPv6 address
     options = {
-        "url": f"jdbc:postgresql://{url.host}:{url.port or 5432}/{url.database}"
+        "url": f"jdbc:postgresql://{host}:{url.port or 5432}/{url.database}"
                + (f"?{query}" if query else ""),
         "driver": JDBC_DRIVER,
         "fetchsize": str(FETCH_SIZE),

@@ -1,0 +1,20 @@
+"""The database URL as the reconciliation's JDBC reader takes it."""
+
+from __future__ import annotations
+
+import pytest
+
+from outbox.spark.sources import jdbc_options
+
+
+@pytest.mark.parametrize(("database_url", "jdbc_url"), [
+    ("postgresql://app:pw@db:5433/shop", "jdbc:postgresql://db:5433/shop"),
+    ("postgresql://app@db/shop?sslmode=require", "jdbc:postgresql://db:5432/shop?sslmode=require"),
+    # an IPv6 host in brackets, as JDBC URLs write it (it lost them: ::1:5432 is no host)
+    ("postgresql://app:pw@[::1]:5432/shop", "jdbc:postgresql://[::1]:5432/shop"),
+    ("postgresql://app@[2001:db8::7]/shop", "jdbc:postgresql://[2001:db8::7]:5432/shop"),
+])
+def test_the_jdbc_url_names_the_same_server(database_url: str, jdbc_url: str) -> None:
+    options = jdbc_options(database_url)
+    assert options["url"] == jdbc_url
+    assert options["user"] == "app"
