@@ -21,6 +21,7 @@ from outbox.checkers import Checker, to_resolution
 from outbox.connectors import AsyncBind, AsyncTarget, DjangoConnection, Rows, SyncBind, SyncTarget
 from outbox.encoding import (
     CONTROL,
+    MAX_MESSAGE_ID,
     EncodedMessage,
     cloudevent_headers,
     delivery_time,
@@ -491,7 +492,7 @@ def _decided_id(message_id: Any, schema: str) -> int:
     except TypeError:
         raise InvalidMessage(f"message_id must be an integer (the id prepare() returned), "
                              f"got {type(message_id).__name__}") from None
-    if not 0 < value < 2**63:
+    if not 0 < value <= MAX_MESSAGE_ID:
         raise MessageNotFound(f"no message {value} in outbox schema {schema!r}")
     return value
 

@@ -17,6 +17,7 @@ from alembic.util.exc import CommandError as AlembicError
 from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError, OperationalError
 
+from outbox.encoding import MAX_MESSAGE_ID
 from outbox.exceptions import ConfigurationError, OutboxError, first_line, setup_error
 from outbox.settings import (
     CONFIG_ENV,
@@ -341,7 +342,7 @@ def down(state_file: Path) -> None:
 
 
 @main.command()
-@click.argument("ids", nargs=-1, type=click.IntRange(1, 2**63 - 1))
+@click.argument("ids", nargs=-1, type=click.IntRange(1, MAX_MESSAGE_ID))
 @click.option("--all", "resume_all", is_flag=True, help="every PARKED and DISCARDED message")
 @pass_shared
 def resume(shared: Shared, ids: tuple[int, ...], resume_all: bool) -> None:

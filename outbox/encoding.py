@@ -18,6 +18,8 @@ from outbox.tracing import trace_headers
 TOPIC = re.compile(r"[a-zA-Z0-9._-]{1,249}")
 #: Header the relay adds to every record: the prepare row's id, for consumer deduplication.
 ID_HEADER = "outbox-id"
+#: Message ids are PostgreSQL bigints from a sequence starting at 1.
+MAX_MESSAGE_ID = 2**63 - 1
 CONTENT_TYPE_HEADER = "content-type"
 RESERVED_HEADERS = frozenset({ID_HEADER, CONTENT_TYPE_HEADER})
 

@@ -385,7 +385,8 @@ def _bootstrap_problem(entry: str) -> str | None:
     elif entry.count(":") > 1:
         return f"IPv6 address {entry!r} without brackets"
     else:
-        host, _, port = entry.partition(":") if ":" in entry else (entry, "", None)
+        host, colon, after = entry.partition(":")
+        port = after if colon else None
     if not host:
         return "an empty host" if entry else "an empty entry"
     if port is not None and not (port.isdigit() and 0 < int(port) < 65536):

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from kafka import KafkaConsumer, TopicPartition
 from kafka.errors import KafkaError
 
-from outbox.encoding import ID_HEADER
+from outbox.encoding import ID_HEADER, MAX_MESSAGE_ID
 from outbox.exceptions import ServiceUnavailable
 from outbox.settings import RelaySettings
 
@@ -53,7 +53,7 @@ def _message_id(value: str | bytes) -> int | None:
     if not text.isascii() or not text.isdigit() or len(text) > 19:
         return None
     message_id = int(text)
-    return message_id if 0 < message_id < 2**63 else None
+    return message_id if 0 < message_id <= MAX_MESSAGE_ID else None
 
 
 class TailReader(Protocol):
