@@ -595,12 +595,13 @@ def recorded_offsets(conn: Connection, schema: str, topic: str, partitions: Sequ
 
 
 def pending_in_shards(conn: Connection, schema: str, worker_id: str, ids: Sequence[int],
-                      shards: Sequence[int]) -> set[int]:
-    """Which of ``ids`` are pending in ``shards`` under this relay's live leases."""
+                      shards: Sequence[int]) -> list[tuple[int, str, bytes | None, bytes]]:
+    """Which of ``ids`` are pending in ``shards`` under this relay's live leases: each one's
+    id, topic, key and the SHA-256 of its payload (relay/tails.py's fingerprint)."""
     rows = conn.execute(query("pending_in_shards", schema),
                         {"ids": int_array(ids), "shards": int_array(shards),
                          "worker_id": worker_id})
-    return {row.message_id for row in rows}
+    return [(row.message_id, row.topic, row.key, row.digest) for row in rows]
 
 
 def backlog(conn: Connection, schema: str, timeout_seconds: float | None = None

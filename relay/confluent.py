@@ -276,7 +276,8 @@ class ConfluentTailReader:
                     error = message.error()
                     if error is None:
                         headers = message.headers()
-                        tail.add(message.partition() or 0, message.offset() or 0,
+                        tail.add(topic, message.partition() or 0, message.offset() or 0,
+                                 message.key(), message.value(),
                                  headers.items() if isinstance(headers, dict) else headers)
                     elif error.code() == KafkaError._PARTITION_EOF:
                         ended.add(message.partition() or 0)

@@ -15,10 +15,11 @@ before that moment was acknowledged before it, so its offset is below the messag
 tail starts after the highest such offset of the partition (the newest found in a window
 walked back from that moment); without one, at the partition's beginning.
 *Where it ends*: at the high-watermark a fresh consumer reads: every record the dead relay
-got acknowledged is below it. Ids found that are not pending in the shards this relay holds
-(another live relay's messages on the same partitions, or ones already recorded) are left
-alone. A tail longer than ``relay_tail_max_records`` is not read to its end: the rest is
-sent again (duplicates possible), with a warning.
+got acknowledged is below it. A record is this outbox's message only if its topic, key and
+value are the message's too (relay/tails.py). Ids found that are not pending in the shards
+this relay holds (another live relay's messages on the same partitions, or ones already
+recorded) are left alone. A tail longer than ``relay_tail_max_records`` is not read to its
+end: the rest is sent again (duplicates possible), with a warning.
 """
 
 from __future__ import annotations
@@ -125,6 +126,11 @@ class Recovery:
             return 0
         with conn.begin():
             mine = store.pending_in_shards(conn, self.schema, self.settings.worker_id,
-                                           list(tail.found), sorted(shards))
-            acks = [(id_, *tail.found[id_]) for id_ in sorted(mine)]
+                                           tail.ids(), sorted(shards))
+            acks = sorted((fp[0], *tail.found[fp]) for fp in mine if fp in tail.found)
+            if len(acks) < len(mine):
+                log.info("relay %s: %d records in the partition tails carry the id of a pending "
+                         "message but not its topic, key and payload (another outbox "
+                         "publishing to the same topic); those messages are sent",
+                         self.settings.worker_id, len(mine) - len(acks))
             return len(store.mark_delivered(conn, self.schema, self.actor, acks))

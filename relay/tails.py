@@ -9,6 +9,7 @@ librdkafka's in relay/confluent.py; :func:`make_tail_reader` picks the transport
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -25,24 +26,42 @@ from outbox.settings import RelaySettings
 STALL_SECONDS = 15.0
 
 
+#: A record as a pending message is matched with it: the message id its ``outbox-id`` header
+#: names, its topic, its key, and the SHA-256 of its value. The id alone is not enough: every
+#: outbox numbers its messages from 1, and two of them (two services, two schemas) may
+#: publish to one topic.
+Fingerprint = tuple[int, str, bytes | None, bytes]
+
+
+def fingerprint(message_id: int, topic: str, key: bytes | None, value: bytes | None
+                ) -> Fingerprint:
+    return message_id, topic, key, hashlib.sha256(value or b"").digest()
+
+
 @dataclass
 class Tail:
-    """What a read found: each message id's first ``(partition, offset)``."""
+    """What a read found: each fingerprint's first ``(partition, offset)``."""
 
-    found: dict[int, tuple[int, int]] = field(default_factory=dict)
+    found: dict[Fingerprint, tuple[int, int]] = field(default_factory=dict)
     records: int = 0
     #: False when the read stopped at its record limit before the high-watermark
     complete: bool = True
 
-    def add(self, partition: int, offset: int,
-            headers: Iterable[tuple[str, str | bytes | None]] | None) -> None:
+    def add(self, topic: str, partition: int, offset: int, key: bytes | None,
+            value: bytes | None, headers: Iterable[tuple[str, str | bytes | None]] | None
+            ) -> None:
         self.records += 1
-        for name, value in reversed(list(headers or ())):  # the relay appends it last but one
-            if name == ID_HEADER and value is not None:
-                message_id = _message_id(value)
+        for name, header in reversed(list(headers or ())):  # the relay appends it last but one
+            if name == ID_HEADER and header is not None:
+                message_id = _message_id(header)
                 if message_id is not None:
-                    self.found.setdefault(message_id, (partition, offset))
+                    self.found.setdefault(fingerprint(message_id, topic, key, value),
+                                          (partition, offset))
                 return
+
+    def ids(self) -> list[int]:
+        """The message ids found, each once."""
+        return sorted({message_id for message_id, *_ in self.found})
 
 
 def _message_id(value: str | bytes) -> int | None:
@@ -135,7 +154,8 @@ class KafkaPythonTailReader:
                 for batch in consumer.poll(timeout_ms=200, max_records=10_000).values():
                     stall.progressed()
                     for record in batch:
-                        tail.add(record.partition, record.offset, record.headers)
+                        tail.add(topic, record.partition, record.offset, record.key,
+                                 record.value, record.headers)
             return tail
         except KafkaError as exc:
             raise ServiceUnavailable(f"could not read topic {topic}'s tail ({exc})") from None

@@ -177,10 +177,13 @@ GROUP BY o.kafka_partition;
 
 -- name: pending_in_shards
 -- Of the ids found in a topic's tail, those still pending in shards this relay holds a live
--- lease on (another relay's messages on the same partitions are left to it).
-SELECT p.message_id
+-- lease on (another relay's messages on the same partitions are left to it), with what a
+-- record of each must carry besides its id (relay/tails.py: another outbox's ids are alike).
+SELECT p.message_id, p.topic, p.key, sha256(m.payload) AS digest
 FROM {schema}.pending AS p
 JOIN {schema}.relay_lease AS l ON l.shard = p.shard
+CROSS JOIN LATERAL (  -- by primary key, one partition each (see fetch_deliverable)
+    SELECT m.payload FROM {schema}.message AS m WHERE m.id = p.message_id OFFSET 0) AS m
 WHERE p.message_id = ANY(CAST(:ids AS bigint[])) AND p.status = 'PENDING'
   AND p.shard = ANY(CAST(:shards AS smallint[]))
   AND l.owner = :worker_id AND l.expires_at > now();

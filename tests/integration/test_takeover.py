@@ -7,6 +7,7 @@ so the relay fetches, sends and gets every ack, then blocks recording them; it i
 
 from __future__ import annotations
 
+import json
 import signal
 from collections import Counter
 
@@ -16,17 +17,26 @@ from sqlalchemy.orm import Session
 from outbox import Outbox
 from outbox.dev.topics import read_topic
 from outbox.settings import Settings
-from tests.conftest import both_transports, wait_delivered, wait_until
+from tests.conftest import (
+    both_transports,
+    delivered_to,
+    fresh_schema,
+    running_relay,
+    wait_delivered,
+    wait_until,
+)
 from tests.processes import start_outbox
 
 pytestmark = both_transports
 MESSAGES = 300
 
 
-def publish_mixed(engine: Engine, outbox: Outbox, topic: str) -> list[int]:
+def publish_mixed(engine: Engine, outbox: Outbox, topic: str, origin: str = "here"
+                  ) -> list[int]:
     """Keyed messages (on the partitions their keys map to) and unkeyed ones (anywhere)."""
     with Session(engine) as session, session.begin():
-        return [outbox.publish(session, topic, {"n": n}, key=f"k{n % 7}" if n % 3 else None)
+        return [outbox.publish(session, topic, {"n": n, "from": origin},
+                               key=f"k{n % 7}" if n % 3 else None)
                 for n in range(MESSAGES)]
 
 
@@ -91,3 +101,41 @@ def test_graceful_stop_hands_shards_back_clean(
         relay.send_signal(signal.SIGTERM)
         relay.wait(30)
     assert leases_clean(engine, schema), "the next owner may skip reading the tails"
+
+
+def test_a_tail_record_of_another_outbox_with_the_same_id_is_not_taken_for_ours(
+    engine: Engine, outbox: Outbox, topic: str, schema: str, settings: Settings,
+    migration_script: str
+) -> None:
+    """Two outboxes (two services, or two schemas) publishing to one topic number their
+    messages from 1 each. A takeover that trusted ``outbox-id`` alone recorded this outbox's
+    pending message N as delivered at the other's record N, and never sent it."""
+    with fresh_schema(engine, migration_script, prefix="other") as other:
+        neighbour = settings.model_copy(update={"schema_name": other})
+        theirs = publish_mixed(engine, Outbox(settings=neighbour), topic, origin="there")
+        with running_relay(neighbour):
+            wait_delivered(engine, other, MESSAGES)
+
+    dead = start_outbox(settings, "relay", OUTBOX_WORKER_ID="dead")
+    try:
+        wait_until(lambda: not leases_clean(engine, schema), 30, "the dead relay's leases")
+    finally:
+        dead.kill()
+        dead.wait(10)
+    ours = publish_mixed(engine, outbox, topic)
+    assert ours == theirs, "both outboxes number their messages alike"
+
+    heir = start_outbox(settings, "relay", OUTBOX_WORKER_ID="heir")
+    try:
+        wait_delivered(engine, schema, MESSAGES)
+    finally:
+        heir.send_signal(signal.SIGTERM)
+        heir.wait(30)
+    with engine.connect() as conn:
+        actors = Counter(conn.execute(text(
+            f"SELECT actor FROM {schema}.op_record WHERE action = 'DELIVERED'")).scalars())
+    assert actors == {"heir": MESSAGES}, "every message sent, none taken for another's record"
+    ledger = delivered_to(engine, schema, settings.kafka_bootstrap, topic)
+    assert sorted(ledger) == ours
+    assert {json.loads(r.value)["from"] for r in ledger.values()} == {"here"}, \
+        "each op record names a record of this outbox"

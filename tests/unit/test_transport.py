@@ -16,7 +16,7 @@ from outbox.exceptions import ConfigurationError
 from outbox.relay import confluent
 from outbox.relay.confluent import librdkafka_config, translate
 from outbox.relay.producer import Sent, producer_config
-from outbox.relay.tails import KafkaPythonTailReader, Tail
+from outbox.relay.tails import KafkaPythonTailReader, Tail, fingerprint
 from outbox.relay.transport import Report, UnknownOffset, is_permanent, make_transport
 from outbox.settings import Settings
 
@@ -76,8 +76,10 @@ def test_a_tail_skips_outbox_id_headers_no_relay_wrote() -> None:
     tail = Tail()
     for offset, value in enumerate([b"abc", b"12a", b"-5", b"0", b"9" * 20,
                                     "\u0661\u0662", b"42", "43"]):
-        tail.add(0, offset, [("outbox-id", value)])
-    assert tail.found == {42: (0, 6), 43: (0, 7)}
+        tail.add("t", 0, offset, b"k", b"v", [("outbox-id", value)])
+    assert tail.found == {fingerprint(42, "t", b"k", b"v"): (0, 6),
+                          fingerprint(43, "t", b"k", b"v"): (0, 7)}
+    assert tail.ids() == [42, 43]
     assert tail.records == 8
 
 
