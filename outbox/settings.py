@@ -84,8 +84,23 @@ def validate_identifier(value: str, what: str = "schema") -> str:
 _SECRET_KEYS = frozenset({"password", "sslpassword"})
 
 
-def sqlalchemy_url(url: str) -> str:
-    """Accept ``postgresql://`` URLs and pin the psycopg 3 driver."""
+def tcp_timeouts(seconds: float) -> dict[str, str]:
+    """libpq's parameters that end a connection to a database gone silent within about
+    ``seconds``: unacknowledged data (``tcp_user_timeout``), an idle connection's keepalive
+    probes unanswered (idle half of it, then 3 probes), a connection attempt
+    (``connect_timeout``). Without them a connection whose peer vanished without a reset (a
+    dropped NAT entry, a host powered off) blocks until the kernel gives up: about 15
+    minutes with data in flight, for ever when idle."""
+    whole = max(2, round(seconds))
+    return {"connect_timeout": str(whole), "keepalives": "1",
+            "keepalives_idle": str(max(1, whole // 2)),
+            "keepalives_interval": str(max(1, whole // 6)), "keepalives_count": "3",
+            "tcp_user_timeout": str(round(seconds * 1000))}
+
+
+def sqlalchemy_url(url: str, tcp_timeout: float | None = None) -> str:
+    """Accept ``postgresql://`` URLs and pin the psycopg 3 driver; with ``tcp_timeout``, add
+    :func:`tcp_timeouts`'s parameters that the URL does not set itself."""
     try:
         parsed = make_url(url)
     except Exception:  # its message would echo the whole string, password included
@@ -99,6 +114,10 @@ def sqlalchemy_url(url: str) -> str:
         raise ConfigurationError(
             f"database URL must be postgresql://..., got {parsed.get_backend_name()!r}"
         )
+    if tcp_timeout is not None:
+        parsed = parsed.update_query_dict({name: value for name, value
+                                           in tcp_timeouts(tcp_timeout).items()
+                                           if name not in parsed.query})
     return parsed.set(drivername="postgresql+psycopg").render_as_string(hide_password=False)
 
 
@@ -235,6 +254,11 @@ class DatabaseSettings(_Base):
     )
     worker_id: str = Field(default_factory=default_worker_id, min_length=1, max_length=200,
                            pattern=r"^\S+$")
+    database_tcp_timeout: float = Field(
+        default=30.0, ge=1, le=3600,
+        description="seconds a connection to PostgreSQL may go silent (sent data "
+        "unacknowledged, keepalive probes unanswered, a connection attempt) before it is "
+        "dropped and made again; the URL's own libpq parameters win")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
 
     @field_validator("database_url", mode="before")
@@ -260,7 +284,7 @@ class DatabaseSettings(_Base):
     @property
     def sqlalchemy_url(self) -> str:
         self.require("database_url")
-        return sqlalchemy_url(self.database_url)
+        return sqlalchemy_url(self.database_url, self.database_tcp_timeout)
 
 
 class KafkaSettings(_Base):

@@ -182,9 +182,27 @@ def engine(url: str, *, settings: Mapping[str, str] = SESSION_SETTINGS, **option
 
 def _session_settings(settings: Mapping[str, str], dbapi_connection: Any, _record: Any) -> None:
     with dbapi_connection.cursor() as cursor:
-        for name, value in settings.items():
+        for name, value in {**settings, **server_tcp_timeouts(dbapi_connection)}.items():
             cursor.execute(f"SET {name} = {value}")
     dbapi_connection.commit()
+
+
+#: libpq's parameters that end a silent connection (settings.tcp_timeouts), and the server's
+#: settings of the same meaning.
+_SERVER_TCP_SETTINGS = {"keepalives_idle": "tcp_keepalives_idle",
+                        "keepalives_interval": "tcp_keepalives_interval",
+                        "keepalives_count": "tcp_keepalives_count",
+                        "tcp_user_timeout": "tcp_user_timeout"}
+
+
+def server_tcp_timeouts(connection: psycopg.Connection[Any]) -> dict[str, str]:
+    """The server's side of ``connection``'s own timeouts. A session whose client vanished
+    without a reset otherwise lives on until the server's kernel gives up (two hours by
+    default), holding its locks (a relay's worker id, its wake locks, which make every
+    publish notify) and a connection slot."""
+    params = connection.info.get_parameters()
+    return {server: str(int(params[client])) for client, server in _SERVER_TCP_SETTINGS.items()
+            if params.get(client, "").isdigit()}
 
 
 #: The least time between two reads of the list of ranges (:meth:`Fetching.range_of`).
@@ -524,6 +542,13 @@ def claim_worker_id(conn: Connection, schema: str, worker_id: str) -> bool:
     """Take this process's worker id for the life of ``conn``; False if a live one has it."""
     params = {"lock_class": WORKER_LOCK_CLASS, "schema_name": schema, "worker_id": worker_id}
     return bool(conn.execute(query("claim_worker_id", schema), params).scalar_one())
+
+
+def end_lost_sessions(conn: Connection, schema: str, session_name: str) -> int:
+    """End this process's other sessions named ``session_name`` (a connection lost without
+    the server hearing of it lives on, holding its locks); how many there were."""
+    return int(conn.execute(query("end_lost_sessions", schema),
+                            {"session_name": session_name}).scalar_one())
 
 
 def heartbeat(

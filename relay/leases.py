@@ -15,9 +15,10 @@ import logging
 import math
 import threading
 import time
+import uuid
 from collections.abc import Callable
 
-from sqlalchemy import Connection, create_engine
+from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.pool import NullPool
 
@@ -28,6 +29,8 @@ from outbox.schema import SHARDS
 from outbox.settings import RelaySettings
 
 log = logging.getLogger("outbox.relay")
+#: How long a session ended by :meth:`WorkerIdentity._claim` may take to let its lock go.
+LOST_SESSION_EXIT_SECONDS = 5.0
 
 
 class Leases:
@@ -153,12 +156,16 @@ class WorkerIdentity:
 
     def __init__(self, settings: RelaySettings) -> None:
         self._settings = settings
-        self._engine = create_engine(settings.sqlalchemy_url, poolclass=NullPool)
+        #: this process's lock sessions are named so, to tell one it lost from a twin's
+        self.session_name = f"outbox-relay:{settings.worker_id[:32]}:{uuid.uuid4().hex[:12]}"
+        self._engine = store.engine(settings.sqlalchemy_url, poolclass=NullPool,
+                                    connect_args={"application_name": self.session_name})
         self._conn: Connection | None = None
 
     def hold(self) -> None:
-        """Take the id, or check it is still ours (after PostgreSQL restarted, take it again);
-        raises :class:`TwinWorker` if another live process has it."""
+        """Take the id, or check it is still ours (after PostgreSQL restarted, or the
+        connection was lost, take it again); raises :class:`TwinWorker` if another live
+        process has it."""
         if self._conn is not None:
             try:
                 self._conn.exec_driver_sql("SELECT 1")
@@ -167,13 +174,30 @@ class WorkerIdentity:
                 self.release()
         conn = self._engine.connect().execution_options(isolation_level="AUTOCOMMIT")
         schema, worker_id = self._settings.schema_name, self._settings.worker_id
-        if not store.claim_worker_id(conn, schema, worker_id):
+        if not self._claim(conn):
             conn.close()
             raise TwinWorker(
                 f"another live relay already uses worker id {worker_id!r} in schema {schema}: "
                 "give each relay its own OUTBOX_WORKER_ID (or leave it unset: the default is "
                 "unique per process)")
         self._conn = conn
+
+    def _claim(self, conn: Connection) -> bool:
+        """Take the lock; if this process's own lost session still holds it, end that first
+        (it lets go as its backend exits)."""
+        schema, worker_id = self._settings.schema_name, self._settings.worker_id
+        if store.claim_worker_id(conn, schema, worker_id):
+            return True
+        if not store.end_lost_sessions(conn, schema, self.session_name):
+            return False
+        log.warning("relay %s: its worker-id lock was still held by a session of its own whose "
+                    "connection was lost; ended that session", worker_id)
+        deadline = time.monotonic() + LOST_SESSION_EXIT_SECONDS
+        while not store.claim_worker_id(conn, schema, worker_id):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
 
     def release(self) -> None:
         if self._conn is not None:
@@ -188,8 +212,8 @@ class LeaseKeeper(threading.Thread):
     def __init__(self, settings: RelaySettings, leases: Leases,
                  in_flight: Callable[[], int] = lambda: 0) -> None:
         super().__init__(name=f"leases-{leases.worker_id}", daemon=True)
-        self._engine = create_engine(settings.sqlalchemy_url, pool_size=1, max_overflow=0,
-                                     pool_pre_ping=True)
+        self._engine = store.engine(settings.sqlalchemy_url, pool_size=1, max_overflow=0,
+                                    pool_pre_ping=True)
         self._leases = leases
         self._in_flight = in_flight
         #: a count cut off at half the renewal interval delays a renewal by that at most

@@ -196,7 +196,7 @@ class Relay:
         if self.stopping.is_set():
             return
         self._identity.hold()  # after an outage: still ours, or taken back
-        wakeup = Wakeup(self.settings.database_url, self.schema)
+        wakeup = Wakeup(self.settings.sqlalchemy_url, self.schema)
         if self._keeper.ident is None:
             # LISTEN first: the others answer our first heartbeat with a NOTIFY.
             self._keeper.start()

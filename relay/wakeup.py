@@ -15,7 +15,6 @@ import psycopg
 from psycopg import sql
 
 from outbox import store
-from outbox.settings import sqlalchemy_url
 
 #: Wake-ups in a row that found nothing to deliver before the relay starts pausing after each
 #: notification (anyone may NOTIFY the channel: a flood must not spin the relay), the first
@@ -41,8 +40,9 @@ class Wakeup:
     to ``MAX_PAUSE``, so a flood costs a bounded number of fetches a second.
     """
 
-    def __init__(self, database_url: str, schema: str) -> None:
-        dsn = sqlalchemy_url(database_url).replace("postgresql+psycopg://", "postgresql://", 1)
+    def __init__(self, url: str, schema: str) -> None:
+        """``url``: the settings' ``sqlalchemy_url`` (its timeouts included)."""
+        dsn = url.replace("postgresql+psycopg://", "postgresql://", 1)
         self._idle_wakes = 0
         self._schema = schema
         #: The shards whose wake locks this relay holds (empty: awake).
@@ -50,8 +50,10 @@ class Wakeup:
         #: Whether the last :meth:`wait` found nothing that had arrived already.
         self.waited = False
         self._conn = psycopg.connect(dsn, autocommit=True)
-        self._conn.execute(sql.SQL("SET lock_timeout = {}").format(
-            sql.Literal(f"{FALL_ASLEEP_WAIT_MS}ms")))
+        for name, value in {"lock_timeout": f"{FALL_ASLEEP_WAIT_MS}ms",
+                            **store.server_tcp_timeouts(self._conn)}.items():
+            self._conn.execute(sql.SQL("SET {} = {}").format(sql.Identifier(name),
+                                                              sql.Literal(value)))
         channel = sql.Identifier(store.notify_channel(schema))
         self._conn.execute(sql.SQL("LISTEN {}").format(channel))
 

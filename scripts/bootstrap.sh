@@ -18,6 +18,8 @@ command -v promtool >/dev/null || need+=(prometheus)
 # A headless browser for the console's tests (tests/integration/test_console_browser.py).
 command -v chromium >/dev/null || need+=(chromium)
 command -v chromedriver >/dev/null || need+=(chromium-driver)
+# iptables silences chosen database connections (tests/blackhole.py).
+command -v iptables >/dev/null || need+=(iptables)
 # openssl makes the throwaway CA and certificates of the TLS tests (tests/certificates.py).
 command -v openssl >/dev/null || need+=(openssl)
 if [ "${#need[@]}" -gt 0 ]; then

@@ -37,6 +37,15 @@ class TcpProxy:
                 sock.shutdown(socket.SHUT_RDWR)  # wakes a pump blocked in recv()
             sock.close()
 
+    def client_ports(self) -> list[int]:
+        """The clients' own ports of the connections open now."""
+        ports = []
+        with self._lock:
+            for client in self._sockets[::2]:  # (client, upstream) pairs
+                with contextlib.suppress(OSError):
+                    ports.append(client.getpeername()[1])
+        return ports
+
     def restore(self) -> None:
         self._open.set()
 

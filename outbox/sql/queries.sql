@@ -239,6 +239,16 @@ SELECT pg_advisory_xact_lock(:lock_class, hashtext(:schema_name));
 -- refused; a dead one's lock goes with its connection (kill -9 included).
 SELECT pg_try_advisory_lock(:lock_class, hashtext(:schema_name || '/' || :worker_id));
 
+-- name: end_lost_sessions
+-- The sessions a relay opened under its worker-id lock connection's name (unique to the
+-- process) other than this one. A connection lost without the server hearing of it (a silent
+-- network drop) leaves its session running, holding the worker-id lock, until the server's
+-- own keepalives end it (two hours by default): the relay that took its id again would be
+-- refused as its own twin. Ends them; the lock goes with them.
+SELECT count(*) FILTER (WHERE pg_terminate_backend(pid))
+FROM pg_stat_activity
+WHERE application_name = :session_name AND pid <> pg_backend_pid();
+
 -- name: fall_asleep
 -- A relay with nothing to deliver takes the wake lock of each shard it delivers (session
 -- locks on its LISTEN connection; they go with it), so that publishers of those shards

@@ -10,14 +10,16 @@ from collections.abc import Iterator
 
 import pytest
 from prometheus_client import REGISTRY
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine, make_url, text
 from sqlalchemy.orm import Session
 
 from outbox import Outbox, store
 from outbox.dev import services as devservices
 from outbox.dev.topics import Record, read_topic
 from outbox.encoding import SHARDS
+from outbox.relay.wakeup import Wakeup
 from outbox.settings import Settings
+from tests.blackhole import silenced
 from tests.conftest import (
     both_transports,
     count_status,
@@ -29,6 +31,7 @@ from tests.conftest import (
 )
 from tests.isolated import Isolated, isolated_services
 from tests.processes import run_outbox
+from tests.tcp_proxy import TcpProxy
 
 
 @pytest.fixture
@@ -270,3 +273,60 @@ def test_a_relay_that_cannot_renew_its_leases_reports_no_shards() -> None:
         finally:
             devservices.start_postgres(iso.services, durable=False)
         wait_until(lambda: owned() == SHARDS, 60, "the relay to own every shard again")
+
+
+def test_database_connections_gone_silent_are_made_again_and_delivery_goes_on(
+    engine: Engine, outbox: Outbox, settings: Settings, schema: str, topic: str,
+    services: devservices.Services, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The network loses the relay's connections to PostgreSQL without a reset (a dropped NAT
+    entry): its packets vanish, the server hears nothing. The relay blocked on them until
+    the kernel gave up (about 15 minutes), and its worker-id lock's session lived on in the
+    server, so the relay, reconnected, was refused as its own twin."""
+    caplog.set_level(logging.INFO, logger="outbox.relay")
+    proxy = TcpProxy(make_url(services.database_url).port or 5432)
+    through = settings.model_copy(update={
+        "database_url": make_url(services.database_url).set(port=proxy.port)
+        .render_as_string(hide_password=False),
+        "database_tcp_timeout": 2})
+    try:
+        with running_relay(through):
+            publish_orders(engine, outbox, topic, [(f"k{i % 5}", i) for i in range(50)])
+            wait_delivered(engine, schema, 50)
+            lost = proxy.client_ports()
+            assert len(lost) >= 5, "the relay's connections go through the proxy"
+            with silenced(proxy.port, lost):
+                publish_orders(engine, outbox, topic, [(f"k{i % 5}", i) for i in range(50, 100)])
+                wait_delivered(engine, schema, 100, timeout=60)
+    finally:
+        proxy.close()
+    assert "a session of its own whose connection was lost" in caplog.text
+    assert sorted(r.message_id for r in read_topic(settings.kafka_bootstrap, topic)) \
+        == list(range(1, 101))
+
+
+def test_the_server_ends_a_vanished_relays_sessions_as_soon_as_the_relay_gives_up_on_them(
+    settings: Settings, schema: str
+) -> None:
+    """Each session's server side gets the timeouts its client has (OUTBOX_DATABASE_TCP_TIMEOUT
+    and the URL's own libpq parameters): a session whose relay vanished lived on for the
+    kernel's two hours, holding the relay's worker-id or wake locks (every publish notified)
+    and a connection slot."""
+    timed = settings.model_copy(update={
+        "database_url": settings.database_url + "?keepalives_count=5",
+        "database_tcp_timeout": 12})
+    names = ("tcp_keepalives_idle", "tcp_keepalives_interval", "tcp_keepalives_count",
+             "tcp_user_timeout")
+    expected = {"tcp_keepalives_idle": "6", "tcp_keepalives_interval": "2",
+                "tcp_keepalives_count": "5", "tcp_user_timeout": "12000"}
+    made = store.engine(timed.sqlalchemy_url)
+    try:
+        with made.connect() as conn:
+            assert {n: conn.exec_driver_sql(f"SHOW {n}").scalar_one() for n in names} == expected
+    finally:
+        made.dispose()
+    wakeup = Wakeup(timed.sqlalchemy_url, schema)
+    try:
+        assert {n: wakeup._conn.execute(f"SHOW {n}").fetchone()[0] for n in names} == expected
+    finally:
+        wakeup.close()

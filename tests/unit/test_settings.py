@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+from sqlalchemy import make_url
 
 from outbox.exceptions import ConfigurationError
 from outbox.relay.producer import producer_config
@@ -267,3 +268,15 @@ def test_the_topic_hold_bound_is_unset_by_default_and_read_from_the_environment(
     assert load_settings(RelaySettings).topic_hold_park_after is None
     os.environ["OUTBOX_TOPIC_HOLD_PARK_AFTER"] = "90"
     assert load_settings(RelaySettings).topic_hold_park_after == 90
+
+
+def test_database_connections_carry_timeouts_for_a_silent_network_and_the_urls_own_win() -> None:
+    url = make_url(Settings(database_url="postgresql://u@db:5432/o?keepalives_idle=60",
+                            database_tcp_timeout=12).sqlalchemy_url)
+    assert dict(url.query) == {"keepalives_idle": "60", "connect_timeout": "12",
+                               "keepalives": "1", "keepalives_interval": "2",
+                               "keepalives_count": "3", "tcp_user_timeout": "12000"}
+    assert make_url(Settings(database_url="postgresql://u@db/o").sqlalchemy_url
+                    ).query["tcp_user_timeout"] == "30000"
+    with pytest.raises(ValueError, match="database_tcp_timeout"):
+        Settings(database_tcp_timeout=0.5)

@@ -1,0 +1,25 @@
+"""Connections silenced by the kernel, as a network that lost them without a reset would
+(a NAT entry dropped, a host powered off): the packets of chosen client ports to a local
+port are dropped by iptables, so those clients see neither an error nor an answer, while
+new connections (other ports) pass. Needs root and iptables (scripts/bootstrap.sh)."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+from collections.abc import Iterator
+
+
+@contextlib.contextmanager
+def silenced(port: int, client_ports: list[int]) -> Iterator[None]:
+    rules = [["INPUT", "-p", "tcp", "-s", "127.0.0.1", "--sport", str(client),
+              "--dport", str(port), "-j", "DROP"] for client in client_ports]
+    added: list[list[str]] = []
+    try:
+        for rule in rules:
+            subprocess.run(["iptables", "-w", "-I", *rule], check=True, capture_output=True)
+            added.append(rule)
+        yield
+    finally:
+        for rule in added:
+            subprocess.run(["iptables", "-w", "-D", *rule], check=False, capture_output=True)
