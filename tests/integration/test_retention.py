@@ -396,3 +396,47 @@ def test_making_ranges_does_not_wait_for_a_publishing_transaction(
             with engine.begin() as other:
                 made = store.ensure_partitions(other, schema, 100, ahead=6)
     assert made > 0 and len(ranges(engine, schema)) == before + made
+
+
+def test_a_range_holding_a_message_finished_inside_the_window_is_kept(
+    engine: Engine, outbox: Outbox, small: Settings, schema: str, topic: str
+) -> None:
+    """A range was old when its messages were: one finished late (decided late, resumed after
+    parking) lost its fresh op record with the range, before a reconciliation saw it."""
+    deliver(engine, outbox, small, topic, 25)
+    age(engine, schema)
+    with engine.begin() as conn:  # message 15 published long ago, delivered just now
+        conn.execute(text(f"UPDATE {schema}.op_record SET created_at = now() "
+                          f"WHERE message_id = 15"))
+
+    assert "dropped 1 partitions" in prune(small)  # ids 1-10
+    assert sorted(located(engine, schema, "op_record", "message_id")) == list(range(11, 26))
+
+
+def test_a_message_moved_out_of_its_range_and_finished_late_keeps_its_history(
+    engine: Engine, outbox: Outbox, small: Settings, schema: str, topic: str
+) -> None:
+    """A message delayed past the window (or parked, then resumed) is moved to the default
+    partition when its range goes. Finished later, it was pruned there at once with its op
+    records, aged by its publish alone: the next reconciliation read its Kafka record as one
+    without an op record."""
+    deliver(engine, outbox, small, topic, 9)
+    [parked] = publish_orders(engine, outbox, topic, [("q", 0)])
+    with engine.begin() as conn:
+        conn.execute(text(f"UPDATE {schema}.pending SET status = 'PARKED' "
+                          f"WHERE message_id = :id"), {"id": parked})
+        conn.execute(text(f"INSERT INTO {schema}.op_record (message_id, action, actor, detail) "
+                          f"VALUES (:id, 'PARKED', 'relay', 'rejected')"), {"id": parked})
+    age(engine, schema)
+    assert "(kept 1 unfinished messages)" in prune(small)
+    resumed = run_outbox(small, "resume", str(parked))
+    assert resumed.returncode == 0, resumed.stderr
+    with running_relay(small.model_copy(update={"retention_hours": 1000})):  # it prunes too
+        wait_delivered(engine, schema, 1)  # the other 9 went with their range
+
+    assert "pruned 0 messages and 0 op records of the default partition" in prune(small)
+    assert located(engine, schema, "message") == {parked: "message_default"}
+    with engine.begin() as conn:
+        conn.execute(text(f"UPDATE {schema}.op_record "
+                          f"SET created_at = now() - interval '100 hours'"))
+    assert "pruned 1 messages and 3 op records of the default partition" in prune(small)
