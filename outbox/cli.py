@@ -403,6 +403,10 @@ def sweep(shared: Shared, app_path: str | None, check_interval: float | None,
 
         metrics.serve(settings.sweep_metrics_port)
     run_until_signalled(daemon)
+    if daemon.stuck:  # their threads would be joined at exit, for ever
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(0)
 
 
 @main.command()

@@ -138,6 +138,10 @@ class Sweeper:
         self.groups = sorted(self.checkers)
         self.actor = f"sweeper:{settings.worker_id}"
         self.counts = SweepCounts()
+        #: After :meth:`run`: the messages whose checks still ran past their timeout (their
+        #: threads would keep the interpreter from exiting: ``outbox sweep`` exits without
+        #: them)
+        self.stuck: list[int] = []
         self.lifecycle = Lifecycle(
             f"sweeper {settings.worker_id}", log,
             paused="cannot reach PostgreSQL ({reason}); retrying with backoff",
@@ -178,6 +182,13 @@ class Sweeper:
             executor.shutdown(wait=False, cancel_futures=True)
             if not self.lifecycle.abandon.is_set():
                 wait(running, timeout=self.settings.checker_timeout)  # let answers land
+            self.stuck = sorted({item.claim.message.id for future, item in running.items()
+                                 if not future.done()})
+            if self.stuck:
+                log.warning("sweeper %s: checks of messages %s are still running past their "
+                            "timeout (a Python checker cannot be stopped); they are left to "
+                            "run and their messages are checked again", self.settings.worker_id,
+                            ", ".join(map(str, self.stuck)))
             self._engine.dispose()
             log.info("sweeper %s stopped after %d check-backs", self.settings.worker_id,
                      sum(self.counts.outcomes.values()))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 from sqlalchemy import Connection
 
 from outbox import Message, Outbox
@@ -12,4 +14,15 @@ outbox = Outbox(producer_group="cli-orders")
 @outbox.checker()
 def order_was_placed(message: Message, conn: Connection) -> str:
     """Every order of this test application was placed: its messages commit."""
+    return "COMMIT"
+
+
+#: A checker that never answers, as one calling a service without a timeout would:
+#: `outbox sweep --app tests.checker_app:stuck`.
+stuck = Outbox(producer_group="stuck-orders")
+
+
+@stuck.checker()
+def never_answers(message: Message, conn: Connection) -> str:
+    threading.Event().wait()
     return "COMMIT"

@@ -537,6 +537,28 @@ def test_sweep_command_uses_the_checkers_of_the_app(
     assert "checkers for cli-orders" in output
 
 
+def test_sweep_command_stops_on_sigterm_though_a_checker_never_answers(
+    engine: Engine, fast: Settings, schema: str
+) -> None:
+    """A Python checker cannot be stopped: its thread outlived the sweeper's loop, and the
+    interpreter waited for it at exit, so SIGTERM never ended the process."""
+    message_id = prepare(engine, Outbox(settings=fast, producer_group="stuck-orders"))
+    sweeper = start_outbox(fast, "sweep", "--app", "tests.checker_app:stuck",
+                           "--check-interval", "0.1", "--checker-timeout", "0.5")
+    try:
+        wait_until(lambda: row(engine, schema, message_id).check_count >= 1, 30,
+                   "the check to time out")
+    finally:
+        sweeper.send_signal(signal.SIGTERM)
+        try:
+            output, _ = sweeper.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            sweeper.kill()
+            raise
+    assert sweeper.returncode == 0, output
+    assert f"checks of messages {message_id} are still running past their timeout" in output
+
+
 @pytest.mark.parametrize(("args", "env", "error"), [
     (("--app", "no_such_service.outbox:outbox"), {},
      "--app no_such_service.outbox:outbox: cannot import 'no_such_service.outbox'"),
