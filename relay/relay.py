@@ -505,15 +505,18 @@ class Recorder(threading.Thread):
                         flights += self._acked_after(flight)
                         self._settle(conn, flights, self._failure is not None)
                     except BaseException as exc:
+                        # Unrecorded, their rows stay in flight until the pass ends: a
+                        # fetch of this pass would send them again, and the next pass's
+                        # tail read finds them in Kafka instead.
                         self._failure = self._failure or exc
+                        flights = []
                     with self._changed:
                         for settled in flights:
                             self._unsettled.remove(settled)
                         self._changed.notify_all()
-        except BaseException as exc:  # could not even connect
+        except BaseException as exc:  # could not even connect: the same
             with self._changed:
                 self._failure = self._failure or exc
-                self._unsettled.clear()
                 self._changed.notify_all()
         finally:
             self.engine.dispose()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
 
@@ -330,3 +332,56 @@ def test_the_server_ends_a_vanished_relays_sessions_as_soon_as_the_relay_gives_u
         assert {n: wakeup._conn.execute(f"SHOW {n}").fetchone()[0] for n in names} == expected
     finally:
         wakeup.close()
+
+
+def test_a_batch_whose_recording_failed_is_not_sent_again_before_its_tail_is_read(
+    engine: Engine, outbox: Outbox, settings: Settings, schema: str, topic: str
+) -> None:
+    """The recorder's statement fails (its backend ended) while the main loop waits in its
+    next statement (behind a lock on ``pending``, as the recorder's statement did): the
+    failed batch left the rows in flight at once, so the fetch that followed read its rows
+    again and the relay sent every one of them a second time, before the pass ended and
+    the tail read could find them in Kafka."""
+    ids = publish_orders(engine, outbox, topic, [(f"k{i % 5}", i) for i in range(100)])
+    queue_held, release = threading.Event(), threading.Event()
+
+    def hold_the_queue() -> None:  # the relay's next statement on pending waits behind it
+        with engine.connect() as conn:
+            conn.begin()
+            conn.execute(text(f"LOCK TABLE {schema}.pending IN ACCESS EXCLUSIVE MODE"))
+            queue_held.set()
+            release.wait(30)
+            conn.rollback()
+
+    def waiting(statement: str) -> list[int]:
+        with engine.connect() as conn:
+            return list(conn.execute(text(
+                "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                "AND query LIKE :statement"), {"statement": statement}).scalars())
+
+    holder = threading.Thread(target=hold_the_queue, daemon=True)
+    with engine.connect() as history:
+        history.begin()
+        history.execute(text(f"LOCK TABLE {schema}.op_record IN EXCLUSIVE MODE"))
+        try:
+            with running_relay(settings):
+                wait_until(lambda: len(read_topic(settings.kafka_bootstrap, topic)) >= 100,
+                           60, "every message acknowledged by Kafka")
+                wait_until(lambda: waiting("%Close a delivered batch%"), 30,
+                           "the recording statement to wait for op_record")
+                holder.start()
+                wait_until(lambda: len(waiting(f"%{schema}.pending%")) >= 3, 30,
+                           "the relay's next statement to queue behind the lock on pending")
+                with engine.connect() as conn:
+                    conn.execute(text("SELECT pg_terminate_backend(:pid)"),
+                                 {"pid": waiting("%Close a delivered batch%")[0]})
+                wait_until(queue_held.is_set, 30, "the lock on pending")
+                time.sleep(0.5)  # the recorder has failed by now
+                release.set()
+                history.rollback()
+                wait_delivered(engine, schema, 100)
+        finally:
+            release.set()
+            holder.join(30) if holder.ident else None
+    assert Counter(r.message_id for r in read_topic(settings.kafka_bootstrap, topic)) \
+        == Counter(ids), "each message once"
