@@ -68,6 +68,15 @@ def deliver(engine: Engine, outbox: Outbox, settings: Settings, topic: str, n: i
         wait_delivered(engine, settings.schema_name, n)
 
 
+def park(engine: Engine, schema: str, message_id: int) -> None:
+    """Park a pending message, as the relay does after permanent rejections."""
+    with engine.begin() as conn:
+        conn.execute(text(f"UPDATE {schema}.pending SET status = 'PARKED' "
+                          f"WHERE message_id = :id"), {"id": message_id})
+        conn.execute(text(f"INSERT INTO {schema}.op_record (message_id, action, actor, detail) "
+                          f"VALUES (:id, 'PARKED', 'relay', 'rejected')"), {"id": message_id})
+
+
 def prune(settings: Settings) -> str:
     """One `outbox prune` pass with the default window (72 h); its summary line."""
     result = run_outbox(settings, "prune")
@@ -80,11 +89,7 @@ def test_retention_drops_expired_partitions_and_keeps_unfinished_messages(
 ) -> None:
     deliver(engine, outbox, small, topic, 29)
     parked, pending = publish_orders(engine, outbox, topic, [("q", 0), ("p", 1)])
-    with engine.begin() as conn:
-        conn.execute(text(f"UPDATE {schema}.pending SET status = 'PARKED' "
-                          f"WHERE message_id = :id"), {"id": parked})
-        conn.execute(text(f"INSERT INTO {schema}.op_record (message_id, action, actor, detail) "
-                          f"VALUES (:id, 'PARKED', 'relay', 'rejected')"), {"id": parked})
+    park(engine, schema, parked)
     age(engine, schema)
 
     assert ("dropped 3 partitions older than 72 h (kept 1 unfinished messages); "
@@ -422,11 +427,7 @@ def test_a_message_moved_out_of_its_range_and_finished_late_keeps_its_history(
     without an op record."""
     deliver(engine, outbox, small, topic, 9)
     [parked] = publish_orders(engine, outbox, topic, [("q", 0)])
-    with engine.begin() as conn:
-        conn.execute(text(f"UPDATE {schema}.pending SET status = 'PARKED' "
-                          f"WHERE message_id = :id"), {"id": parked})
-        conn.execute(text(f"INSERT INTO {schema}.op_record (message_id, action, actor, detail) "
-                          f"VALUES (:id, 'PARKED', 'relay', 'rejected')"), {"id": parked})
+    park(engine, schema, parked)
     age(engine, schema)
     assert "(kept 1 unfinished messages)" in prune(small)
     resumed = run_outbox(small, "resume", str(parked))

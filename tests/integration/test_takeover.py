@@ -40,6 +40,16 @@ def publish_mixed(engine: Engine, outbox: Outbox, topic: str, origin: str = "her
                 for n in range(MESSAGES)]
 
 
+def deliver_as_heir(engine: Engine, schema: str, settings: Settings) -> None:
+    """A relay named ``heir`` takes the shards over and delivers the messages."""
+    heir = start_outbox(settings, "relay", OUTBOX_WORKER_ID="heir")
+    try:
+        wait_delivered(engine, schema, MESSAGES)
+    finally:
+        heir.send_signal(signal.SIGTERM)
+        heir.wait(30)
+
+
 def leases_clean(engine: Engine, schema: str) -> bool:
     with engine.connect() as conn:
         return bool(conn.execute(text(
@@ -71,12 +81,7 @@ def test_new_owner_records_what_a_killed_relay_sent_instead_of_sending_it_again(
     assert recorded == 0, "the killed relay recorded nothing"
     assert not leases_clean(engine, schema), "a killed relay's shards are not handed back clean"
 
-    heir = start_outbox(settings, "relay", OUTBOX_WORKER_ID="heir")
-    try:
-        wait_delivered(engine, schema, MESSAGES)
-    finally:
-        heir.send_signal(signal.SIGTERM)
-        heir.wait(30)
+    deliver_as_heir(engine, schema, settings)
 
     records = read_topic(settings.kafka_bootstrap, topic)
     assert Counter(r.message_id for r in records) == Counter(ids), "each message once"
@@ -125,12 +130,7 @@ def test_a_tail_record_of_another_outbox_with_the_same_id_is_not_taken_for_ours(
     ours = publish_mixed(engine, outbox, topic)
     assert ours == theirs, "both outboxes number their messages alike"
 
-    heir = start_outbox(settings, "relay", OUTBOX_WORKER_ID="heir")
-    try:
-        wait_delivered(engine, schema, MESSAGES)
-    finally:
-        heir.send_signal(signal.SIGTERM)
-        heir.wait(30)
+    deliver_as_heir(engine, schema, settings)
     with engine.connect() as conn:
         actors = Counter(conn.execute(text(
             f"SELECT actor FROM {schema}.op_record WHERE action = 'DELIVERED'")).scalars())
