@@ -35,7 +35,7 @@ from sqlalchemy.exc import DBAPIError
 from outbox import store
 from outbox.app import Outbox
 from outbox.checkers import Checker, SqlChecker, to_resolution
-from outbox.exceptions import CheckerRefused, ConfigurationError, first_line
+from outbox.exceptions import CheckerRefused, ConfigurationError, first_line, server_trouble
 from outbox.migrate import require_current
 from outbox.relay.daemon import Lifecycle
 from outbox.schema import Resolution, Status
@@ -296,6 +296,8 @@ class Sweeper:
                 conn.invalidate()
                 if store.cut_off(exc):
                     return Resolution.UNKNOWN, "TIMEOUT", _timed_out(self.settings.checker_timeout)
+                if isinstance(exc, DBAPIError) and server_trouble(exc):
+                    raise  # not the message's fault: uncounted, checked again (_loop logs it)
                 if isinstance(exc, CheckerRefused | DBAPIError):
                     return Resolution.UNKNOWN, "ERROR", f"PostgreSQL refused: {first_line(exc)}"
                 return (Resolution.UNKNOWN, "ERROR",

@@ -498,6 +498,27 @@ def test_sql_checkers_can_be_declared_in_the_environment(
     assert f"message {message_id} (producer group 'orders') resolved COMMIT" in output
 
 
+def test_a_check_the_database_cannot_run_is_not_counted_against_the_message(
+    engine: Engine, orders: Outbox, fast: Settings, schema: str, payments: str
+) -> None:
+    """A privilege revoked under a running sweeper (or the server out of memory, shutting
+    down, read-only) said nothing of the message, yet each check counted as inconclusive:
+    with check_max 2 the message was DISCARDED within a second, and the later messages of
+    its key went out ahead of it."""
+    sql = (f"SELECT CASE state WHEN 'paid' THEN 'COMMIT' END FROM {payments} "
+           f"WHERE order_id = CAST(CAST(:payload AS jsonb) ->> 'order' AS int)")
+    message_id = prepare(engine, orders, payload={"order": 1})
+    with engine.begin() as conn:
+        conn.execute(text(f"REVOKE SELECT ON {payments} FROM {schema}_checker"))
+    with sweeping(fast, sql_checkers={GROUP: sql}, check_max=2, checker_timeout=0.5):
+        time.sleep(3)  # claims expire after the checker timeout and a margin: several tries
+        state = row(engine, schema, message_id)
+        assert (state.status, state.check_count) == ("PENDING", 0), state
+        with engine.begin() as conn:
+            conn.execute(text(f"GRANT SELECT ON {payments} TO {schema}_checker"))
+        wait_resolution(engine, schema, message_id, "COMMIT")
+
+
 def test_a_sql_checker_runs_read_only(
     engine: Engine, orders: Outbox, fast: Settings, schema: str, payments: str
 ) -> None:
