@@ -211,6 +211,10 @@ class Relay:
                 recorder.raise_failure()
         except BaseException:
             self._leases.unsettle_all()  # acks may have arrived unrecorded
+            # New sessions for the next pass: a pooled one keeps what its server was when it
+            # was made (a failover's standby, still read-only, or a setting since changed).
+            self._engine.dispose()
+            self._fetching_engine.dispose()
             raise
         finally:
             recorder.close()

@@ -195,15 +195,20 @@ class Sweeper:
 
     def _serve(self, executor: ThreadPoolExecutor, running: dict[Future[None], _Running]
                ) -> None:
-        with self._engine.connect() as conn:
-            self._loop(conn, executor, running)
+        try:
+            with self._engine.connect() as conn:
+                self._loop(conn, executor, running)
+        except BaseException:
+            # New sessions for the next pass: a pooled one keeps what its server was when it
+            # was made (a failover's standby, still read-only, or a setting since changed).
+            self._engine.dispose()
+            raise
 
     def _loop(self, conn: Connection, executor: ThreadPoolExecutor,
               running: dict[Future[None], _Running]) -> None:
         settings = self.settings
         report_at = 0.0
         while not self.stopping.is_set():
-            self.lifecycle.recovered()
             now = time.monotonic()
             self._expire(conn, running, now)
             if now >= report_at:
@@ -215,6 +220,7 @@ class Sweeper:
                 with conn.begin():
                     claims = store.claim_checks(conn, self.schema, self.groups, wanted,
                                                 settings.checker_timeout + CLAIM_MARGIN)
+            self.lifecycle.recovered()  # its statements ran: not merely connected
             started = time.monotonic()
             for claim in claims:
                 item = _Running(claim, started + settings.checker_timeout)

@@ -19,6 +19,7 @@ from outbox import Outbox, store
 from outbox.dev import services as devservices
 from outbox.dev.topics import Record, read_topic
 from outbox.encoding import SHARDS
+from outbox.relay.sweeper import Sweeper
 from outbox.relay.wakeup import Wakeup
 from outbox.settings import Settings
 from tests.blackhole import silenced
@@ -27,6 +28,7 @@ from tests.conftest import (
     count_status,
     ids_with_status,
     publish_orders,
+    running,
     running_relay,
     wait_delivered,
     wait_until,
@@ -385,3 +387,67 @@ def test_a_batch_whose_recording_failed_is_not_sent_again_before_its_tail_is_rea
             holder.join(30) if holder.ident else None
     assert Counter(r.message_id for r in read_topic(settings.kafka_bootstrap, topic)) \
         == Counter(ids), "each message once"
+
+
+def read_only_for_a_while(iso: Isolated, caplog: pytest.LogCaptureFixture, paused: str) -> None:
+    """The database read-only and every session ended, as after a failover to a standby not
+    yet promoted; writable again once the daemon has connected to it (``paused`` logged)."""
+    with iso.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        database = conn.execute(text("SELECT current_database()")).scalar_one()
+        conn.execute(text(f"ALTER DATABASE {database} SET default_transaction_read_only = on"))
+        conn.execute(text(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE pid <> "
+            "pg_backend_pid() AND backend_type = 'client backend'"))
+    iso.engine.dispose()
+    wait_until(lambda: paused in caplog.text, 30, "the daemon to lose its connections")
+    time.sleep(3)  # it connects again, to the read-only server, and fails there
+    with iso.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(text("SET default_transaction_read_only = off"))
+        conn.execute(text(f"ALTER DATABASE {database} RESET default_transaction_read_only"))
+    iso.engine.dispose()  # the test's own sessions were read-only too
+
+
+def test_a_relay_that_reconnected_to_a_read_only_server_delivers_once_it_is_writable(
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    """A failover that lands the relay on a server still read-only (a standby being promoted,
+    default_transaction_read_only): its pooled connections kept the read-only sessions they
+    were made in, so the relay stayed paused after the server became writable, while its
+    lease keeper, which reconnects, kept the shards from every other relay."""
+    caplog.set_level(logging.WARNING, logger="outbox.relay")
+    with isolated_services() as iso, running_relay(iso.settings):
+        publish_orders(iso.engine, iso.outbox, iso.topic, [("k", 0)])
+        wait_delivered(iso.engine, "outbox", 1)
+        read_only_for_a_while(iso, caplog, "paused")
+        publish_orders(iso.engine, iso.outbox, iso.topic, [("k", 1)])
+        wait_delivered(iso.engine, "outbox", 2, timeout=30)
+
+
+def test_a_sweeper_that_reconnected_to_a_read_only_server_checks_once_it_is_writable(
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    """The sweeper's pooled sessions stayed read-only too, and it logged "reaches PostgreSQL
+    again" and "cannot reach PostgreSQL" in turn at each retry: it had only connected."""
+    caplog.set_level(logging.WARNING, logger="outbox.sweeper")
+    with isolated_services() as iso:
+        fast = iso.settings.model_copy(update={
+            "transaction_timeout": 0.2, "check_interval": 0.1, "sweep_poll_interval": 0.1})
+        orders = Outbox(settings=fast, producer_group="orders")
+
+        def checked_back() -> None:
+            with Session(iso.engine) as session, session.begin():
+                prepared = orders.prepare(session, iso.topic, {"order": 1})
+            wait_until(lambda: _resolution(iso.engine, prepared) == "COMMIT", 30,
+                       "the check-back")
+
+        with running(Sweeper(fast, {"orders": lambda message, conn: "COMMIT"}), "sweeper"):
+            checked_back()
+            read_only_for_a_while(iso, caplog, "cannot reach PostgreSQL")
+            checked_back()
+    assert caplog.text.count("reaches PostgreSQL again") <= 1, caplog.text
+
+
+def _resolution(engine: Engine, message_id: int) -> str:
+    with engine.connect() as conn:
+        return str(conn.execute(text("SELECT resolution FROM outbox.message_state "
+                                     "WHERE id = :id"), {"id": message_id}).scalar_one())
