@@ -90,7 +90,6 @@ class Outbox:
                                    _name(cloudevents_source, "cloudevents_source"))
         #: Checkers by producer group, registered with :meth:`checker`.
         self.checkers: dict[str, Checker] = {}
-        self._random = random.Random()
 
     @overload
     def publish(
@@ -155,7 +154,9 @@ class Outbox:
             headers=headers,
             content_type=options.get("content_type"),
             max_payload_bytes=self.settings.max_payload_bytes,
-            random_shard=self._random.getrandbits(16),
+            # the module's generator: reseeded in a forked child, where an Outbox's own
+            # would repeat its parent's and its siblings' shards
+            random_shard=random.getrandbits(16),
         )
 
     @overload
