@@ -115,6 +115,8 @@ def execute(bind: SyncBind, statement: TextClause, params: dict[str, Any]) -> Ro
         with target.begin() as conn:
             return list(conn.execute(statement, params))
     if isinstance(target, Session | Connection):
+        if isinstance(target, Session):
+            _require_one_engine(target)
         in_transaction = target.in_transaction()
         connection = (target.connection() if isinstance(target, Session) and in_transaction
                       else target)
@@ -137,6 +139,8 @@ async def execute_async(bind: AsyncBind, statement: TextClause, params: dict[str
         async with target.begin() as conn:
             return list(await conn.execute(statement, params))
     if isinstance(target, AsyncSession | AsyncConnection):
+        if isinstance(target, AsyncSession):
+            _require_one_engine(target.sync_session)
         in_transaction = target.in_transaction()
         connection = (await target.connection() if isinstance(target, AsyncSession) and
                       in_transaction else target)
@@ -148,6 +152,26 @@ async def execute_async(bind: AsyncBind, statement: TextClause, params: dict[str
             return await _run_on_async_psycopg(target.connection, statement, params)
     _require_transaction(_psycopg_in_transaction(target), "postgresql")
     return await _run_on_async_psycopg(target, statement, params)
+
+
+def _require_one_engine(session: Session) -> None:
+    """A Session that routes to several engines (``binds=``, Flask-SQLAlchemy's binds, a
+    ``get_bind`` of its own, e.g. to read replicas) would write the message through its
+    default engine: another connection, in a transaction of its own beside the caller's,
+    committed or lost apart from the business rows. Refused."""
+    engines = {id(bind) for bind in session.binds.values()}
+    flask = getattr(session, "_db", None)  # Flask-SQLAlchemy's session routes by its binds
+    if flask is not None:
+        with contextlib.suppress(RuntimeError):  # no app context: its default engine only
+            engines |= {id(bind) for bind in flask.engines.values()}
+    if session.bind is not None:
+        engines.add(id(session.bind))
+    routed = flask is None and type(session).get_bind is not Session.get_bind
+    if len(engines) > 1 or routed:
+        raise ConfigurationError(
+            f"this {type(session).__name__} routes to several engines, and the message would "
+            "go through another connection than your writes: pass the connection they go "
+            "through, session.connection(bind_arguments={'mapper': YourModel})")
 
 
 def _require_sqlalchemy_transaction(in_transaction: bool, connection: Session | Connection

@@ -8,11 +8,14 @@ tests/integration/test_validation.py.
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
-from sqlalchemy import Engine
+from sqlalchemy import Engine, create_engine
 from sqlalchemy.orm import Session
 
-from outbox import InvalidMessage, Outbox
+from outbox import ConfigurationError, InvalidMessage, Outbox
 from outbox.settings import PublishSettings
 
 
@@ -85,3 +88,45 @@ def test_checker_registers_with_or_without_parentheses() -> None:
         return "ROLLBACK"
 
     assert outbox.checkers == {"shop": bare, "billing": named}
+
+
+class Order:
+    """A mapped class's stand-in: ``binds`` routes by it."""
+
+
+def test_a_session_routing_to_several_engines_is_refused(
+    engine: Engine, outbox: Outbox, connections: list[str]
+) -> None:
+    """The message went through the session's default engine: a connection and transaction
+    other than the business rows', committed or lost apart from them."""
+    replica = create_engine("postgresql+psycopg://app@replica/shop")
+
+    class Routing(Session):
+        def get_bind(self, *args: object, **kwargs: object) -> Engine:
+            return replica
+
+    for session in (Session(engine, binds={Order: replica}), Routing()):
+        with session, session.begin(), pytest.raises(ConfigurationError,
+                                                     match="routes to several engines"):
+            outbox.publish(session, "orders", {"id": 1})
+    assert connections == []
+
+
+def test_processes_forked_from_one_outbox_place_keyless_messages_apart(outbox: Outbox) -> None:
+    """An Outbox made before a fork (gunicorn --preload, Celery's prefork pool) drew its
+    random shards from a generator the children shared: each child placed its keyless
+    messages on the same shards in the same order."""
+    def shards_in_a_child() -> list[int]:
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: its first shards, then gone without pytest's teardown
+            shards = [outbox._encode("orders", {}, {}).shard for _ in range(16)]
+            os.write(write, json.dumps(shards).encode())
+            os._exit(0)
+        os.close(write)
+        with os.fdopen(read) as pipe:
+            shards = json.loads(pipe.read())
+        os.waitpid(pid, 0)
+        return list(shards)
+
+    assert shards_in_a_child() != shards_in_a_child()
