@@ -336,7 +336,13 @@ class Sweeper:
             item.expired = True
             with self._lock:
                 if item.driver is not None:
-                    item.driver.cancel_safe(timeout=1.0)
+                    try:
+                        item.driver.cancel_safe(timeout=1.0)
+                    except psycopg.Error as exc:  # the server answers no new connection
+                        log.warning("message %d (producer group %r): could not cancel its "
+                                    "check's statement (%s); its statement timeout ends it",
+                                    item.claim.message.id, item.claim.message.producer_group,
+                                    first_line(exc))
             log.warning("message %d (producer group %r): %s; counted as inconclusive",
                         item.claim.message.id, item.claim.message.producer_group, detail)
         self._record(conn, [

@@ -12,8 +12,22 @@ from collections.abc import Iterator
 
 @contextlib.contextmanager
 def silenced(port: int, client_ports: list[int]) -> Iterator[None]:
-    rules = [["INPUT", "-p", "tcp", "-s", "127.0.0.1", "--sport", str(client),
-              "--dport", str(port), "-j", "DROP"] for client in client_ports]
+    with _dropped([["INPUT", "-p", "tcp", "-s", "127.0.0.1", "--sport", str(client),
+                    "--dport", str(port), "-j", "DROP"] for client in client_ports]):
+        yield
+
+
+@contextlib.contextmanager
+def unanswered_connects(port: int) -> Iterator[None]:
+    """New connections to ``port`` vanish (their SYN dropped, as by a firewall or a server
+    whose backlog is full); the open ones go on."""
+    with _dropped([["INPUT", "-p", "tcp", "-s", "127.0.0.1", "--dport", str(port), "--syn",
+                    "-j", "DROP"]]):
+        yield
+
+
+@contextlib.contextmanager
+def _dropped(rules: list[list[str]]) -> Iterator[None]:
     added: list[list[str]] = []
     try:
         for rule in rules:

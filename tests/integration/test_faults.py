@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 from prometheus_client import REGISTRY
-from sqlalchemy import Engine, make_url, text
+from sqlalchemy import Connection, Engine, make_url, text
 from sqlalchemy.orm import Session
 
 from outbox import Outbox, store
@@ -22,7 +22,7 @@ from outbox.encoding import SHARDS
 from outbox.relay.sweeper import Sweeper
 from outbox.relay.wakeup import Wakeup
 from outbox.settings import Settings
-from tests.blackhole import silenced
+from tests.blackhole import silenced, unanswered_connects
 from tests.conftest import (
     both_transports,
     count_status,
@@ -445,6 +445,39 @@ def test_a_sweeper_that_reconnected_to_a_read_only_server_checks_once_it_is_writ
             read_only_for_a_while(iso, caplog, "cannot reach PostgreSQL")
             checked_back()
     assert caplog.text.count("reaches PostgreSQL again") <= 1, caplog.text
+
+
+def test_a_sweeper_whose_check_cannot_be_cancelled_goes_on(
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    """At a check's deadline the sweeper cancels its statement, over a new connection. With
+    the server answering no new connection that failed (psycopg's own error, not
+    SQLAlchemy's) and ended the sweeper."""
+    caplog.set_level(logging.WARNING, logger="outbox.sweeper")
+    with isolated_services() as iso:
+        fast = iso.settings.model_copy(update={
+            "transaction_timeout": 0.2, "check_interval": 0.1, "sweep_poll_interval": 0.1,
+            "checker_timeout": 1.0, "database_tcp_timeout": 2})
+        checking = threading.Event()
+
+        def slow(message: object, conn: Connection) -> str:
+            if not checking.is_set():  # the first check outlives its deadline
+                checking.set()
+                conn.execute(text("SELECT pg_sleep(5)"))
+            return "COMMIT"
+
+        port = make_url(iso.services.database_url).port or 5432
+        with Session(iso.engine) as session, session.begin():
+            prepared = Outbox(settings=fast, producer_group="orders").prepare(
+                session, iso.topic, {"order": 1})
+        with running(Sweeper(fast, {"orders": slow}), "sweeper"):
+            wait_until(checking.is_set, 30, "the check to start")
+            with unanswered_connects(port):  # the cancel's own connection among them
+                wait_until(lambda: "counted as inconclusive" in caplog.text, 30,
+                           "the check's deadline")
+                time.sleep(2)
+            wait_until(lambda: _resolution(iso.engine, prepared) == "COMMIT", 60,
+                       "the check-back, once the server answers")
 
 
 def _resolution(engine: Engine, message_id: int) -> str:
