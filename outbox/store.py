@@ -130,8 +130,12 @@ class Deliverable(NamedTuple):
         return list(zip(self.header_keys or (), self.header_values or (), strict=True))
 
 
-#: What :func:`engine` sets on each new connection, and on the relay's hot ones.
-SESSION_SETTINGS = {"jit": "off", "plan_cache_mode": "force_custom_plan"}
+#: What :func:`engine` sets on each new connection, and on the relay's hot ones. An
+#: ``idle_session_timeout`` a DBA set on the role would end the sessions that are idle by
+#: design (a relay's LISTEN and worker-id lock connections, pooled ones between batches):
+#: each quiet spell would be an outage.
+IDLE_SETTINGS = {"idle_session_timeout": "0"}
+SESSION_SETTINGS = {"jit": "off", "plan_cache_mode": "force_custom_plan", **IDLE_SETTINGS}
 DELIVERY_SETTINGS = {**SESSION_SETTINGS, "enable_sort": "off"}
 #: The relay's fetching connection: the fetch, planned once (see
 #: :func:`fetch_deliverable`).

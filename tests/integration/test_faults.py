@@ -484,3 +484,23 @@ def _resolution(engine: Engine, message_id: int) -> str:
     with engine.connect() as conn:
         return str(conn.execute(text("SELECT resolution FROM outbox.message_state "
                                      "WHERE id = :id"), {"id": message_id}).scalar_one())
+
+
+def test_a_server_that_ends_idle_sessions_leaves_the_relays_alone(
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    """``idle_session_timeout`` set on the role by a DBA ended the relay's sessions that are
+    idle by design (its LISTEN connection, its worker-id lock's), so each quiet spell was
+    an outage: the pass failed and every tail was read again."""
+    caplog.set_level(logging.WARNING, logger="outbox.relay")
+    with isolated_services() as iso:
+        with iso.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.execute(text("ALTER ROLE CURRENT_USER SET idle_session_timeout = '1s'"))
+        iso.engine.dispose()
+        with running_relay(iso.settings):
+            publish_orders(iso.engine, iso.outbox, iso.topic, [("k", 0)])
+            wait_delivered(iso.engine, "outbox", 1)
+            time.sleep(4)  # a quiet spell, longer than the timeout
+            publish_orders(iso.engine, iso.outbox, iso.topic, [("k", 1)])
+            wait_delivered(iso.engine, "outbox", 2)
+        assert "paused" not in caplog.text, caplog.text
