@@ -79,20 +79,19 @@ def sqlstate(exc: BaseException) -> str | None:
 
 
 #: SQLSTATEs (and classes) of a server that cannot run any statement now: connection
-#: trouble, insufficient resources, a shutdown, a conflict with another session. (Not
-#: read-only, 25006: a check's transaction is read-only, so that one is the checker's write.)
+#: trouble, insufficient resources, a shutdown, a conflict with another session.
 _OUTAGE_SQLSTATES = ("08", "53", "57P", "40", "55P03")
 
 
 def server_trouble(exc: BaseException) -> bool:
-    """Whether a database error says nothing of the statement's own input: a setup mistake
-    (:func:`setup_error`) or a server that cannot serve now. A lost connection carries no
-    SQLSTATE and counts too."""
+    """Whether a database error says nothing of the statement: the server could not run any
+    statement now. A lost connection carries no SQLSTATE and counts too. (A privilege or
+    object missing is the statement's own: a SQL checker may try what its role may not.)"""
     state = sqlstate(exc)
     if state is None:
         return type(getattr(exc, "orig", None) or exc).__name__ in (
             "OperationalError", "InterfaceError")
-    return state.startswith(_OUTAGE_SQLSTATES) or setup_error(exc) is not None
+    return state.startswith(_OUTAGE_SQLSTATES)
 
 
 def setup_error(exc: BaseException) -> str | None:
