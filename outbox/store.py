@@ -21,6 +21,7 @@ from importlib import resources
 from typing import Any, NamedTuple
 
 import psycopg
+from psycopg import sql
 from sqlalchemy import Connection, Engine, TextClause, create_engine, event, text
 from sqlalchemy.dialects.postgresql.psycopg import dialect as psycopg_dialect
 
@@ -185,10 +186,16 @@ def engine(url: str, *, settings: Mapping[str, str] = SESSION_SETTINGS, **option
 
 
 def _session_settings(settings: Mapping[str, str], dbapi_connection: Any, _record: Any) -> None:
-    with dbapi_connection.cursor() as cursor:
-        for name, value in {**settings, **server_tcp_timeouts(dbapi_connection)}.items():
-            cursor.execute(f"SET {name} = {value}")
-    dbapi_connection.commit()
+    set_session(dbapi_connection, settings)
+
+
+def set_session(connection: psycopg.Connection[Any], settings: Mapping[str, str]) -> None:
+    """SET ``settings`` and the server's side of the connection's TCP timeouts."""
+    with connection.cursor() as cursor:
+        for name, value in {**settings, **server_tcp_timeouts(connection)}.items():
+            cursor.execute(sql.SQL("SET {} = {}").format(sql.Identifier(name),
+                                                         sql.Literal(value)))
+    connection.commit()
 
 
 #: libpq's parameters that end a silent connection (settings.tcp_timeouts), and the server's

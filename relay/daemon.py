@@ -12,10 +12,11 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Protocol
 
+from sqlalchemy import Engine
 from tenacity import RetryCallState, Retrying, retry_if_exception, wait_exponential
 
 from outbox.exceptions import describe, setup_error
@@ -56,17 +57,21 @@ class Lifecycle:
         self.stopping.wait(seconds)
 
     def serve(self, one_pass: Callable[[], None], retry_on: tuple[type[BaseException], ...],
-              *, max_wait: float) -> None:
+              *, max_wait: float, engines: Sequence[Engine] = ()) -> None:
         """Run ``one_pass`` until it returns; after a ``retry_on`` failure, back off and rerun
         it, unless stopping (then the failure is swallowed if we were asked to stop). A setup
-        mistake (a missing privilege or table) is raised at once: no retry can fix it."""
+        mistake (a missing privilege or table) is raised at once: no retry can fix it.
+
+        ``engines`` start each retry with new sessions: a pooled one keeps what its server
+        was when it was made (a failover's standby, still read-only, or a setting since
+        changed)."""
         retrying = Retrying(
             retry=retry_if_exception(
                 lambda exc: isinstance(exc, retry_on) and setup_error(exc) is None),
             wait=wait_exponential(multiplier=0.2, max=max_wait),
             sleep=self.pause,
             stop=lambda _state: self.stopping.is_set(),
-            before_sleep=self._before_sleep,
+            before_sleep=lambda state: self._before_sleep(state, engines),
             reraise=True,
         )
         try:
@@ -77,7 +82,9 @@ class Lifecycle:
             if not self.stopping.is_set() or setup_error(exc) is not None:
                 raise
 
-    def _before_sleep(self, state: RetryCallState) -> None:
+    def _before_sleep(self, state: RetryCallState, engines: Sequence[Engine]) -> None:
+        for engine in engines:
+            engine.dispose()
         self.outage(state.outcome.exception() if state.outcome else None)
 
     def outage(self, reason: BaseException | str | None, since: float | None = None) -> None:

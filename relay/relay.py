@@ -156,7 +156,8 @@ class Relay:
         try:
             self.lifecycle.serve(
                 lambda: self._serve(self._working_transport()),
-                (BrokerTrouble, DBAPIError, psycopg.Error, ServiceUnavailable), max_wait=5)
+                (BrokerTrouble, DBAPIError, psycopg.Error, ServiceUnavailable), max_wait=5,
+                engines=(self._engine, self._fetching_engine))
         except Abandoned:
             log.info("relay %s abandoned its batch in flight; it stays pending", self.worker_id)
         finally:
@@ -211,10 +212,6 @@ class Relay:
                 recorder.raise_failure()
         except BaseException:
             self._leases.unsettle_all()  # acks may have arrived unrecorded
-            # New sessions for the next pass: a pooled one keeps what its server was when it
-            # was made (a failover's standby, still read-only, or a setting since changed).
-            self._engine.dispose()
-            self._fetching_engine.dispose()
             raise
         finally:
             recorder.close()

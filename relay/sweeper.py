@@ -177,7 +177,7 @@ class Sweeper:
         running: dict[Future[None], _Running] = {}
         try:
             self.lifecycle.serve(lambda: self._serve(executor, running), (DBAPIError,),
-                                 max_wait=10)
+                                 max_wait=10, engines=(self._engine,))
         finally:
             executor.shutdown(wait=False, cancel_futures=True)
             if not self.lifecycle.abandon.is_set():
@@ -195,14 +195,8 @@ class Sweeper:
 
     def _serve(self, executor: ThreadPoolExecutor, running: dict[Future[None], _Running]
                ) -> None:
-        try:
-            with self._engine.connect() as conn:
-                self._loop(conn, executor, running)
-        except BaseException:
-            # New sessions for the next pass: a pooled one keeps what its server was when it
-            # was made (a failover's standby, still read-only, or a setting since changed).
-            self._engine.dispose()
-            raise
+        with self._engine.connect() as conn:
+            self._loop(conn, executor, running)
 
     def _loop(self, conn: Connection, executor: ThreadPoolExecutor,
               running: dict[Future[None], _Running]) -> None:

@@ -50,10 +50,8 @@ class Wakeup:
         #: Whether the last :meth:`wait` found nothing that had arrived already.
         self.waited = False
         self._conn = psycopg.connect(dsn, autocommit=True)
-        for name, value in {"lock_timeout": f"{FALL_ASLEEP_WAIT_MS}ms", **store.IDLE_SETTINGS,
-                            **store.server_tcp_timeouts(self._conn)}.items():
-            self._conn.execute(sql.SQL("SET {} = {}").format(sql.Identifier(name),
-                                                              sql.Literal(value)))
+        store.set_session(self._conn, {"lock_timeout": f"{FALL_ASLEEP_WAIT_MS}ms",
+                                       **store.IDLE_SETTINGS})
         channel = sql.Identifier(store.notify_channel(schema))
         self._conn.execute(sql.SQL("LISTEN {}").format(channel))
 
