@@ -258,8 +258,11 @@ def status(shared: Shared, as_json: bool) -> None:
                    f"{relay_row['in_flight']} in flight")
     _print_topics(topics)
     for held in (t for t in topics if t["held"]):
-        click.echo(f"topic {held['topic']} held: {held['held']} messages wait until Kafka "
-                   "knows the topic (create it; OUTBOX_TOPIC_HOLD_PARK_AFTER parks them)")
+        until = (f"Kafka accepts them ({held['held_reason']}; "
+                 if held["held_reason"].startswith("Kafka refuses")
+                 else "Kafka knows the topic (create it; ")
+        click.echo(f"topic {held['topic']} held: {held['held']} messages wait until {until}"
+                   "OUTBOX_TOPIC_HOLD_PARK_AFTER parks them)")
     for group in check_backs:
         overdue = (f", {group['overdue']} overdue: is a sweeper with a checker for this group "
                    "running?" if group["overdue"] else "")

@@ -10,11 +10,20 @@ keep their order and nothing later overtakes), it is logged once, the ``outbox_t
 gauge says so and `outbox status` shows it, while every other topic keeps flowing. Kafka is
 asked again with back-off; when the topic appears its messages go out, and with
 ``OUTBOX_TOPIC_HOLD_PARK_AFTER`` they are parked once held that long instead.
+
+A topic whose records Kafka *refuses* (no Write ACL for the relay's principal, a timestamp
+bound the relay's clock is outside, a message format too old for headers:
+:func:`outbox.relay.transport.refuses_topic`) is held the same way, not its records parked one
+by one: the refusal is the operator's to mend, and says nothing of the messages. No metadata
+request tells a refusal is over, so after each back-off the topic is *tried*: its rows are
+fetched and sent again; refused again, it is held again quietly; once Kafka acknowledges one
+of its records, it is released.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -42,10 +51,12 @@ class Hold:
     retry_in: float = FIRST_RETRY_SECONDS
     retry_at: float = 0.0
     parked: int = 0
+    refused: bool = False  #: Kafka refuses its records (else: Kafka has no metadata for it)
 
 
 class TopicHolds:
-    """The relay's held topics; used by its main loop only (no locking)."""
+    """The relay's held topics; used by its main loop, except :meth:`refused` and
+    :meth:`landed`, which the recorder calls with what Kafka answered."""
 
     def __init__(self, settings: RelaySettings, transport: Transport) -> None:
         self._schema = settings.schema_name
@@ -54,6 +65,14 @@ class TopicHolds:
         self.transport = transport
         self._known: set[str] = set()
         self._held: dict[str, Hold] = {}
+        #: refused topics whose rows are being sent again (see the module's docstring)
+        self._tried: dict[str, Hold] = {}
+        #: their names, which the recorder reads (replaced, never changed in place)
+        self.tried: frozenset[str] = frozenset()
+        self._answers_lock = threading.Lock()
+        #: from the recorder, in the order of the batches: (topic, the error of a refusal,
+        #: or None for a tried topic Kafka took a record of)
+        self._answers: list[tuple[str, str | None]] = []
 
     @property
     def topics(self) -> list[str]:
@@ -72,26 +91,90 @@ class TopicHolds:
             self._hold(conn, shards, topic)
         return [row for row in batch if row.topic not in self._held]
 
+    def refused(self, topic: str, error: str) -> None:
+        """Kafka refused a record of ``topic`` for the topic's sake (recorder thread)."""
+        with self._answers_lock:
+            self._answers.append((topic, error))
+
+    def landed(self, topics: Collection[str]) -> None:
+        """Kafka acknowledged records of these tried topics (recorder thread)."""
+        with self._answers_lock:
+            self._answers.extend((topic, None) for topic in topics)
+
     def revisit(self, conn: Connection, shards: Collection[int]) -> None:
-        """Ask Kafka again about the held topics whose back-off has passed: release those
-        that appeared, note the newcomers of the others, and park them once held too long."""
+        """Hold the topics Kafka refused since, and release the tried ones it took; ask
+        Kafka again about the held topics whose back-off has passed (or try a refused one
+        again): release those that appeared, note the newcomers of the others, and park them
+        once held too long."""
+        self._heed_answers(conn, shards)
         now = time.monotonic()
         due = [topic for topic, hold in self._held.items() if hold.retry_at <= now]
         if not due:
             return
-        found = self.transport.available(due, PROBE_SECONDS)
+        unknown = [topic for topic in due if not self._held[topic].refused]
+        found = self.transport.available(unknown, PROBE_SECONDS) if unknown else set()
         for topic in due:
             hold = self._held[topic]
             if topic in found:
                 self._release(topic, hold)
                 continue
-            hold.retry_in = min(hold.retry_in * 2, LAST_RETRY_SECONDS)
-            hold.retry_at = time.monotonic() + hold.retry_in
             held_for = time.monotonic() - hold.since
             if self._park_after is not None and held_for >= self._park_after:
                 self._park(conn, shards, topic, hold, held_for)
-            else:
+            elif not hold.refused:
                 self._mark(conn, shards, topic, hold)
+            if hold.refused:
+                self._try(topic)  # refused again, it backs off further (_heed_answers)
+            else:
+                self._back_off(hold)
+
+    def _heed_answers(self, conn: Connection, shards: Collection[int]) -> None:
+        with self._answers_lock:
+            answers, self._answers = self._answers, []
+        for topic, error in answers:
+            if error is None:
+                self._accepted(topic)
+            elif topic not in self._held:
+                hold = self._tried.pop(topic, None)
+                if hold is None:
+                    hold = self._hold_refused(topic, error)
+                else:  # tried too soon: back off further, quietly
+                    self._back_off(hold)
+                self._held[topic] = hold
+                self._mark(conn, shards, topic, hold)
+        self.tried = frozenset(self._tried)
+
+    def _accepted(self, topic: str) -> None:
+        """Kafka took a record of a tried topic (held again if a refusal of a batch sent
+        before came in between)."""
+        hold = self._tried.pop(topic, None)
+        if hold is None and topic in self._held and self._held[topic].refused:
+            hold = self._held.pop(topic)
+        if hold is not None:
+            metrics.TOPIC_HELD.labels(topic).set(0)
+            log.warning("topic %s: Kafka takes its records again after %.1fs: delivering "
+                        "its held messages", topic, time.monotonic() - hold.since)
+
+    def _hold_refused(self, topic: str, error: str) -> Hold:
+        started = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+        hold = Hold(since=time.monotonic(), refused=True, reason=(
+            f"held: Kafka refuses the records of topic {topic} ({error}) since {started}"))
+        hold.retry_at = hold.since + hold.retry_in
+        metrics.TOPIC_HELD.labels(topic).set(1)
+        log.warning("topic %s: Kafka refuses its records (%s), a grant or a setting to mend; "
+                    "holding its messages, other topics keep flowing; %s", topic, error,
+                    self._bound("sent again with back-off until accepted"))
+        return hold
+
+    @staticmethod
+    def _back_off(hold: Hold) -> None:
+        hold.retry_in = min(hold.retry_in * 2, LAST_RETRY_SECONDS)
+        hold.retry_at = time.monotonic() + hold.retry_in
+
+    def _try(self, topic: str) -> None:
+        """Let the fetch send a refused topic's rows again."""
+        self._tried[topic] = self._held.pop(topic)
+        self.tried = frozenset(self._tried)
 
     def _hold(self, conn: Connection, shards: Collection[int], topic: str) -> None:
         started = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
@@ -102,10 +185,13 @@ class TopicHolds:
         self._held[topic] = hold
         self._mark(conn, shards, topic, hold)
         metrics.TOPIC_HELD.labels(topic).set(1)
-        bound = (f"parked after {self._park_after:g}s (OUTBOX_TOPIC_HOLD_PARK_AFTER)"
-                 if self._park_after is not None else "held until it appears")
         log.warning("topic %s: Kafka has no metadata for it (does it exist?); holding its "
-                    "messages, other topics keep flowing; %s", topic, bound)
+                    "messages, other topics keep flowing; %s", topic,
+                    self._bound("held until it appears"))
+
+    def _bound(self, otherwise: str) -> str:
+        return (f"parked after {self._park_after:g}s (OUTBOX_TOPIC_HOLD_PARK_AFTER)"
+                if self._park_after is not None else otherwise)
 
     def _mark(self, conn: Connection, shards: Collection[int], topic: str, hold: Hold) -> None:
         with conn.begin():
@@ -120,8 +206,10 @@ class TopicHolds:
 
     def _park(self, conn: Connection, shards: Collection[int], topic: str, hold: Hold,
               held_for: float) -> None:
-        reason = (f"topic {topic} unknown to Kafka for {held_for:.0f}s "
-                  f"(OUTBOX_TOPIC_HOLD_PARK_AFTER={self._park_after:g}): create the topic, "
+        what, mend = (("refused by Kafka", "grant the relay's principal what it lacks")
+                      if hold.refused else ("unknown to Kafka", "create the topic"))
+        reason = (f"topic {topic} {what} for {held_for:.0f}s "
+                  f"(OUTBOX_TOPIC_HOLD_PARK_AFTER={self._park_after:g}): {mend}, "
                   "then `outbox resume --all`")
         with conn.begin():
             parked = store.park_topic(conn, self._schema, self._actor, topic, shards, reason)

@@ -71,7 +71,7 @@ PARKED = Counter("outbox_messages_parked", "Messages parked after permanent reje
 FAILURES = Counter("outbox_delivery_failures", "Failed delivery attempts", ["kind"])
 #: Every series whose labels are known up front starts at zero, so an alert on a relay that
 #: never delivered (or never failed) has a sample to fire on.
-FAILURE_KINDS = ("permanent", "retriable")
+FAILURE_KINDS = ("permanent", "retriable", "refused")
 for _kind in FAILURE_KINDS:
     FAILURES.labels(_kind)
 LATENCY = BatchHistogram(

@@ -10,8 +10,8 @@ lost. Leases (relay/leases.py) decide which shards — and so which keys — thi
 Faults: a broker that stops acknowledging, or a lost database connection, ends the current
 pass; the lifecycle (relay/daemon.py) backs off and starts again from what the database says,
 logging the outage once and the recovery once. A record the broker rejects permanently is
-retried a bounded number of times, then parked. A topic Kafka does not know is held on its
-own while the others flow (relay/holds.py).
+retried a bounded number of times, then parked. A topic Kafka does not know, or whose records
+it refuses, is held on its own while the others flow (relay/holds.py).
 """
 
 from __future__ import annotations
@@ -40,7 +40,13 @@ from outbox.relay.holds import TopicHolds
 from outbox.relay.leases import LeaseKeeper, Leases, WorkerIdentity
 from outbox.relay.recovery import Recovery
 from outbox.relay.retention import Pruner
-from outbox.relay.transport import Delivery, Transport, is_permanent, make_transport
+from outbox.relay.transport import (
+    Delivery,
+    Transport,
+    is_permanent,
+    make_transport,
+    refuses_topic,
+)
 from outbox.relay.wakeup import BUSY_BEFORE_RISING, Wakeup
 from outbox.settings import RelaySettings, mask_url
 
@@ -57,6 +63,11 @@ NOTES_WHILE_BUSY = 0.05
 
 class BrokerTrouble(Exception):
     """Kafka did not acknowledge a batch (unreachable, or retries exhausted)."""
+
+
+class TopicRefused(BrokerTrouble):
+    """Kafka's producer stopped after Kafka refused a topic's records (now held): a new one
+    goes on with the other topics at once, no outage."""
 
 
 class Abandoned(Exception):
@@ -155,7 +166,7 @@ class Relay:
         pruner.start()
         try:
             self.lifecycle.serve(
-                lambda: self._serve(self._working_transport()),
+                self._passes,
                 (BrokerTrouble, DBAPIError, psycopg.Error, ServiceUnavailable), max_wait=5,
                 engines=(self._engine, self._fetching_engine))
         except Abandoned:
@@ -183,11 +194,22 @@ class Relay:
             log.warning("relay %s could not hand back its shards (%s); they expire in %.0fs",
                         self.worker_id, describe(exc), self.settings.relay_lease_seconds)
 
-    def _working_transport(self) -> Transport:
+    def _passes(self) -> None:
+        """Passes until one fails, or returns; one a held topic's refusal ended (the
+        producer stopped) is followed by the next at once."""
+        refused = False
+        while True:
+            try:
+                return self._serve(self._working_transport(refused))
+            except TopicRefused:
+                refused = True
+
+    def _working_transport(self, refused: bool = False) -> Transport:
         """The transport for the next pass: a new one if the last one's producer broke."""
         if self._producer.broken() and self._transport is None:
-            log.warning("relay %s: Kafka's producer stopped after an error it cannot go on "
-                        "from; starting a new one", self.worker_id)
+            log.log(logging.INFO if refused else logging.WARNING,
+                    "relay %s: Kafka's producer stopped after an error it cannot go on "
+                    "from; starting a new one", self.worker_id)
             self._producer.close(timeout=0)
             self._producer = self._holds.transport = make_transport(self.settings)
         return self._producer
@@ -348,12 +370,21 @@ class Relay:
         pass does not send those messages again)."""
         acks: list[tuple[int, int, int]] = []
         failures: list[store.Failure] = []
+        refusals: list[store.Failure] = []  # not the messages' fault: their topics are held
+        refused: dict[str, str] = {}  # topic -> the error (relay/holds.py)
+        tried, landed = self._holds.tried, set()
         for flight in flights:
             for row, delivery in zip(flight.rows, flight.deliveries, strict=True):
                 if delivery is None:
                     continue
                 if delivery.error is None:
                     acks.append((row.id, delivery.partition, delivery.offset))
+                    if tried and row.topic in tried:
+                        landed.add(row.topic)
+                    continue
+                if refuses_topic(delivery.error):
+                    refused[row.topic] = describe(delivery.error)
+                    refusals.append(store.Failure(row.id, refused[row.topic], False))
                     continue
                 permanent = is_permanent(delivery.error)
                 if permanent and row.id not in flight.alone:
@@ -363,12 +394,13 @@ class Relay:
                     permanent = False
                 failures.append(store.Failure(row.id, describe(delivery.error), permanent))
         if salvaging:
-            failures = []  # the pass failed already: its failures are not these rows' own
+            failures = refusals = []  # the pass failed already: not these rows' own
         if self._suspects:
             self._suspects.difference_update(message_id for message_id, _, _ in acks)
         with conn.begin():
             closed = store.mark_delivered(conn, self.schema, self.worker_id, acks)
-            parked = store.record_failures(conn, self.schema, self.worker_id, failures,
+            parked = store.record_failures(conn, self.schema, self.worker_id,
+                                           failures + refusals,
                                            self.settings.relay_max_attempts)
         self.delivered += len(closed)
         for topic, count in Counter(topic for topic, _ in closed).items():
@@ -381,17 +413,23 @@ class Relay:
             log.error("message %d to topic %s parked after %d permanent rejections: %s "
                       "(resume it with `outbox resume %d`)", message_id, topic,
                       self.settings.relay_max_attempts, reason, message_id)
+        for topic, error in refused.items():
+            self._holds.refused(topic, error)
+        if landed:
+            self._holds.landed(landed)
         if acks:
             self.lifecycle.recovered()
         transient = [f for f in failures if not f.permanent]
         for failure in failures:
             metrics.FAILURES.labels("permanent" if failure.permanent else "retriable").inc()
+        metrics.FAILURES.labels("refused").inc(len(refusals))
         if transient:
             raise BrokerTrouble(f"{len(transient)} messages not acknowledged, e.g. message "
                                 f"{transient[0].id}: {transient[0].error}")
-        if failures and flights[0].transport.broken():
-            raise BrokerTrouble(f"Kafka's producer stopped after rejecting message "
-                                f"{failures[0].id}: {failures[0].error}")
+        if (failures or refusals) and flights[0].transport.broken():
+            first = (failures or refusals)[0]
+            stopped = f"Kafka's producer stopped after rejecting message {first.id}: {first.error}"
+            raise BrokerTrouble(stopped) if failures else TopicRefused(stopped)
 
     def _await_acks(self, flight: InFlight) -> None:
         started = time.monotonic()

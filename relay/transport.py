@@ -5,7 +5,9 @@ through confluent-kafka (``OUTBOX_KAFKA_CLIENT=confluent``, relay/confluent.py, 
 extra). Both are idempotent with acks=all and at most 5 requests in flight, so per-key order
 holds, and both map a key to the same partition (murmur2, like the Java client), so switching
 transports never moves a key. Their errors reach the relay as kafka-python's exception classes,
-so one function (:func:`is_permanent`) decides which records are parked.
+so two functions decide what an error means: :func:`refuses_topic` (the topic is held) and
+:func:`is_permanent` (the record is parked after a few attempts); any other error is an
+outage.
 """
 
 from __future__ import annotations
@@ -14,11 +16,20 @@ from collections.abc import Collection, Sequence
 from typing import Protocol
 
 from kafka.errors import (
+    AuthorizationError,
+    IllegalSaslStateError,
     InvalidProducerEpochError,
+    InvalidRequiredAcksError,
+    InvalidTimestampError,
+    InvalidTopicError,
     KafkaError,
     OutOfOrderSequenceNumberError,
     ProducerFencedError,
+    SaslAuthenticationFailedError,
+    TopicAuthorizationFailedError,
     UnknownProducerIdError,
+    UnsupportedForMessageFormatError,
+    UnsupportedVersionError,
 )
 
 from outbox.exceptions import ConfigurationError
@@ -116,11 +127,28 @@ PRODUCER_STATE_ERRORS = (ProducerFencedError, InvalidProducerEpochError,
                          OutOfOrderSequenceNumberError, UnknownProducerIdError)
 
 
+#: Non-retriable errors about a topic, not its records: no Write ACL on it, a timestamp bound
+#: the relay's clock is outside (the relay stamps each record as it sends it), a message
+#: format too old for headers, a name Kafka keeps for itself.
+TOPIC_ERRORS = (TopicAuthorizationFailedError, InvalidTimestampError,
+                UnsupportedForMessageFormatError, InvalidTopicError)
+#: Non-retriable errors about the producer's grants or settings on the whole cluster (no
+#: IdempotentWrite grant, a failed login, a broker too old): an outage until mended.
+CLUSTER_ERRORS = (AuthorizationError, SaslAuthenticationFailedError, IllegalSaslStateError,
+                  InvalidRequiredAcksError, UnsupportedVersionError)
+
+
+def refuses_topic(error: BaseException | None) -> bool:
+    """Kafka refuses the record for its topic's sake: the topic is held
+    (relay/holds.py), every record of it would be refused alike."""
+    return isinstance(error, TOPIC_ERRORS)
+
+
 def is_permanent(error: BaseException | None) -> bool:
-    """Kafka's non-retriable errors about a record (too large, invalid, unauthorised topic,
-    ...): retrying the same record cannot help, so it is parked after a few attempts."""
+    """Kafka's non-retriable errors about a record (too large, invalid, corrupt, ...):
+    retrying the same record cannot help, so it is parked after a few attempts."""
     return (isinstance(error, KafkaError) and not error.retriable
-            and not isinstance(error, PRODUCER_STATE_ERRORS))
+            and not isinstance(error, PRODUCER_STATE_ERRORS + TOPIC_ERRORS + CLUSTER_ERRORS))
 
 
 def make_transport(settings: RelaySettings) -> Transport:

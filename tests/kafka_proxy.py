@@ -11,9 +11,11 @@ This proxy forwards every request and response unchanged except:
   UNKNOWN_TOPIC_OR_PARTITION, exactly what Apache Kafka answers; the brokers listed are
   rewritten to the proxy, so clients keep talking through it. :meth:`KafkaProxy.release`
   makes a held topic appear (the broker then creates it on demand).
-* Produce (api key 0): records of a *refused* topic are not forwarded but answered with
-  NOT_ENOUGH_REPLICAS, a retriable error, so the producer retries them until its delivery
-  timeout while the other topics' records of the same request land.
+* Produce (api key 0): records of a *refused* topic are not forwarded but answered with an
+  error: by default NOT_ENOUGH_REPLICAS, a retriable one, so the producer retries them until
+  its delivery timeout while the other topics' records of the same request land; or the one
+  :meth:`KafkaProxy.refuse` names, such as TOPIC_AUTHORIZATION_FAILED, what Apache Kafka
+  answers a producer without the topic's Write ACL.
 
 Frames are decoded with kafka-python's protocol classes, which know every version, flexible
 ones included, so kafka-python and librdkafka both work through it.
@@ -37,15 +39,17 @@ PRODUCE = 0
 METADATA = 3
 UNKNOWN_TOPIC_OR_PARTITION = 3
 NOT_ENOUGH_REPLICAS = 19
+TOPIC_AUTHORIZATION_FAILED = 29
+CLUSTER_AUTHORIZATION_FAILED = 31
 #: correlation id -> (api key, api version, topics hidden from the broker: for Metadata
-#: their names, for Produce their partitions)
-Asked = dict[int, tuple[int, int, dict[str, list[int]]]]
+#: their names, for Produce their partitions and the error they are answered with)
+Asked = dict[int, tuple[int, int, dict[str, tuple[list[int], int]]]]
 
 
 class KafkaProxy(TcpProxy):
     def __init__(self, target_port: int, held: set[str] | None = None) -> None:
         self._held = set(held or ())
-        self._refused: set[str] = set()
+        self._refused: dict[str, int] = {}
         super().__init__(target_port)
 
     @property
@@ -57,10 +61,15 @@ class KafkaProxy(TcpProxy):
         with self._lock:
             self._held.discard(topic)
 
-    def refuse(self, topic: str) -> None:
-        """Answer the topic's produce requests with a retriable error from now on."""
+    def refuse(self, topic: str, error_code: int = NOT_ENOUGH_REPLICAS) -> None:
+        """Answer the topic's produce requests with ``error_code`` from now on."""
         with self._lock:
-            self._refused.add(topic)
+            self._refused[topic] = error_code
+
+    def accept(self, topic: str) -> None:
+        """Forward the topic's produce requests again."""
+        with self._lock:
+            self._refused.pop(topic, None)
 
     def held(self) -> frozenset[str]:
         with self._lock:
@@ -98,19 +107,19 @@ class KafkaProxy(TcpProxy):
     def _request(self, body: bytes, asked: Asked) -> tuple[bytes | None, bytes | None]:
         """What to forward to the broker, and what to answer the client at once."""
         api_key, version, correlation_id = struct.unpack(">hhi", body[:8])
-        hidden: dict[str, list[int]] = {}
+        hidden: dict[str, tuple[list[int], int]] = {}
         if api_key == METADATA:
             request = MetadataRequest.decode(body, version=version, header=True)
             if request.topics:
-                hidden = {t.name: [] for t in request.topics if t.name in self.held()}
+                hidden = {t.name: ([], 0) for t in request.topics if t.name in self.held()}
                 if hidden:
                     request.topics = [t for t in request.topics if t.name not in hidden]
                     body = bytes(request.encode(header=True))
         elif api_key == PRODUCE:
             with self._lock:
-                refused = set(self._refused)
+                refused = dict(self._refused)
             produce = ProduceRequest.decode(body, version=version, header=True)
-            hidden = {t.name: [p.index for p in t.partition_data]
+            hidden = {t.name: ([p.index for p in t.partition_data], refused[t.name])
                       for t in produce.topic_data if t.name in refused}
             if hidden:
                 produce.topic_data = [t for t in produce.topic_data if t.name not in hidden]
@@ -133,8 +142,8 @@ class KafkaProxy(TcpProxy):
         response = MetadataResponse.decode(body, version=version, header=True)
         for broker in response.brokers:
             broker.host, broker.port = "127.0.0.1", self.port
-        hidden = held | self.held()  # an all-topics request must not list a held topic
-        response.topics = [t for t in response.topics if t.name not in hidden] + [
+        unlisted = held | self.held()  # an all-topics request must not list a held topic
+        response.topics = [t for t in response.topics if t.name not in unlisted] + [
             MetadataResponse.MetadataResponseTopic(
                 error_code=UNKNOWN_TOPIC_OR_PARTITION, name=name, topic_id=uuid.UUID(int=0),
                 is_internal=False, partitions=[], version=version)
@@ -142,17 +151,18 @@ class KafkaProxy(TcpProxy):
         return bytes(response.encode(header=True, framed=True)), None
 
 
-def _refused_topics(version: int, refused: dict[str, list[int]]) -> list[Any]:
+def _refused_topics(version: int, refused: dict[str, tuple[list[int], int]]) -> list[Any]:
     topic, partition = (ProduceResponse.TopicProduceResponse,
                         ProduceResponse.TopicProduceResponse.PartitionProduceResponse)
     return [topic(name=name, topic_id=uuid.UUID(int=0), version=version, partition_responses=[
-        partition(index=index, error_code=NOT_ENOUGH_REPLICAS, base_offset=-1,
+        partition(index=index, error_code=error_code, base_offset=-1,
                   log_append_time_ms=-1, log_start_offset=-1, record_errors=[],
                   error_message=None, version=version) for index in indexes])
-        for name, indexes in refused.items()]
+        for name, (indexes, error_code) in refused.items()]
 
 
-def _refusal(version: int, correlation_id: int, refused: dict[str, list[int]]) -> bytes:
+def _refusal(version: int, correlation_id: int, refused: dict[str, tuple[list[int], int]]
+             ) -> bytes:
     """A produce response of our own, for a request that named refused topics only."""
     response = ProduceResponse(responses=_refused_topics(version, refused),
                                throttle_time_ms=0, version=version)

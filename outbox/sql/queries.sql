@@ -378,6 +378,8 @@ WITH counts AS (
            count(*) FILTER (WHERE status = 'PARKED') AS parked,
            count(*) FILTER (WHERE status = 'DISCARDED') AS discarded,
            count(*) FILTER (WHERE status = 'PENDING' AND last_error LIKE 'held: %') AS held,
+           substr(min(last_error) FILTER (WHERE status = 'PENDING'
+                                          AND last_error LIKE 'held: %'), 7) AS held_reason,
            extract(epoch FROM now() - min(created_at) FILTER (
                WHERE status IN ('PENDING', 'DELAYED'))) AS oldest_undelivered_seconds
     FROM {schema}.pending GROUP BY topic
@@ -392,7 +394,7 @@ WITH counts AS (
 SELECT coalesce(c.topic, r.topic) AS topic,
        coalesce(c.pending, 0) AS pending, coalesce(c.unresolved, 0) AS unresolved,
        coalesce(c.delayed, 0) AS delayed, coalesce(c.parked, 0) AS parked,
-       coalesce(c.discarded, 0) AS discarded, coalesce(c.held, 0) AS held,
+       coalesce(c.discarded, 0) AS discarded, coalesce(c.held, 0) AS held, c.held_reason,
        coalesce(r.delivered_last_minute, 0) AS delivered_last_minute,
        c.oldest_undelivered_seconds
 FROM counts AS c FULL JOIN recent AS r ON r.topic = c.topic

@@ -1,12 +1,15 @@
 """A topic Kafka does not know is held on its own (issue 12 §1): the proxy of
 tests/kafka_proxy.py answers Metadata for it with UNKNOWN_TOPIC_OR_PARTITION, as Apache Kafka
-with auto-creation off does, while every other topic keeps flowing."""
+with auto-creation off does, while every other topic keeps flowing. So is a topic whose records
+Kafka refuses (the proxy answers them TOPIC_AUTHORIZATION_FAILED, as Apache Kafka answers a
+producer without the topic's Write ACL): held, not parked, until Kafka takes them."""
 
 from __future__ import annotations
 
 import logging
 import signal
 import subprocess
+import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -27,7 +30,11 @@ from tests.conftest import (
     wait_delivered,
     wait_until,
 )
-from tests.kafka_proxy import KafkaProxy
+from tests.kafka_proxy import (
+    CLUSTER_AUTHORIZATION_FAILED,
+    TOPIC_AUTHORIZATION_FAILED,
+    KafkaProxy,
+)
 from tests.processes import run_outbox, start_outbox
 
 pytestmark = both_transports
@@ -192,3 +199,60 @@ def test_a_topic_first_seen_while_the_broker_is_away_is_not_held(
         wait_delivered(engine, schema, 20, timeout=60)
     assert "holding" not in caplog.text
     assert held_gauge(later) is None
+
+
+def test_a_topic_kafka_refuses_is_held_not_parked_then_delivered_in_key_order(
+    engine: Engine, outbox: Outbox, schema: str, topic: str, proxy: KafkaProxy,
+    held_settings: Settings, services: devservices.Services, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An ACL the relay's principal lacks is the operator's to grant: parking the topic's
+    backlog (one `outbox resume` a message) would turn a missing grant into a chore."""
+    caplog.set_level(logging.INFO, logger="outbox.relay")
+    denied = f"denied-{uuid.uuid4().hex[:8]}"
+    create_topic(services.kafka_bootstrap, denied, partitions=3)
+    proxy.refuse(denied, TOPIC_AUTHORIZATION_FAILED)
+    denied_ids = publish_orders(engine, outbox, denied, HELD)
+    good_ids = publish_orders(engine, outbox, topic, GOOD[:100])
+    impatient = held_settings.model_copy(update={"relay_max_attempts": 1})
+    with running_relay(impatient):
+        wait_until(lambda: count_topic(engine, schema, topic, "DELIVERED") == 100, 20,
+                   "the good topic's messages")
+        wait_until(lambda: held_gauge(denied) == 1, 20, "the refused topic to be held")
+        time.sleep(4)  # tried again after 1 s, then 2 s
+        good_ids += publish_orders(engine, outbox, topic, GOOD[100:])
+        wait_until(lambda: count_topic(engine, schema, topic, "DELIVERED") == len(GOOD), 20,
+                   "the good topic's later messages, while the other topic is held")
+        assert count_topic(engine, schema, denied, "PENDING") == len(HELD), "none parked"
+        shown = run_outbox(held_settings, "status")
+        assert f"topic {denied} held: {len(HELD)} messages" in shown.stdout, shown.stdout
+        proxy.accept(denied)
+        wait_delivered(engine, schema, len(HELD) + len(GOOD), timeout=60)
+        wait_until(lambda: held_gauge(denied) == 0, 10, "the gauge to say so")
+    records = read_topic(services.kafka_bootstrap, denied)
+    assert Counter(r.message_id for r in records) == Counter(denied_ids), "each once"
+    by_key: dict[bytes | None, list[int]] = {}
+    for record in records:
+        assert record.message_id is not None
+        by_key.setdefault(record.key, []).append(record.message_id)
+    assert all(ids == sorted(ids) for ids in by_key.values()), "held messages keep key order"
+    lines = [r.getMessage() for r in caplog.records if denied in r.getMessage()]
+    assert len([line for line in lines if "refuses" in line]) == 1, lines
+    assert len([line for line in lines if "takes" in line]) == 1, lines
+    assert "parked" not in caplog.text
+
+
+def test_a_producer_kafka_refuses_everywhere_is_an_outage_not_parked_messages(
+    engine: Engine, outbox: Outbox, schema: str, topic: str, proxy: KafkaProxy,
+    held_settings: Settings, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """CLUSTER_AUTHORIZATION_FAILED (no IdempotentWrite grant) says nothing of the records."""
+    proxy.refuse(topic, CLUSTER_AUTHORIZATION_FAILED)
+    publish_orders(engine, outbox, topic, GOOD[:20])
+    impatient = held_settings.model_copy(update={"relay_max_attempts": 1})
+    with running_relay(impatient):
+        wait_until(lambda: "paused" in caplog.text, 30, "the outage to be logged")
+        time.sleep(2)
+        assert count_status(engine, schema, "PARKED") == 0
+        proxy.accept(topic)
+        wait_delivered(engine, schema, 20, timeout=60)
+    assert "ClusterAuthorizationFailed" in caplog.text

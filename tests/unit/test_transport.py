@@ -17,7 +17,13 @@ from outbox.relay import confluent
 from outbox.relay.confluent import librdkafka_config, translate
 from outbox.relay.producer import Sent, producer_config
 from outbox.relay.tails import KafkaPythonTailReader, Tail, fingerprint
-from outbox.relay.transport import Report, UnknownOffset, is_permanent, make_transport
+from outbox.relay.transport import (
+    Report,
+    UnknownOffset,
+    is_permanent,
+    make_transport,
+    refuses_topic,
+)
 from outbox.settings import Settings
 
 
@@ -90,17 +96,35 @@ def test_unset_security_settings_are_left_to_librdkafkas_defaults() -> None:
 
 
 @pytest.mark.parametrize("code", [
-    KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.TOPIC_EXCEPTION,
-    KafkaError.RECORD_LIST_TOO_LARGE, KafkaError.TOPIC_AUTHORIZATION_FAILED,
+    KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE,
     KafkaError.INVALID_RECORD, KafkaError.NOT_LEADER_FOR_PARTITION,
-    KafkaError.NOT_ENOUGH_REPLICAS, KafkaError.REQUEST_TIMED_OUT,
-    KafkaError.UNKNOWN_TOPIC_OR_PART,
+    KafkaError.NOT_ENOUGH_REPLICAS, KafkaError.REQUEST_TIMED_OUT, KafkaError.UNKNOWN_TOPIC_OR_PART,
 ])
 def test_broker_errors_are_classified_as_kafka_python_classifies_them(code: int) -> None:
     kafka_python = kafka.errors.for_code(code)
     error = translate(KafkaError(code))
     assert type(error) is kafka_python
     assert is_permanent(error) == (not kafka_python.retriable)
+
+
+@pytest.mark.parametrize("code", [KafkaError.TOPIC_AUTHORIZATION_FAILED,
+                                  KafkaError.INVALID_TIMESTAMP,
+                                  KafkaError.UNSUPPORTED_FOR_MESSAGE_FORMAT,
+                                  KafkaError.TOPIC_EXCEPTION])
+def test_errors_about_a_topic_hold_it_and_park_no_record(code: int) -> None:
+    error = translate(KafkaError(code))
+    assert not kafka.errors.for_code(code).retriable
+    assert refuses_topic(error) and not is_permanent(error)
+
+
+@pytest.mark.parametrize("code", [KafkaError.CLUSTER_AUTHORIZATION_FAILED,
+                                  KafkaError.SASL_AUTHENTICATION_FAILED,
+                                  KafkaError.INVALID_REQUIRED_ACKS,
+                                  KafkaError.UNSUPPORTED_VERSION])
+def test_errors_about_the_producers_grants_or_settings_are_outages(code: int) -> None:
+    error = translate(KafkaError(code))
+    assert not kafka.errors.for_code(code).retriable
+    assert not refuses_topic(error) and not is_permanent(error)
 
 
 @pytest.mark.parametrize("code", [KafkaError._MSG_TIMED_OUT, KafkaError._TRANSPORT,
