@@ -17,7 +17,7 @@ from types import FrameType
 from typing import Protocol
 
 from sqlalchemy import Engine
-from tenacity import RetryCallState, Retrying, retry_if_exception, wait_exponential
+from tenacity import RetryCallState, Retrying, retry_if_exception
 
 from outbox.exceptions import describe, setup_error
 
@@ -46,6 +46,7 @@ class Lifecycle:
         self.abandon = threading.Event()
         self._lock = threading.Lock()
         self._outage_since: float | None = None
+        self._failures = 0  #: failed passes since work last went on
 
     def stop(self, *, abandon: bool = False) -> None:
         self.stopping.set()
@@ -68,7 +69,7 @@ class Lifecycle:
         retrying = Retrying(
             retry=retry_if_exception(
                 lambda exc: isinstance(exc, retry_on) and setup_error(exc) is None),
-            wait=wait_exponential(multiplier=0.2, max=max_wait),
+            wait=lambda _state: self._backoff(max_wait),
             sleep=self.pause,
             stop=lambda _state: self.stopping.is_set(),
             before_sleep=lambda state: self._before_sleep(state, engines),
@@ -81,6 +82,14 @@ class Lifecycle:
         except retry_on as exc:
             if not self.stopping.is_set() or setup_error(exc) is not None:
                 raise
+
+    def _backoff(self, max_wait: float) -> float:
+        """0.2 s, doubling up to ``max_wait``, counted from the last time work went on (a
+        daemon's earlier outages do not lengthen the first wait of the next)."""
+        with self._lock:
+            self._failures += 1
+            failures = self._failures
+        return min(max_wait, 0.2 * 2.0 ** min(failures - 1, 32))
 
     def _before_sleep(self, state: RetryCallState, engines: Sequence[Engine]) -> None:
         for engine in engines:
@@ -100,6 +109,7 @@ class Lifecycle:
         """Say once that work goes on again, after how long."""
         with self._lock:
             since, self._outage_since = self._outage_since, None
+            self._failures = 0
         if since is not None:
             self.log.warning("%s %s", self.name,
                              self._resumed.format(seconds=time.monotonic() - since))

@@ -46,3 +46,26 @@ def test_a_daemon_runs_with_its_start_up_objects_frozen_out_of_the_collector(
     daemon = Recording()
     run_until_signalled(daemon)
     assert daemon.frozen > 1000
+
+
+def test_the_backoff_starts_short_again_after_the_daemon_recovered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each outage of a long-lived daemon begins with a short wait, not the longest one its
+    earlier outages reached."""
+    lifecycle = Lifecycle("backing off", logging.getLogger("test"))
+    waits: list[float] = []
+    monkeypatch.setattr(lifecycle, "pause", waits.append)
+    outcomes = iter(["fail"] * 6 + ["recover"] + ["fail"] * 2 + ["done"])
+
+    def one_pass() -> None:
+        for outcome in outcomes:
+            if outcome == "done":
+                return
+            if outcome == "recover":
+                lifecycle.recovered()
+                continue
+            raise ConnectionError(outcome)
+
+    lifecycle.serve(one_pass, (ConnectionError,), max_wait=5)
+    assert waits == pytest.approx([0.2, 0.4, 0.8, 1.6, 3.2, 5.0, 0.2, 0.4])
