@@ -18,6 +18,11 @@ by one: the refusal is the operator's to mend, and says nothing of the messages.
 request tells a refusal is over, so after each back-off the topic is *tried*: its rows are
 fetched and sent again; refused again, it is held again quietly; once Kafka acknowledges one
 of its records, it is released.
+
+A topic deleted after the relay first asked about it fails as a broker away does (its records
+are retried until the delivery timeout, then the pass ends); any topic whose records failed
+so is asked about again before the next batch is sent to it, and held if Kafka no longer
+knows it.
 """
 
 from __future__ import annotations
@@ -55,8 +60,8 @@ class Hold:
 
 
 class TopicHolds:
-    """The relay's held topics; used by its main loop, except :meth:`refused` and
-    :meth:`landed`, which the recorder calls with what Kafka answered."""
+    """The relay's held topics; used by its main loop, except :meth:`refused`,
+    :meth:`landed` and :meth:`lost`, which the recorder calls with what Kafka answered."""
 
     def __init__(self, settings: RelaySettings, transport: Transport) -> None:
         self._schema = settings.schema_name
@@ -70,9 +75,9 @@ class TopicHolds:
         #: their names, which the recorder reads (replaced, never changed in place)
         self.tried: frozenset[str] = frozenset()
         self._answers_lock = threading.Lock()
-        #: from the recorder, in the order of the batches: (topic, the error of a refusal,
-        #: or None for a tried topic Kafka took a record of)
-        self._answers: list[tuple[str, str | None]] = []
+        #: from the recorder, in the order of the batches: (what Kafka did, topic, error),
+        #: what being "refused", "landed" (a record of a tried topic) or "lost"
+        self._answers: list[tuple[str, str, str]] = []
 
     @property
     def topics(self) -> list[str]:
@@ -94,12 +99,23 @@ class TopicHolds:
     def refused(self, topic: str, error: str) -> None:
         """Kafka refused a record of ``topic`` for the topic's sake (recorder thread)."""
         with self._answers_lock:
-            self._answers.append((topic, error))
+            self._answers.append(("refused", topic, error))
 
     def landed(self, topics: Collection[str]) -> None:
         """Kafka acknowledged records of these tried topics (recorder thread)."""
         with self._answers_lock:
-            self._answers.extend((topic, None) for topic in topics)
+            self._answers.extend(("landed", topic, "") for topic in topics)
+
+    def lost(self, topics: Collection[str]) -> None:
+        """Records of these topics failed as retriable errors, as when a topic is deleted:
+        the next batch asks Kafka about them before sending to them (any thread)."""
+        with self._answers_lock:
+            self._answers.extend(("lost", topic, "") for topic in topics)
+
+    def use(self, transport: Transport) -> None:
+        """A new producer, which knows no topic yet."""
+        self.transport = transport
+        self._known.clear()
 
     def revisit(self, conn: Connection, shards: Collection[int]) -> None:
         """Hold the topics Kafka refused since, and release the tried ones it took; ask
@@ -131,9 +147,11 @@ class TopicHolds:
     def _heed_answers(self, conn: Connection, shards: Collection[int]) -> None:
         with self._answers_lock:
             answers, self._answers = self._answers, []
-        for topic, error in answers:
-            if error is None:
+        for what, topic, error in answers:
+            if what == "landed":
                 self._accepted(topic)
+            elif what == "lost":
+                self._known.discard(topic)
             elif topic not in self._held:
                 hold = self._tried.pop(topic, None)
                 if hold is None:

@@ -10,7 +10,7 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 from kafka import KafkaProducer
-from kafka.errors import KafkaError, KafkaTimeoutError
+from kafka.errors import KafkaError, KafkaTimeoutError, UnknownTopicOrPartitionError
 from kafka.future import Future
 from kafka.partitioner.default import DefaultPartitioner, murmur2
 
@@ -122,12 +122,18 @@ class KafkaPythonTransport:
 
     def __init__(self, settings: RelaySettings) -> None:
         self.producer = make_producer(settings)
+        self._metadata = self.producer._metadata  # kafka-python's ClusterMetadata
 
     def send(self, topic: str, key: bytes | None, value: bytes, headers: Headers) -> Delivery:
+        """Sends a record of a topic :meth:`available` found; one whose metadata the
+        producer has lost since (a deleted topic) fails at once, where kafka-python would
+        block for ``max_block_ms`` (a minute) waiting for it to come back."""
+        if topic not in self._metadata._partitions:
+            return Sent(Future().failure(UnknownTopicOrPartitionError(topic)))
         try:
             future = self.producer.send(topic, value=value, key=key, headers=headers
                                         if type(headers) is list else list(headers))
-        except KafkaError as exc:  # refused before sending: size, metadata, ...
+        except KafkaError as exc:  # refused before sending: size, ...
             future = Future().failure(exc)
         return Sent(future)
 
@@ -152,7 +158,7 @@ class KafkaPythonTransport:
         request is awaited (kafka-python has no public call that does not block for
         ``max_block_ms``). A topic still unknown is then dropped from the producer's
         metadata, or kafka-python would re-request it, logging an error, ten times a second."""
-        metadata = self.producer._metadata
+        metadata = self._metadata
         found = {topic for topic in topics if metadata.partitions_for_topic(topic) is not None}
         asked = set(topics) - found
         if not asked:

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import psycopg
-from kafka.errors import KafkaError
+from kafka.errors import KafkaError, UnknownTopicOrPartitionError
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
@@ -130,6 +130,8 @@ class Relay:
         self._identity = WorkerIdentity(settings)
         self._recovery = Recovery(settings)
         self._recorder: Recorder | None = None
+        #: what ended the last pass, if Kafka did: the next pass starts a new producer
+        self._kafka_failure: BrokerTrouble | None = None
         #: rows rejected permanently in a request shared with others: a broker rejects a
         #: whole record batch for one bad record, so each is sent alone next (set operations
         #: only, from the main loop and the recorder)
@@ -197,21 +199,29 @@ class Relay:
     def _passes(self) -> None:
         """Passes until one fails, or returns; one a held topic's refusal ended (the
         producer stopped) is followed by the next at once."""
-        refused = False
         while True:
             try:
-                return self._serve(self._working_transport(refused))
+                return self._serve(self._working_transport())
             except TopicRefused:
-                refused = True
+                pass
 
-    def _working_transport(self, refused: bool = False) -> Transport:
-        """The transport for the next pass: a new one if the last one's producer broke."""
-        if self._producer.broken() and self._transport is None:
-            log.log(logging.INFO if refused else logging.WARNING,
-                    "relay %s: Kafka's producer stopped after an error it cannot go on "
-                    "from; starting a new one", self.worker_id)
-            self._producer.close(timeout=0)
-            self._producer = self._holds.transport = make_transport(self.settings)
+    def _working_transport(self) -> Transport:
+        """The transport for the next pass: a new one if the last one's producer broke, or
+        if Kafka failed the last pass. (kafka-python's producer, having expired records it
+        had sent once, drops its producer id and may never send again: seen when a topic
+        was deleted under it.)"""
+        failure, self._kafka_failure = self._kafka_failure, None
+        if self._transport is not None or not (failure or self._producer.broken()):
+            return self._producer
+        if failure is None or (self._producer.broken() and not isinstance(failure, TopicRefused)):
+            log.warning("relay %s: Kafka's producer stopped after an error it cannot go on "
+                        "from; starting a new one", self.worker_id)
+        else:
+            log.info("relay %s: starting a new Kafka producer after %s", self.worker_id,
+                     describe(failure))
+        self._producer.close(timeout=0)
+        self._producer = make_transport(self.settings)
+        self._holds.use(self._producer)
         return self._producer
 
     def _serve(self, transport: Transport) -> None:
@@ -232,8 +242,10 @@ class Relay:
                            recorder)
                 recorder.drain()
                 recorder.raise_failure()
-        except BaseException:
+        except BaseException as exc:
             self._leases.unsettle_all()  # acks may have arrived unrecorded
+            if isinstance(exc, BrokerTrouble):
+                self._kafka_failure = exc
             raise
         finally:
             recorder.close()
@@ -333,10 +345,12 @@ class Relay:
         (a producer may be unusable after a rejection)."""
         flight = InFlight(transport, batch)
         blocked: set[tuple[str, bytes]] = set()
+        lost: set[str] = set()  # topics the producer lost the metadata of
         stopped = False
         for row in batch:
             delivery: Delivery | None = None
-            if not stopped and (row.key is None or (row.topic, row.key) not in blocked):
+            if not stopped and (row.key is None or (row.topic, row.key) not in blocked) \
+                    and row.topic not in lost:
                 suspect = row.id in self._suspects
                 delivery = self._send_alone(transport, row) if suspect else \
                     transport.send(row.topic, row.key, row.payload, _headers(row))
@@ -345,10 +359,14 @@ class Relay:
                     stopped = suspect
                     if row.key is not None:
                         blocked.add((row.topic, row.key))
+                    if isinstance(delivery.error, UnknownTopicOrPartitionError):
+                        lost.add(row.topic)  # deleted? the next batch asks Kafka first
                 elif suspect:
                     flight.alone.add(row.id)
             flight.deliveries.append(delivery)
-        flight.refused = bool(blocked) or stopped
+        if lost:
+            self._holds.lost(lost)
+        flight.refused = bool(blocked) or stopped or bool(lost)
         metrics.BATCH_SIZE.observe(len(batch))
         return flight
 
@@ -424,6 +442,11 @@ class Relay:
             metrics.FAILURES.labels("permanent" if failure.permanent else "retriable").inc()
         metrics.FAILURES.labels("refused").inc(len(refusals))
         if transient:
+            # a deleted topic fails as a broker away does: the next batch asks Kafka about
+            # these topics before sending to them (relay/holds.py)
+            self._holds.lost({row.topic for flight in flights
+                              for row, delivery in zip(flight.rows, flight.deliveries, strict=True)
+                              if delivery is not None and delivery.error is not None})
             raise BrokerTrouble(f"{len(transient)} messages not acknowledged, e.g. message "
                                 f"{transient[0].id}: {transient[0].error}")
         if (failures or refusals) and flights[0].transport.broken():

@@ -66,6 +66,13 @@ class KafkaProxy(TcpProxy):
         with self._lock:
             self._refused[topic] = error_code
 
+    def delete(self, topic: str) -> None:
+        """The topic is gone, as after ``kafka-topics --delete``: Metadata does not know it and
+        Produce is answered UNKNOWN_TOPIC_OR_PARTITION (undo with release and accept)."""
+        with self._lock:
+            self._held.add(topic)
+            self._refused[topic] = UNKNOWN_TOPIC_OR_PARTITION
+
     def accept(self, topic: str) -> None:
         """Forward the topic's produce requests again."""
         with self._lock:

@@ -256,3 +256,36 @@ def test_a_producer_kafka_refuses_everywhere_is_an_outage_not_parked_messages(
         proxy.accept(topic)
         wait_delivered(engine, schema, 20, timeout=60)
     assert "ClusterAuthorizationFailed" in caplog.text
+
+
+def test_a_topic_deleted_under_the_relay_is_held_while_the_others_flow(
+    engine: Engine, outbox: Outbox, schema: str, topic: str, proxy: KafkaProxy,
+    held_settings: Settings, services: devservices.Services, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A topic the relay knew, then deleted: its sends fail as retriable errors, which once
+    ended every pass for ever (and kafka-python's send blocked a minute on its metadata)."""
+    caplog.set_level(logging.INFO, logger="outbox.relay")
+    doomed = f"doomed-{uuid.uuid4().hex[:8]}"
+    create_topic(services.kafka_bootstrap, doomed, partitions=1)
+    quick = held_settings.model_copy(update={"kafka_delivery_timeout_ms": 6_000})
+    first = publish_orders(engine, outbox, doomed, HELD[:10])
+    with running_relay(quick):
+        wait_delivered(engine, schema, len(first))
+        proxy.delete(doomed)
+        publish_orders(engine, outbox, doomed, HELD[10:])
+        good_ids = publish_orders(engine, outbox, topic, GOOD)
+        wait_until(lambda: held_gauge(doomed) == 1, 60, "the deleted topic to be held")
+        wait_until(lambda: count_topic(engine, schema, topic, "DELIVERED") == len(GOOD), 30,
+                   "the other topic's messages")
+        assert count_topic(engine, schema, doomed, "PENDING") == len(HELD) - 10
+        proxy.release(doomed)
+        proxy.accept(doomed)
+        wait_delivered(engine, schema, len(HELD) + len(GOOD), timeout=60)
+    assert ids_per_record(services, topic) == Counter(good_ids), "each good message once"
+    records = read_topic(services.kafka_bootstrap, doomed)
+    assert sorted(r.message_id for r in records) == sorted(set(r.message_id for r in records))
+    by_key: dict[bytes | None, list[int]] = {}
+    for record in records:
+        assert record.message_id is not None
+        by_key.setdefault(record.key, []).append(record.message_id)
+    assert all(ids == sorted(ids) for ids in by_key.values()), "held messages keep key order"
