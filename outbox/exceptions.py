@@ -25,6 +25,10 @@ class SchemaNotMigrated(OutboxError):
     """The outbox tables are missing: ``outbox db upgrade`` has not been run."""
 
 
+class MigrationBlocked(OutboxError):
+    """A migration could not get its tables' locks: a long transaction holds one."""
+
+
 class ServiceUnavailable(OutboxError):
     """PostgreSQL or Kafka cannot be reached with the configured address."""
 

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterator, MutableMapping
 from functools import cache
 from importlib import resources
@@ -21,11 +23,22 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, create_engine
+from sqlalchemy.exc import DBAPIError
 
 from outbox import migrations, store
-from outbox.exceptions import SchemaNotMigrated
+from outbox.exceptions import MigrationBlocked, SchemaNotMigrated, sqlstate
 from outbox.schema import VERSION_TABLE
 from outbox.settings import PARTITION_SIZE, sqlalchemy_url, validate_identifier
+
+log = logging.getLogger("outbox.migrate")
+#: How long a migration's statement waits for a table's lock; while it waits, every reader
+#: and writer of that table (publishers, the relay) queues behind it.
+LOCK_TIMEOUT = "2s"
+#: How long :func:`upgrade` and :func:`downgrade` keep trying when locks are not to be had.
+LOCK_PATIENCE_SECONDS = 300.0
+FIRST_RETRY_SECONDS = 1.0
+LAST_RETRY_SECONDS = 30.0
+LOCK_NOT_AVAILABLE = "55P03"
 
 
 @cache
@@ -77,17 +90,19 @@ def upgrade(url: str, schema: str, revision: str = "head",
             partition_size: int = PARTITION_SIZE) -> None:
     """Also safe to call from an application's own Alembic env.py. At head, also creates the
     partitions the next message ids need (the relay's retention keeps doing so)."""
-    with _keeping_callers_alembic(), _serialised(url, schema) as conn:
+    def migrating(conn: Connection) -> None:
         config = alembic_config(url, schema, conn)
         config.attributes["partition_size"] = partition_size
         command.upgrade(config, revision)
         if store.schema_version(conn, schema) == head():
             store.ensure_partitions(conn, schema, partition_size)
 
+    _patiently(url, schema, migrating)
+
 
 def downgrade(url: str, schema: str, revision: str) -> None:
-    with _keeping_callers_alembic(), _serialised(url, schema) as conn:
-        command.downgrade(alembic_config(url, schema, conn), revision)
+    _patiently(url, schema, lambda conn: command.downgrade(
+        alembic_config(url, schema, conn), revision))
 
 
 IncludeName = Callable[[str | None, str, MutableMapping[str, str | None]], bool]
@@ -111,9 +126,11 @@ def ignore_outbox(schema: str = "outbox", include_name: IncludeName | None = Non
 
 def create_roles(url: str, schema: str) -> list[str]:
     """Create (if absent) and grant the least-privilege roles; returns their names."""
-    with _serialised(url, schema) as conn:
+    def creating(conn: Connection) -> None:
         for block in ("create_roles", "create_reconcile_role", "create_checker_role"):
             conn.exec_driver_sql(str(store.query(block, schema)))
+
+    _patiently(url, schema, creating)
     return [f"{schema}_{kind}"
             for kind in ("app", "relay", "sweeper", "reconcile", "checker", "console")]
 
@@ -125,8 +142,44 @@ def _serialised(url: str, schema: str) -> Iterator[Connection]:
     engine = create_engine(sqlalchemy_url(url))
     try:
         with engine.begin() as conn:
-            store.lock_migrations(conn, validate_identifier(schema))
+            store.lock_migrations(conn, validate_identifier(schema), LOCK_TIMEOUT)
             yield conn
+    finally:
+        engine.dispose()
+
+
+def _patiently(url: str, schema: str, migrating: Callable[[Connection], None]) -> None:
+    """Run ``migrating`` in a :func:`_serialised` transaction; when a statement's wait for a
+    lock times out (a long transaction holds one of the tables), roll back, say who holds
+    it, and try again with back-off, for ``LOCK_PATIENCE_SECONDS`` at most."""
+    deadline = time.monotonic() + LOCK_PATIENCE_SECONDS
+    pause = FIRST_RETRY_SECONDS
+    while True:
+        try:
+            with _keeping_callers_alembic(), _serialised(url, schema) as conn:
+                migrating(conn)
+            return
+        except DBAPIError as exc:
+            if sqlstate(exc) != LOCK_NOT_AVAILABLE:
+                raise
+            holders = "; ".join(_lock_holders(url, schema)) or "a transaction now ended"
+            if time.monotonic() + pause > deadline:
+                raise MigrationBlocked(
+                    f"migrating schema {schema} gave up after {LOCK_PATIENCE_SECONDS:.0f}s of "
+                    f"waiting for its tables' locks, held by {holders}: end that transaction, "
+                    "then run it again") from None
+            log.warning("migrating schema %s: a lock it needs is held by %s; rolled back (its "
+                        "wait would queue every reader of the table), trying again in %.0fs",
+                        schema, holders, pause)
+            time.sleep(pause)
+            pause = min(pause * 2, LAST_RETRY_SECONDS)
+
+
+def _lock_holders(url: str, schema: str) -> list[str]:
+    engine = create_engine(sqlalchemy_url(url))
+    try:
+        with engine.connect() as conn:
+            return store.lock_holders(conn, schema)
     finally:
         engine.dispose()
 

@@ -543,10 +543,20 @@ def park_topic(conn: Connection, schema: str, actor: str, topic: str, shards: It
     return len(rows.all())
 
 
-def lock_migrations(conn: Connection, schema: str) -> None:
-    """Wait for, then hold until the transaction ends, the lock of ``schema``'s migrations."""
-    params = {"lock_class": MIGRATION_LOCK_CLASS, "schema_name": schema}
+def lock_migrations(conn: Connection, schema: str, lock_timeout: str) -> None:
+    """Wait for, then hold until the transaction ends, the lock of ``schema``'s migrations;
+    from then on each statement waits ``lock_timeout`` at most for a lock."""
+    params = {"lock_class": MIGRATION_LOCK_CLASS, "schema_name": schema,
+              "lock_timeout": lock_timeout}
     conn.execute(query("lock_migrations", schema), params)
+
+
+def lock_holders(conn: Connection, schema: str) -> list[str]:
+    """The oldest transactions holding locks on ``schema``'s tables, one line each."""
+    rows = conn.execute(query("lock_holders", schema), {"schema_name": schema})
+    return [f"pid {row.pid} (role {row.role}, application {row.application_name!r}, "
+            f"{row.state} in a transaction of {row.seconds or 0:.0f}s: {row.query!r})"
+            for row in rows]
 
 
 def claim_worker_id(conn: Connection, schema: str, worker_id: str) -> bool:

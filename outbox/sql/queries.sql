@@ -230,8 +230,24 @@ SELECT message_id, 'PARKED', :actor, :reason FROM parked
 RETURNING message_id;
 
 -- name: lock_migrations
--- Migrations of one schema take turns: held until the migrating transaction ends.
-SELECT pg_advisory_xact_lock(:lock_class, hashtext(:schema_name));
+-- Migrations of one schema take turns: held until the migrating transaction ends. Then each
+-- statement waits :lock_timeout at most for a table's lock: while one waits, every reader and
+-- writer of that table queues behind it.
+SELECT pg_advisory_xact_lock(:lock_class, hashtext(:schema_name)),
+       set_config('lock_timeout', :lock_timeout, true);
+
+-- name: lock_holders
+-- The oldest transactions holding locks on the schema's tables: who a migration waited for.
+SELECT a.pid, a.usename AS role, a.application_name, a.state,
+       extract(epoch FROM now() - a.xact_start) AS seconds, left(a.query, 80) AS query
+FROM pg_stat_activity AS a
+WHERE a.pid <> pg_backend_pid() AND a.pid IN (
+    SELECT l.pid FROM pg_locks AS l
+    JOIN pg_class AS c ON c.oid = l.relation
+    JOIN pg_namespace AS n ON n.oid = c.relnamespace
+    WHERE n.nspname = :schema_name AND l.granted)
+ORDER BY a.xact_start
+LIMIT 3;
 
 -- name: claim_worker_id
 -- A relay holds a session advisory lock on (schema, worker id) for as long as it runs, on a

@@ -6,6 +6,8 @@ themselves, and that the copy every other test gets (tests/conftest.py) is the s
 
 from __future__ import annotations
 
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -721,3 +723,44 @@ def test_publishing_to_a_schema_older_than_the_code_says_which_command_to_run(
             Outbox(schema=name).publish(conn, "t", {"n": 1})
     finally:
         drop_schema(engine, name)
+
+
+def test_an_upgrade_waiting_for_a_lock_does_not_queue_the_outbox_s_readers_behind_it(
+    services: devservices.Services, engine: Engine, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A long transaction reads op_record while `db upgrade` needs it exclusively (0017):
+    every reader and writer of op_record (the relay's recorder, `outbox status`, a publisher
+    reading the key's history) would queue behind the waiting ALTER until that transaction
+    ends. The upgrade gives up its wait within seconds, names who holds the lock, and tries
+    again; it completes once the lock is free."""
+    name = f"m_{uuid.uuid4().hex[:12]}"
+    migrate.upgrade(services.database_url, name, "0016")
+    try:
+        with engine.connect() as holder:
+            holder.execute(text(f"SELECT count(*) FROM {name}.op_record"))  # stays open
+            upgrading = threading.Thread(
+                target=migrate.upgrade, args=(services.database_url, name), daemon=True)
+            upgrading.start()
+            wait_until(lambda: waiting_for_a_lock(engine), 10, "the upgrade to wait")
+            started = time.monotonic()
+            with engine.connect() as reader:
+                reader.execute(text("SET statement_timeout = '8s'"))
+                reader.execute(text(f"SELECT count(*) FROM {name}.op_record"))
+            assert time.monotonic() - started < 6
+            wait_until(lambda: "a lock it needs" in caplog.text, 10, "the retry to be logged")
+            assert upgrading.is_alive()
+            holder.rollback()
+        upgrading.join(30)
+        assert not upgrading.is_alive()
+        assert migrate.current(services.database_url, name) == migrate.head()
+        waits = [r.getMessage() for r in caplog.records if "a lock it needs" in r.getMessage()]
+        assert f"SELECT count(*) FROM {name}.op_record" in waits[0], waits
+    finally:
+        drop_schema(engine, name)
+
+
+def waiting_for_a_lock(engine: Engine) -> bool:
+    with engine.connect() as conn:
+        return bool(conn.execute(text(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+            "AND query LIKE 'ALTER TABLE%'")).scalar_one())
