@@ -134,9 +134,12 @@ class Deliverable(NamedTuple):
 #: What :func:`engine` sets on each new connection, and on the relay's hot ones. An
 #: ``idle_session_timeout`` a DBA set on the role would end the sessions that are idle by
 #: design (a relay's LISTEN and worker-id lock connections, pooled ones between batches):
-#: each quiet spell would be an outage.
-IDLE_SETTINGS = {"idle_session_timeout": "0"}
-SESSION_SETTINGS = {"jit": "off", "plan_cache_mode": "force_custom_plan", **IDLE_SETTINGS}
+#: each quiet spell would be an outage. A ``statement_timeout`` would cancel the statements
+#: that grow with the work in hand (a batch's fetch and recording, a takeover's read of a
+#: backlog, retention's drop): retried, they would fail alike for ever. The outbox bounds
+#: its own (a check-back by ``checker_timeout``, lock waits by ``lock_timeout``).
+TIMEOUT_SETTINGS = {"idle_session_timeout": "0", "statement_timeout": "0"}
+SESSION_SETTINGS = {"jit": "off", "plan_cache_mode": "force_custom_plan", **TIMEOUT_SETTINGS}
 DELIVERY_SETTINGS = {**SESSION_SETTINGS, "enable_sort": "off"}
 #: The relay's fetching connection: the fetch, planned once (see
 #: :func:`fetch_deliverable`).
@@ -930,9 +933,13 @@ def run_sql_checker(conn: Connection, schema: str, statement: str, message: Mess
 
 def reset_session(conn: Connection, schema: str) -> None:
     """Forget whatever a check left on its connection's session (advisory locks, prepared
-    statements, settings): DISCARD ALL, which runs outside a transaction."""
+    statements, settings): DISCARD ALL, which runs outside a transaction; then set the
+    session's own settings again (:data:`SESSION_SETTINGS`, which DISCARD ALL drops too)."""
     conn.execution_options(isolation_level="AUTOCOMMIT")
     conn.execute(query("reset_session", schema))
+    driver = conn.connection.driver_connection
+    assert driver is not None  # a live connection: it just ran DISCARD ALL
+    set_session(driver, SESSION_SETTINGS)
 
 
 @dataclass(frozen=True, slots=True)

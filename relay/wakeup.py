@@ -51,7 +51,7 @@ class Wakeup:
         self.waited = False
         self._conn = psycopg.connect(dsn, autocommit=True)
         store.set_session(self._conn, {"lock_timeout": f"{FALL_ASLEEP_WAIT_MS}ms",
-                                       **store.IDLE_SETTINGS})
+                                       **store.TIMEOUT_SETTINGS})
         channel = sql.Identifier(store.notify_channel(schema))
         self._conn.execute(sql.SQL("LISTEN {}").format(channel))
 

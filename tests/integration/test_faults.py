@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 from prometheus_client import REGISTRY
-from sqlalchemy import Connection, Engine, make_url, text
+from sqlalchemy import Connection, Engine, create_engine, make_url, text
 from sqlalchemy.orm import Session
 
 from outbox import Outbox, store
@@ -504,3 +504,55 @@ def test_a_server_that_ends_idle_sessions_leaves_the_relays_alone(
             publish_orders(iso.engine, iso.outbox, iso.topic, [("k", 1)])
             wait_delivered(iso.engine, "outbox", 2)
         assert "paused" not in caplog.text, caplog.text
+
+
+def test_a_statement_timeout_on_the_role_cancels_none_of_the_daemons_statements(
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    """A DBA's ``statement_timeout`` on the role cancelled the relay's fetch and recording of
+    a batch (and a takeover's read of a backlog, retention's drop) at each try: delivery
+    stopped, retried for ever as an outage. The outbox's sessions bound their own
+    statements (a check-back by ``checker_timeout``)."""
+    caplog.set_level(logging.WARNING)
+    with isolated_services() as iso:
+        with iso.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.execute(text("ALTER ROLE CURRENT_USER SET statement_timeout = '2ms'"))
+        iso.engine.dispose()
+        own = create_engine(iso.engine.url, connect_args={"options": "-c statement_timeout=0"})
+        fast = iso.settings.model_copy(update={
+            "transaction_timeout": 0.2, "check_interval": 0.1, "sweep_poll_interval": 0.1})
+        try:
+            publish_orders(own, iso.outbox, iso.topic, [(f"k{i % 7}", i) for i in range(3000)])
+            with Session(own) as session, session.begin():
+                Outbox(settings=fast, producer_group="orders").prepare(
+                    session, iso.topic, {"order": 1})
+            with running_relay(iso.settings), \
+                    running(Sweeper(fast, {"orders": lambda message, conn: "COMMIT"}), "sweeper"):
+                wait_delivered(own, "outbox", 3001, timeout=60)
+        finally:
+            own.dispose()
+    assert "paused" not in caplog.text and "cannot reach" not in caplog.text, caplog.text
+
+
+def test_a_checked_connection_goes_back_to_the_pool_with_the_sessions_settings() -> None:
+    """DISCARD ALL after each check also dropped what the sweeper's sessions set (JIT off,
+    no statement or idle timeouts, the server's TCP timeouts): the pooled connection went on
+    with the role's defaults."""
+    with isolated_services() as iso:
+        fast = iso.settings.model_copy(update={
+            "transaction_timeout": 0.2, "check_interval": 0.1, "sweep_poll_interval": 0.1,
+            "sweep_concurrency": 1})
+        seen: list[str] = []
+
+        def noting(message: object, conn: Connection) -> str:
+            seen.append(str(conn.execute(text("SHOW jit")).scalar_one()))
+            return "COMMIT"
+
+        orders = Outbox(settings=fast, producer_group="orders")
+        with running(Sweeper(fast, {"orders": noting}), "sweeper"):
+            for n in range(6):
+                with Session(iso.engine) as session, session.begin():
+                    prepared = orders.prepare(session, iso.topic, {"order": n})
+                wait_until(lambda m=prepared: _resolution(iso.engine, m) == "COMMIT", 30,
+                           "the check-back")
+    assert seen == ["off"] * 6
