@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import psycopg
-from kafka.errors import KafkaError, UnknownTopicOrPartitionError
+from kafka.errors import KafkaError, TopicAuthorizationFailedError, UnknownTopicOrPartitionError
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
@@ -401,8 +401,9 @@ class Relay:
                         landed.add(row.topic)
                     continue
                 if refuses_topic(delivery.error):
-                    refused[row.topic] = describe(delivery.error)
-                    refusals.append(store.Failure(row.id, refused[row.topic], False))
+                    topic = refused_topic(delivery.error, row.topic, flights)
+                    refused[topic] = describe(delivery.error)
+                    refusals.append(store.Failure(row.id, refused[topic], False))
                     continue
                 permanent = is_permanent(delivery.error)
                 if permanent and row.id not in flight.alone:
@@ -582,6 +583,18 @@ class Recorder(threading.Thread):
                 self._changed.notify_all()
         finally:
             self.engine.dispose()
+
+
+def refused_topic(error: BaseException, topic: str, flights: list[InFlight]) -> str:
+    """The topic a refusal is about: kafka-python's producer, stopped by one topic's
+    ``TopicAuthorizationFailedError``, fails the records of the other topics with that same
+    error, which names the refused topic."""
+    named = error.args[0] if isinstance(error, TopicAuthorizationFailedError) and error.args \
+        else None
+    if isinstance(named, str) and named != topic and any(
+            row.topic == named for flight in flights for row in flight.rows):
+        return named
+    return topic
 
 
 def _autocommit(engine: Engine) -> Connection:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import Any
 
 import kafka.errors
 import pytest
@@ -216,3 +217,21 @@ def test_librdkafka_lines_repeat_at_most_once_a_minute(monkeypatch: pytest.Monke
     assert passes(refused, "producer-1", 9092, 0) == (
         "FAIL [producer-1]: Connect to 127.0.0.1:9092 failed (after 0ms in state CONNECT) "
         "(and 2 like it in the last 60s)")
+
+
+def test_a_refusal_that_names_another_topic_of_the_batch_is_that_topics() -> None:
+    """kafka-python's producer, stopped by one topic's refusal, fails the other topics'
+    records with that same error: the other topics must not be held for it."""
+    from types import SimpleNamespace
+
+    from outbox.relay.relay import refused_topic
+
+    flights: Any = [SimpleNamespace(rows=[SimpleNamespace(topic="orders"),
+                                          SimpleNamespace(topic="denied")])]
+    error = kafka.errors.TopicAuthorizationFailedError("denied")
+    assert refused_topic(error, "orders", flights) == "denied"
+    assert refused_topic(error, "denied", flights) == "denied"
+    elsewhere = kafka.errors.TopicAuthorizationFailedError("not-in-the-batch")
+    assert refused_topic(elsewhere, "orders", flights) == "orders"
+    timestamp = kafka.errors.InvalidTimestampError("denied")  # a broker's message, not a topic
+    assert refused_topic(timestamp, "orders", flights) == "orders"
