@@ -210,19 +210,21 @@ class Relay:
         if Kafka failed the last pass. (kafka-python's producer, having expired records it
         had sent once, drops its producer id and may never send again: seen when a topic
         was deleted under it.)"""
-        failure, self._kafka_failure = self._kafka_failure, None
+        failure = self._kafka_failure
         if self._transport is not None or not (failure or self._producer.broken()):
             return self._producer
+        fresh = make_transport(self.settings)  # no broker yet: the next pass tries again
         if failure is None or (self._producer.broken() and not isinstance(failure, TopicRefused)):
             log.warning("relay %s: Kafka's producer stopped after an error it cannot go on "
-                        "from; starting a new one", self.worker_id)
+                        "from; started a new one", self.worker_id)
         else:
-            log.info("relay %s: starting a new Kafka producer after %s", self.worker_id,
+            log.info("relay %s: started a new Kafka producer after %s", self.worker_id,
                      describe(failure))
+        self._kafka_failure = None
         self._producer.close(timeout=0)
-        self._producer = make_transport(self.settings)
-        self._holds.use(self._producer)
-        return self._producer
+        self._producer = fresh
+        self._holds.use(fresh)
+        return fresh
 
     def _serve(self, transport: Transport) -> None:
         """One pass: deliver until stopped, or until the broker or the database fails."""
@@ -441,7 +443,8 @@ class Relay:
         transient = [f for f in failures if not f.permanent]
         for failure in failures:
             metrics.FAILURES.labels("permanent" if failure.permanent else "retriable").inc()
-        metrics.FAILURES.labels("refused").inc(len(refusals))
+        if refusals:
+            metrics.FAILURES.labels("refused").inc(len(refusals))
         if transient:
             # a deleted topic fails as a broker away does: the next batch asks Kafka about
             # these topics before sending to them (relay/holds.py)
