@@ -92,6 +92,34 @@ def test_broker_cut_delays_delivery_then_it_resumes_with_nothing_lost(
 
 
 @both_transports
+def test_a_cut_longer_than_the_delivery_timeout_loses_nothing_and_parks_nothing(
+    isolated: Isolated, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Passes fail while the broker is away, and each next pass starts a new producer,
+    which cannot reach the broker either: the relay must keep the old one until a new one
+    runs (a closed producer's sends fail as errors Kafka does not retry)."""
+    caplog.set_level(logging.INFO, logger="outbox.relay")
+    iso = isolated
+    impatient = iso.settings.model_copy(update={
+        "kafka_delivery_timeout_ms": 2_000, "kafka_connect_timeout_ms": 1_000})
+    with running_relay(impatient):
+        first = publish_orders(iso.engine, iso.outbox, iso.topic,
+                               [(f"k{i % 10}", i) for i in range(50)])
+        wait_delivered(iso.engine, "outbox", 50)
+        iso.proxy.cut()
+        during = publish_orders(iso.engine, iso.outbox, iso.topic,
+                                [(f"k{i % 10}", i) for i in range(50, 150)])
+        wait_until(lambda: "paused" in caplog.text, 30, "a pass to fail")
+        time.sleep(8)  # passes fail and new producers find no broker, again and again
+        iso.proxy.restore()
+        wait_delivered(iso.engine, "outbox", 150, timeout=90)
+    assert count_status(iso.engine, "outbox", "PARKED") == 0
+    records = read_topic(iso.settings.kafka_bootstrap, iso.topic)
+    assert {r.message_id for r in records} == set(first + during)
+    assert first_occurrences_in_order(records)
+
+
+@both_transports
 def test_abandon_during_a_broker_cut_stops_at_once_and_the_batch_stays_pending(
     isolated: Isolated, caplog: pytest.LogCaptureFixture
 ) -> None:
