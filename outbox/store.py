@@ -138,8 +138,9 @@ class Deliverable(NamedTuple):
 #: that grow with the work in hand (a batch's fetch and recording, a takeover's read of a
 #: backlog, retention's drop): retried, they would fail alike for ever. The outbox bounds
 #: its own (a check-back by ``checker_timeout``, lock waits by ``lock_timeout``).
-TIMEOUT_SETTINGS = {"idle_session_timeout": "0", "statement_timeout": "0"}
-SESSION_SETTINGS = {"jit": "off", "plan_cache_mode": "force_custom_plan", **TIMEOUT_SETTINGS}
+#: First, so a role's short ``statement_timeout`` cannot cancel the SETs after it.
+TIMEOUT_SETTINGS = {"statement_timeout": "0", "idle_session_timeout": "0"}
+SESSION_SETTINGS = {**TIMEOUT_SETTINGS, "jit": "off", "plan_cache_mode": "force_custom_plan"}
 DELIVERY_SETTINGS = {**SESSION_SETTINGS, "enable_sort": "off"}
 #: The relay's fetching connection: the fetch, planned once (see
 #: :func:`fetch_deliverable`).

@@ -47,6 +47,8 @@ PROBE_SECONDS = 1.0
 #: Back-off between look-ups of a held topic: from the first to the last, doubling.
 FIRST_RETRY_SECONDS = 1.0
 LAST_RETRY_SECONDS = 30.0
+#: A refused topic tried again with no answer from Kafka within this is no longer held.
+TRIAL_SECONDS = 60.0
 
 
 @dataclass
@@ -124,6 +126,8 @@ class TopicHolds:
         once held too long."""
         self._heed_answers(conn, shards)
         now = time.monotonic()
+        for topic in [t for t, hold in self._tried.items() if hold.retry_at <= now]:
+            self._unheard(topic)
         due = [topic for topic, hold in self._held.items() if hold.retry_at <= now]
         if not due:
             return
@@ -190,9 +194,19 @@ class TopicHolds:
         hold.retry_at = time.monotonic() + hold.retry_in
 
     def _try(self, topic: str) -> None:
-        """Let the fetch send a refused topic's rows again."""
-        self._tried[topic] = self._held.pop(topic)
+        """Let the fetch send a refused topic's rows again; with no answer by
+        ``TRIAL_SECONDS`` (none of its rows left in this relay's shards), it is let go."""
+        hold = self._tried[topic] = self._held.pop(topic)
+        hold.retry_at = time.monotonic() + TRIAL_SECONDS
         self.tried = frozenset(self._tried)
+
+    def _unheard(self, topic: str) -> None:
+        del self._tried[topic]
+        self.tried = frozenset(self._tried)
+        metrics.TOPIC_HELD.labels(topic).set(0)
+        log.info("topic %s: none of its records was sent in %.0fs of trying it again (its "
+                 "messages are gone from this relay's shards); no longer held", topic,
+                 TRIAL_SECONDS)
 
     def _hold(self, conn: Connection, shards: Collection[int], topic: str) -> None:
         started = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")

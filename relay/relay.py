@@ -199,7 +199,7 @@ class Relay:
     def _passes(self) -> None:
         """Passes until one fails, or returns; one a held topic's refusal ended (the
         producer stopped) is followed by the next at once."""
-        while True:
+        while not self.stopping.is_set():
             try:
                 return self._serve(self._working_transport())
             except TopicRefused:
@@ -214,7 +214,11 @@ class Relay:
         if self._transport is not None or not (failure or self._producer.broken()):
             return self._producer
         fresh = make_transport(self.settings)  # no broker yet: the next pass tries again
-        if failure is None or (self._producer.broken() and not isinstance(failure, TopicRefused)):
+        if self.lifecycle.in_outage:  # said once already: no line per retry
+            log.debug("relay %s: started a new Kafka producer after %s", self.worker_id,
+                      describe(failure) if failure else "it stopped")
+        elif failure is None or (self._producer.broken()
+                                 and not isinstance(failure, TopicRefused)):
             log.warning("relay %s: Kafka's producer stopped after an error it cannot go on "
                         "from; started a new one", self.worker_id)
         else:
@@ -392,6 +396,7 @@ class Relay:
         failures: list[store.Failure] = []
         refusals: list[store.Failure] = []  # not the messages' fault: their topics are held
         refused: dict[str, str] = {}  # topic -> the error (relay/holds.py)
+        blamed: dict[int, str] = {}  # id() of a refusal's error -> the topic it holds
         tried, landed = self._holds.tried, set()
         for flight in flights:
             for row, delivery in zip(flight.rows, flight.deliveries, strict=True):
@@ -403,7 +408,7 @@ class Relay:
                         landed.add(row.topic)
                     continue
                 if refuses_topic(delivery.error):
-                    topic = refused_topic(delivery.error, row.topic, flights)
+                    topic = refused_topic(delivery.error, row.topic, flights, blamed)
                     refused[topic] = describe(delivery.error)
                     refusals.append(store.Failure(row.id, refused[topic], False))
                     continue
@@ -414,8 +419,9 @@ class Relay:
                     self._suspects.add(row.id)
                     permanent = False
                 failures.append(store.Failure(row.id, describe(delivery.error), permanent))
-        if salvaging:
-            failures = refusals = []  # the pass failed already: not these rows' own
+        if salvaging:  # the pass failed already: not these rows' own (kafka-python fails
+            failures = refusals = []  # the records after a refusal with the same error)
+            refused = {}
         if self._suspects:
             self._suspects.difference_update(message_id for message_id, _, _ in acks)
         with conn.begin():
@@ -588,16 +594,18 @@ class Recorder(threading.Thread):
             self.engine.dispose()
 
 
-def refused_topic(error: BaseException, topic: str, flights: list[InFlight]) -> str:
-    """The topic a refusal is about: kafka-python's producer, stopped by one topic's
-    ``TopicAuthorizationFailedError``, fails the records of the other topics with that same
-    error, which names the refused topic."""
+def refused_topic(error: BaseException, topic: str, flights: list[InFlight],
+                  blamed: dict[int, str]) -> str:
+    """The topic a refusal is about. kafka-python's producer, stopped by one topic's
+    refusal, fails the records of the other topics with that same error object: a
+    ``TopicAuthorizationFailedError`` names its topic; another error is blamed on the first
+    topic found failing with it (``blamed``, by the error's identity, in send order)."""
     named = error.args[0] if isinstance(error, TopicAuthorizationFailedError) and error.args \
         else None
-    if isinstance(named, str) and named != topic and any(
+    if isinstance(named, str) and any(
             row.topic == named for flight in flights for row in flight.rows):
         return named
-    return topic
+    return blamed.setdefault(id(error), topic)
 
 
 def _autocommit(engine: Engine) -> Connection:

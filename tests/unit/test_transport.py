@@ -225,9 +225,38 @@ def test_a_refusal_that_names_another_topic_of_the_batch_is_that_topics() -> Non
     flights: Any = [SimpleNamespace(rows=[SimpleNamespace(topic="orders"),
                                           SimpleNamespace(topic="denied")])]
     error = kafka.errors.TopicAuthorizationFailedError("denied")
-    assert refused_topic(error, "orders", flights) == "denied"
-    assert refused_topic(error, "denied", flights) == "denied"
+    assert refused_topic(error, "orders", flights, {}) == "denied"
+    assert refused_topic(error, "denied", flights, {}) == "denied"
     elsewhere = kafka.errors.TopicAuthorizationFailedError("not-in-the-batch")
-    assert refused_topic(elsewhere, "orders", flights) == "orders"
+    assert refused_topic(elsewhere, "orders", flights, {}) == "orders"
+    blamed: dict[int, str] = {}
     timestamp = kafka.errors.InvalidTimestampError("denied")  # a broker's message, not a topic
-    assert refused_topic(timestamp, "orders", flights) == "orders"
+    assert refused_topic(timestamp, "denied", flights, blamed) == "denied"
+    assert refused_topic(timestamp, "orders", flights, blamed) == "denied", "the same error"
+    again = kafka.errors.InvalidTimestampError("denied")
+    assert refused_topic(again, "orders", flights, blamed) == "orders", "an error of its own"
+
+
+def test_a_refused_topic_tried_again_with_nothing_to_send_is_let_go(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its messages left this relay's shards (or were discarded): no answer will come, and
+    the hold (and its gauge) must not stay for ever."""
+    from prometheus_client import REGISTRY
+
+    from outbox.relay import holds as holds_module
+    from outbox.settings import RelaySettings
+
+    settings = RelaySettings(database_url="postgresql://u@h/db", kafka_bootstrap="h:9092")
+    held: Any = holds_module.TopicHolds(settings, transport=None)  # type: ignore[arg-type]
+    monkeypatch.setattr(held, "_mark", lambda *args: None)  # the rows' note: a database write
+    monkeypatch.setattr(holds_module, "TRIAL_SECONDS", 0.0)
+    held.refused("gone", "TopicAuthorizationFailedError: gone")
+    held.revisit(None, [0])  # held
+    assert held.topics == ["gone"]
+    held._held["gone"].retry_at = 0.0  # its back-off has passed
+    held.revisit(None, [0])  # tried
+    assert held.tried == {"gone"}
+    held.revisit(None, [0])  # no answer within the trial
+    assert held.tried == frozenset() and held.topics == []
+    assert REGISTRY.get_sample_value("outbox_topic_held", {"topic": "gone"}) == 0
