@@ -465,11 +465,20 @@ class Relay:
             raise BrokerTrouble(stopped) if failures else TopicRefused(stopped)
 
     def _await_acks(self, flight: InFlight) -> None:
+        """Waits for the flight's acks. A producer settles every record within its delivery
+        timeout; one that has not after twice that is wedged (kafka-python's, having dropped
+        its producer id, expires nothing while it waits for a new one): the pass ends, and
+        the next starts a new producer."""
         started = time.monotonic()
+        wedged_after = 2 * self.settings.kafka_delivery_timeout_ms / 1000 + SLOW_ACK_SECONDS
         warned = False
         while not flight.settled(0.25):
             if self.lifecycle.abandon.is_set():
                 raise Abandoned
+            if time.monotonic() - started > wedged_after:
+                raise BrokerTrouble(
+                    f"Kafka's producer has not settled {len(flight.sent)} records in "
+                    f"{wedged_after:.0f}s, past its delivery timeout: it is stuck")
             if not warned and time.monotonic() - started > SLOW_ACK_SECONDS:
                 warned = True
                 self.lifecycle.outage(

@@ -544,19 +544,22 @@ def test_a_statement_timeout_on_the_role_cancels_none_of_the_daemons_statements(
     caplog.set_level(logging.WARNING)
     with isolated_services() as iso:
         with iso.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-            conn.execute(text("ALTER ROLE CURRENT_USER SET statement_timeout = '2ms'"))
+            # far above a SET's time even on a loaded machine, far below a 10,000-row batch's
+            conn.execute(text("ALTER ROLE CURRENT_USER SET statement_timeout = '25ms'"))
         iso.engine.dispose()
         own = create_engine(iso.engine.url, connect_args={"options": "-c statement_timeout=0"})
         fast = iso.settings.model_copy(update={
             "transaction_timeout": 0.2, "check_interval": 0.1, "sweep_poll_interval": 0.1})
+        large = iso.settings.model_copy(update={"relay_batch_size": 10_000})
         try:
-            publish_orders(own, iso.outbox, iso.topic, [(f"k{i % 7}", i) for i in range(3000)])
+            publish_orders(own, iso.outbox, iso.topic,
+                           [(f"k{i % 7}", i) for i in range(10_000)])
             with Session(own) as session, session.begin():
                 Outbox(settings=fast, producer_group="orders").prepare(
                     session, iso.topic, {"order": 1})
-            with running_relay(iso.settings), \
+            with running_relay(large), \
                     running(Sweeper(fast, {"orders": lambda message, conn: "COMMIT"}), "sweeper"):
-                wait_delivered(own, "outbox", 3001, timeout=60)
+                wait_delivered(own, "outbox", 10_001, timeout=60)
         finally:
             own.dispose()
     assert "paused" not in caplog.text and "cannot reach" not in caplog.text, caplog.text
