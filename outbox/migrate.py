@@ -22,7 +22,7 @@ from alembic import command, context, op
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Connection, create_engine
+from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError
 
 from outbox import migrations, store
@@ -139,7 +139,7 @@ def create_roles(url: str, schema: str) -> list[str]:
 def _serialised(url: str, schema: str) -> Iterator[Connection]:
     """One transaction holding the schema's migration lock: two ``db upgrade`` runs at once
     take turns (the second finds the work done) instead of racing to create the same tables."""
-    engine = create_engine(sqlalchemy_url(url))
+    engine = store.engine(sqlalchemy_url(url))
     try:
         with engine.begin() as conn:
             store.lock_migrations(conn, validate_identifier(schema), LOCK_TIMEOUT)
@@ -176,7 +176,7 @@ def _patiently(url: str, schema: str, migrating: Callable[[Connection], None]) -
 
 
 def _lock_holders(url: str, schema: str) -> list[str]:
-    engine = create_engine(sqlalchemy_url(url))
+    engine = store.engine(sqlalchemy_url(url))
     try:
         with engine.connect() as conn:
             return store.lock_holders(conn, schema)
@@ -192,7 +192,7 @@ def head() -> str:
 
 
 def current(url: str, schema: str) -> str | None:
-    engine = create_engine(sqlalchemy_url(url))
+    engine = store.engine(sqlalchemy_url(url))
     try:
         with engine.connect() as conn:
             context = MigrationContext.configure(

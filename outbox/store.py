@@ -131,15 +131,26 @@ class Deliverable(NamedTuple):
         return list(zip(self.header_keys or (), self.header_values or (), strict=True))
 
 
-#: What :func:`engine` sets on each new connection, and on the relay's hot ones. An
-#: ``idle_session_timeout`` a DBA set on the role would end the sessions that are idle by
-#: design (a relay's LISTEN and worker-id lock connections, pooled ones between batches):
-#: each quiet spell would be an outage. A ``statement_timeout`` would cancel the statements
-#: that grow with the work in hand (a batch's fetch and recording, a takeover's read of a
-#: backlog, retention's drop): retried, they would fail alike for ever. The outbox bounds
-#: its own (a check-back by ``checker_timeout``, lock waits by ``lock_timeout``).
-#: First, so a role's short ``statement_timeout`` cannot cancel the SETs after it.
-TIMEOUT_SETTINGS = {"statement_timeout": "0", "idle_session_timeout": "0"}
+#: What :func:`engine` sets on each new connection, and on the relay's hot ones: none of
+#: the timeouts a DBA may set on a role. The outbox bounds its own (a check-back by
+#: ``checker_timeout``, the lock waits of migrations, retention and falling asleep).
+#:
+#: * ``statement_timeout`` would cancel the statements that grow with the work in hand (a
+#:   batch's fetch and recording, a takeover's read of a backlog, retention's drop):
+#:   retried, they would fail alike for ever. First, so it cannot cancel the SETs after it.
+#: * ``idle_session_timeout`` would end the sessions that are idle by design (a relay's
+#:   LISTEN and worker-id lock connections, pooled ones between batches): each quiet spell
+#:   would be an outage.
+#: * ``idle_in_transaction_session_timeout`` would end a check's session while its checker
+#:   works (the check's transaction is open around it): every check of the message failed,
+#:   and a committed message was discarded after 15.
+#: * ``lock_timeout`` would make a relay's wait behind a migration's or retention's lock an
+#:   outage, and its pass start again.
+#: * ``transaction_timeout`` (PostgreSQL 17) would end what ``statement_timeout`` cancels,
+#:   and the sessions with it; set only where the server knows it (:func:`settings_sql`).
+TIMEOUT_SETTINGS = {"statement_timeout": "0", "idle_session_timeout": "0",
+                    "idle_in_transaction_session_timeout": "0", "lock_timeout": "0",
+                    "transaction_timeout": "0"}
 SESSION_SETTINGS = {**TIMEOUT_SETTINGS, "jit": "off", "plan_cache_mode": "force_custom_plan"}
 DELIVERY_SETTINGS = {**SESSION_SETTINGS, "enable_sort": "off"}
 #: The relay's fetching connection: the fetch, planned once (see
@@ -195,11 +206,19 @@ def _session_settings(settings: Mapping[str, str], dbapi_connection: Any, _recor
 
 def set_session(connection: psycopg.Connection[Any], settings: Mapping[str, str]) -> None:
     """SET ``settings`` and the server's side of the connection's TCP timeouts."""
-    with connection.cursor() as cursor:
-        for name, value in {**settings, **server_tcp_timeouts(connection)}.items():
-            cursor.execute(sql.SQL("SET {} = {}").format(sql.Identifier(name),
-                                                         sql.Literal(value)))
+    connection.execute(settings_sql({**settings, **server_tcp_timeouts(connection)}))
     connection.commit()
+
+
+def settings_sql(settings: Mapping[str, str]) -> str:
+    """One statement that SETs ``settings`` for the session, but those the server does not
+    know (``transaction_timeout`` before PostgreSQL 17), where a SET would fail. One
+    statement, so a role's short ``statement_timeout`` cannot cancel those after the first."""
+    rows = sql.SQL(", ").join(sql.SQL("({}, {})").format(sql.Literal(name), sql.Literal(value))
+                              for name, value in settings.items())
+    return sql.SQL("SELECT count(set_config(v.name, v.setting, false)) "
+                   "FROM (VALUES {}) AS v(name, setting) "
+                   "WHERE v.name IN (SELECT name FROM pg_settings)").format(rows).as_string()
 
 
 #: libpq's parameters that end a silent connection (settings.tcp_timeouts), and the server's

@@ -31,8 +31,9 @@ from typing import Any
 from kafka.errors import KafkaTimeoutError
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
-from sqlalchemy import Engine, NullPool, create_engine
+from sqlalchemy import Engine, NullPool
 
+from outbox import store
 from outbox.exceptions import ConfigurationError
 from outbox.migrate import require_current
 from outbox.settings import ReconcileSettings
@@ -109,7 +110,7 @@ def preflight(settings: ReconcileSettings) -> None:
     with ``reconcile_read_topics`` a broker that lets it in (within
     ``kafka_connect_timeout_ms``). ``run`` checks them all again."""
     findings.thresholds(settings.reconcile_thresholds)
-    engine = create_engine(settings.sqlalchemy_url, poolclass=NullPool)
+    engine = store.engine(settings.sqlalchemy_url, poolclass=NullPool)
     try:
         with engine.connect() as conn:
             require_current(conn, settings.schema_name)
@@ -137,7 +138,7 @@ def run(spark: SparkSession, settings: ReconcileSettings, *, since: datetime | N
     having done nothing, while another run of the schema is under way."""
     if settings.reconcile_read_topics:
         settings.require("kafka_bootstrap")
-    engine = create_engine(settings.sqlalchemy_url, pool_size=2)
+    engine = store.engine(settings.sqlalchemy_url, pool_size=2)
     try:
         with runs.one_at_a_time(engine, settings.schema_name):
             return _run(spark, settings, engine, since, until)

@@ -14,6 +14,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from sqlalchemy.engine import make_url
 
+from outbox import store
 from outbox.exceptions import ConfigurationError
 from outbox.spark.kafka_source import (
     CLIENTS,
@@ -26,11 +27,15 @@ from outbox.spark.kafka_source import (
 
 JDBC_DRIVER = "org.postgresql.Driver"
 FETCH_SIZE = 10_000
-#: Run on each JDBC connection before its read. The subqueries are index range scans whose
-#: cost estimate crosses jit_above_cost at a few hundred thousand rows: JIT then compiles
-#: (and at 5M messages inlines and optimises) each one, about 180 ms per orphan-check range,
-#: and runs no faster.
-SESSION_INIT = "SET jit = off"
+#: Run on each JDBC connection before its read:
+#:
+#: * no JIT: the subqueries are index range scans whose cost estimate crosses jit_above_cost
+#:   at a few hundred thousand rows: JIT then compiles (and at 5M messages inlines and
+#:   optimises) each one, about 180 ms per orphan-check range, and runs no faster;
+#: * none of the timeouts a DBA may set on the role (store.TIMEOUT_SETTINGS): a read takes
+#:   as long as its rows, and between two fetches of rows its session is idle in its
+#:   transaction while Spark works.
+SESSION_INIT = store.settings_sql({**store.TIMEOUT_SETTINGS, "jit": "off"})
 
 
 def jdbc_options(database_url: str) -> dict[str, str]:

@@ -565,6 +565,58 @@ def test_a_statement_timeout_on_the_role_cancels_none_of_the_daemons_statements(
     assert "paused" not in caplog.text and "cannot reach" not in caplog.text, caplog.text
 
 
+def test_a_checker_slower_than_the_roles_idle_in_transaction_timeout_is_heard(
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    """A checker runs inside the check's transaction; while it works (an HTTP call, a
+    computation) the session is idle in that transaction. A DBA's
+    ``idle_in_transaction_session_timeout`` on the sweeper's role ended the session under
+    the checker, and the check failed however the checker answered."""
+    caplog.set_level(logging.WARNING, logger="outbox.sweeper")
+    with isolated_services() as iso:
+        with iso.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.execute(text(
+                "ALTER ROLE CURRENT_USER SET idle_in_transaction_session_timeout = '200ms'"))
+        iso.engine.dispose()
+        fast = iso.settings.model_copy(update={
+            "transaction_timeout": 0.2, "check_interval": 0.1, "sweep_poll_interval": 0.1,
+            "checker_timeout": 5.0})
+
+        def thinking(message: object, conn: Connection) -> str:
+            time.sleep(0.6)  # three times the role's timeout, well inside checker_timeout
+            return "COMMIT"
+
+        with Session(iso.engine) as session, session.begin():
+            prepared = Outbox(settings=fast, producer_group="orders").prepare(
+                session, iso.topic, {"order": 1})
+        with running(Sweeper(fast, {"orders": thinking}), "sweeper"):
+            wait_until(lambda: _resolution(iso.engine, prepared) == "COMMIT", 20,
+                       "the check-back")
+    assert "inconclusive" not in caplog.text and "failed" not in caplog.text, caplog.text
+
+
+def test_a_lock_timeout_on_the_role_makes_no_outage_of_a_wait_behind_a_lock(
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    """A DBA's ``lock_timeout`` on the relay's role made its wait behind a lock an upgrade
+    held on ``pending`` for a moment an outage: the pass ended, to start again with a
+    backoff and a new read of the tails."""
+    caplog.set_level(logging.WARNING, logger="outbox.relay")
+    with isolated_services() as iso:
+        with iso.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.execute(text("ALTER ROLE CURRENT_USER SET lock_timeout = '50ms'"))
+        iso.engine.dispose()
+        publish_orders(iso.engine, iso.outbox, iso.topic, [(f"k{i % 3}", i) for i in range(30)])
+        with iso.engine.connect() as conn, conn.begin():
+            conn.execute(text("SET LOCAL lock_timeout = 0"))
+            conn.execute(text("LOCK TABLE outbox.pending IN EXCLUSIVE MODE"))
+            with running_relay(iso.settings):
+                time.sleep(1.5)  # the relay starts, and waits behind the lock
+                conn.commit()
+                wait_delivered(iso.engine, "outbox", 30)
+    assert "paused" not in caplog.text and "cannot reach" not in caplog.text, caplog.text
+
+
 def test_a_checked_connection_goes_back_to_the_pool_with_the_sessions_settings() -> None:
     """DISCARD ALL after each check also dropped what the sweeper's sessions set (JIT off,
     no statement or idle timeouts, the server's TCP timeouts): the pooled connection went on

@@ -764,3 +764,36 @@ def waiting_for_a_lock(engine: Engine) -> bool:
         return bool(conn.execute(text(
             "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
             "AND query LIKE 'ALTER TABLE%'")).scalar_one())
+
+
+def test_an_upgrade_as_a_role_with_a_statement_timeout_copies_every_row(
+    services: devservices.Services, engine: Engine
+) -> None:
+    """`db upgrade` ran with the role's ``statement_timeout``: 0004's copy of a large 0003
+    table was cancelled, and the upgrade failed however often it was run. Its lock waits
+    are bounded by the upgrade itself."""
+    name = f"m_{uuid.uuid4().hex[:12]}"
+    login = f"{name}_dba"
+    migrate.upgrade(services.database_url, name, "0003")
+    with engine.begin() as conn:
+        conn.execute(text(
+            f"INSERT INTO {name}.message (topic, key, payload, content_type, shard, status, "
+            f"resolution) SELECT 't', NULL, '\\x7b7d'::bytea, 'application/json', g % 64, "
+            f"'DELIVERED', 'COMMIT' FROM generate_series(1, 50000) AS g"))
+        conn.execute(text(f"CREATE ROLE {login} LOGIN PASSWORD 'pw' IN ROLE "
+                          f"{devservices.DB_USER}"))
+        # far above a SET's time on a loaded machine, far below a copy of 50,000 rows
+        conn.execute(text(f"ALTER ROLE {login} SET statement_timeout = '50ms'"))
+    url = services.database_url.replace(
+        f"{devservices.DB_USER}:{devservices.DB_PASSWORD}@", f"{login}:pw@")
+    try:
+        migrate.upgrade(url, name)
+        assert migrate.current(services.database_url, name) == migrate.head()
+        with engine.connect() as conn:
+            assert conn.execute(text(f"SELECT count(*) FROM {name}.message")).scalar_one() \
+                == 50_000
+    finally:
+        drop_schema(engine, name)
+        with engine.begin() as conn:
+            conn.execute(text(f"DROP OWNED BY {login}"))
+            conn.execute(text(f"DROP ROLE {login}"))

@@ -552,3 +552,39 @@ def test_the_orphan_check_reads_the_window_s_id_ranges_rather_than_every_message
         assert f"(id >= {ids[0]})" in condition and f"(id <= {ids[1]})" in condition, ranged
     assert any("using message_p1_pkey on message_p1 " in line for line in outlying), outlying
     assert not any("Hash" in line for line in outlying), outlying
+
+
+def test_a_run_sets_aside_the_timeouts_a_dba_set_on_its_role(
+    spark: SparkSession, services: devservices.Services, engine: Engine, schema: str,
+    topic: str, tmp_path: Path
+) -> None:
+    """A JDBC read takes as long as its rows, and between two fetches its session is idle in
+    its transaction while Spark works: a role's ``statement_timeout`` cancelled the reads and
+    its ``idle_in_transaction_session_timeout`` ended them. The run lock's connection is idle
+    while the run works: ``idle_session_timeout`` ended it, the lock with it (a second run
+    could start), and the run failed at its end."""
+    login = f"{schema}_timed"
+    timeouts = {"statement_timeout": "5s", "idle_in_transaction_session_timeout": "5s",
+                "lock_timeout": "5s", "idle_session_timeout": "1s"}
+    with engine.begin() as conn:
+        conn.execute(text(f"CREATE ROLE {login} LOGIN PASSWORD 'pw' "
+                          f"IN ROLE {devservices.DB_USER}, pg_read_all_stats"))
+        for name, value in timeouts.items():
+            conn.execute(text(f"ALTER ROLE {login} SET {name} = '{value}'"))
+    url = services.database_url.replace(
+        f"{devservices.DB_USER}:{devservices.DB_PASSWORD}@", f"{login}:pw@")
+    settings = reconcile_settings(services, schema, tmp_path).model_copy(
+        update={"database_url": url, "reconcile_read_topics": False})
+    publish_clean_flow(engine, Outbox(settings=settings), topic, 5)
+    try:
+        shown = ", ".join(f"current_setting('{name}') AS {name}" for name in (*timeouts, "jit"))
+        probe = spark.read.format("jdbc").options(
+            **sources.jdbc_options(url), query=f"SELECT {shown}").load().collect()
+        result = job.run(spark, settings, until=datetime.now(UTC))
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text(f"DROP OWNED BY {login}"))
+            conn.execute(text(f"DROP ROLE {login}"))
+    assert [row.asDict() for row in probe] == [{**dict.fromkeys(timeouts, "0"), "jit": "off"}]
+    assert result.summary["counts"]["messages"] == 5
+    assert result.outcome is RunOutcome.CLEAN
