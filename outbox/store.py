@@ -24,6 +24,7 @@ import psycopg
 from psycopg import sql
 from sqlalchemy import Connection, Engine, TextClause, create_engine, event, text
 from sqlalchemy.dialects.postgresql.psycopg import dialect as psycopg_dialect
+from sqlalchemy.exc import DBAPIError
 
 from outbox.encoding import EncodedMessage
 from outbox.exceptions import CheckerRefused
@@ -911,16 +912,26 @@ def prepare_sql_checker(conn: Connection, schema: str, statement: str) -> None:
     """Prepare ``statement`` (see positional_checker) as the checker role, for
     run_sql_checker. It is sent alone in a Parse message of the extended query protocol,
     which PostgreSQL refuses to hold more than one statement; it must answer with a column.
-    The prepared statement outlives the transaction: ``reset_session`` drops it."""
-    from psycopg import pq
+    The prepared statement outlives the transaction: ``reset_session`` drops it.
+
+    Sent and awaited as psycopg sends its own statements. psycopg's blocking
+    ``describe_prepared`` holds the interpreter lock through its round trip: every thread of
+    the sweeper stopped until the server answered (for good when the connection ran through a
+    forwarder in the same process, until the TCP timeout on a silent network)."""
+    from psycopg import generators, pq
 
     conn.execute(query("sql_checker_as_checker", schema))
     driver = conn.connection.driver_connection
     assert driver is not None
     pgconn, name = driver.pgconn, CHECKER_STATEMENT.encode()
-    for result in (pgconn.prepare(name, statement.encode(driver.info.encoding),
-                                  _CHECKER_TYPES),
-                   pgconn.describe_prepared(name)):
+    for send in (partial(pgconn.send_prepare, name, statement.encode(driver.info.encoding),
+                         _CHECKER_TYPES),
+                 partial(pgconn.send_describe_prepared, name)):
+        try:
+            send()
+            result = driver.wait(generators.execute(pgconn))[-1]
+        except psycopg.Error as exc:  # the connection's trouble, not the statement's
+            raise DBAPIError.instance(None, None, exc, psycopg.Error) from None
         if result.status != pq.ExecStatus.COMMAND_OK:
             message = result.error_field(pq.DiagnosticField.MESSAGE_PRIMARY) or b"refused"
             raise CheckerRefused(message.decode(driver.info.encoding, errors="replace"))

@@ -259,12 +259,13 @@ class Sweeper:
                     store.begin_check(conn, self.schema, self.settings.checker_timeout)
                     store.prepare_sql_checker(conn, self.schema, checker.statement)
                     transaction.rollback()
+                store.reset_session(conn, self.schema)
             except (CheckerRefused, DBAPIError) as exc:
+                if isinstance(exc, DBAPIError) and server_trouble(exc):
+                    raise  # the server's, not the checker's: reported as any other
                 raise ConfigurationError(
                     f"the SQL checker of producer group {group!r} is refused: "
                     f"{first_line(exc)} (OUTBOX_SQL_CHECKERS)") from None
-            finally:
-                store.reset_session(conn, self.schema)
 
     def _check(self, item: _Running) -> None:
         """One check-back, in a worker thread; then records its outcome."""

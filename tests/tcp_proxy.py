@@ -25,6 +25,10 @@ class TcpProxy:
         self._closed = threading.Event()
         self._lock = threading.Lock()
         self._sockets: list[socket.socket] = []
+        #: bytes that, sent by a client, cut its connection instead of reaching the server
+        self._trap: bytes | None = None
+        #: set once the trap has cut a connection
+        self.sprung = threading.Event()
         threading.Thread(target=self._accept, daemon=True, name="proxy-accept").start()
 
     def cut(self) -> None:
@@ -45,6 +49,12 @@ class TcpProxy:
                 with contextlib.suppress(OSError):
                     ports.append(client.getpeername()[1])
         return ports
+
+    def trap(self, pattern: bytes) -> None:
+        """Cut the next connection whose client sends ``pattern``, before the server gets it
+        (a connection lost at one chosen statement); then pass everything again."""
+        self.sprung.clear()
+        self._trap = pattern
 
     def restore(self) -> None:
         self._open.set()
@@ -100,6 +110,10 @@ class TcpProxy:
                         return
                     while isinstance(sock, ssl.SSLSocket) and sock.pending():
                         data += sock.recv(sock.pending())
+                    if sock is a and self._trap is not None and self._trap in data:
+                        self._trap = None
+                        self.sprung.set()
+                        return
                     peers[sock].sendall(data)
         except (OSError, ValueError):
             return

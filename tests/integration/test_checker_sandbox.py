@@ -14,13 +14,16 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine, make_url, text
 
 from outbox import Outbox
+from outbox.dev import services as devservices
 from outbox.settings import Settings
+from tests.conftest import wait_until
 from tests.integration import test_sweeper
 from tests.integration.test_sweeper import GROUP, ops, prepare, row, sweeping, wait_status
 from tests.processes import start_outbox
+from tests.tcp_proxy import TcpProxy
 
 fast = test_sweeper.fast
 orders = test_sweeper.orders
@@ -185,3 +188,28 @@ def test_a_checker_cannot_call_functions_the_sweepers_superuser_may(
 @pytest.fixture
 def services_url(fast: Settings) -> str:
     return fast.database_url
+
+
+def test_a_connection_lost_while_a_sql_checker_is_prepared_is_not_the_message_s_fault(
+    services: devservices.Services, engine: Engine, orders: Outbox, fast: Settings,
+    schema: str, roles: list[str], caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The checker's statement is prepared over libpq directly: a connection lost there came
+    back as the statement refused, and the check counted as inconclusive (15 such losses
+    discard a message) where any other lost connection counts nothing."""
+    caplog.set_level(logging.INFO, "outbox.sweeper")
+    proxy = TcpProxy(make_url(services.database_url).port or 5432)
+    through = fast.model_copy(update={"database_url": make_url(services.database_url).set(
+        port=proxy.port).render_as_string(hide_password=False)})
+    sql = "SELECT 'COMMIT' /* lost here */"
+    try:
+        with sweeping(through, sql_checkers={GROUP: sql}):
+            wait_until(lambda: "started" in caplog.text, 15, "the sweeper's own check of it")
+            proxy.trap(b"lost here")
+            message_id = prepare(engine, orders)
+            wait_until(proxy.sprung.is_set, 15, "the connection to be lost at the prepare")
+            wait_until(lambda: row(engine, schema, message_id).resolution == "COMMIT", 30,
+                       "the next check's answer")
+    finally:
+        proxy.close()
+    assert "inconclusive" not in caplog.text and "refused" not in caplog.text, caplog.text
