@@ -194,9 +194,11 @@ def test_a_connection_lost_while_a_sql_checker_is_prepared_is_not_the_message_s_
     services: devservices.Services, engine: Engine, orders: Outbox, fast: Settings,
     schema: str, roles: list[str], caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """The checker's statement is prepared over libpq directly: a connection lost there came
-    back as the statement refused, and the check counted as inconclusive (15 such losses
-    discard a message) where any other lost connection counts nothing."""
+    """The checker's statement was prepared and described by libpq's blocking calls, and
+    psycopg's describe holds the interpreter lock through its round trip: through a
+    forwarder in the same process (this proxy) the sweeper froze at start, every thread of
+    the process with it. A connection lost at the prepare is the server's trouble: the
+    check counts nothing (15 inconclusive checks discard a message)."""
     caplog.set_level(logging.INFO, "outbox.sweeper")
     proxy = TcpProxy(make_url(services.database_url).port or 5432)
     through = fast.model_copy(update={"database_url": make_url(services.database_url).set(
