@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 import psycopg
 from psycopg import sql
-from sqlalchemy import Connection, Engine, TextClause, create_engine, event, text
+from sqlalchemy import Connection, Engine, TextClause, create_engine, event, make_url, text
 from sqlalchemy.dialects.postgresql.psycopg import dialect as psycopg_dialect
 from sqlalchemy.exc import DBAPIError
 
@@ -199,6 +199,18 @@ def engine(url: str, *, settings: Mapping[str, str] = SESSION_SETTINGS, **option
     made = create_engine(url, **options)
     event.listen(made, "connect", partial(_session_settings, settings))
     return made
+
+
+#: SQLAlchemy's psycopg dialect: how the engines read a URL and render a statement.
+_DIALECT = psycopg_dialect()  # type: ignore[no-untyped-call]
+
+
+def connect(url: str, **options: Any) -> psycopg.Connection[Any]:
+    """A psycopg connection of the outbox's own, outside any pool, made from ``url`` (a
+    SQLAlchemy URL) as the engines make theirs: a URL naming several hosts
+    (``?host=h1:5432&host=h2:5432``) is not one libpq can read as text."""
+    args, params = _DIALECT.create_connect_args(make_url(url))  # type: ignore[no-untyped-call]
+    return psycopg.connect(*args, **{**params, **options})
 
 
 def _session_settings(settings: Mapping[str, str], dbapi_connection: Any, _record: Any) -> None:
@@ -468,7 +480,7 @@ def driver_sql(statement: TextClause) -> str:
 
 @cache
 def _compiled(sql: str) -> str:
-    return str(text(sql).compile(dialect=psycopg_dialect()))  # type: ignore[no-untyped-call]
+    return str(text(sql).compile(dialect=_DIALECT))
 
 
 def fall_asleep(driver: psycopg.Connection[Any], schema: str, shards: Iterable[int]) -> bool:

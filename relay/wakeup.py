@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import threading
 
-import psycopg
 from psycopg import sql
 
 from outbox import store
@@ -42,14 +41,13 @@ class Wakeup:
 
     def __init__(self, url: str, schema: str) -> None:
         """``url``: the settings' ``sqlalchemy_url`` (its timeouts included)."""
-        dsn = url.replace("postgresql+psycopg://", "postgresql://", 1)
         self._idle_wakes = 0
         self._schema = schema
         #: The shards whose wake locks this relay holds (empty: awake).
         self.asleep_on: frozenset[int] = frozenset()
         #: Whether the last :meth:`wait` found nothing that had arrived already.
         self.waited = False
-        self._conn = psycopg.connect(dsn, autocommit=True)
+        self._conn = store.connect(url, autocommit=True)
         store.set_session(self._conn, {**store.TIMEOUT_SETTINGS,
                                        "lock_timeout": f"{FALL_ASLEEP_WAIT_MS}ms"})
         channel = sql.Identifier(store.notify_channel(schema))

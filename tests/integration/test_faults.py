@@ -639,3 +639,20 @@ def test_a_checked_connection_goes_back_to_the_pool_with_the_sessions_settings()
                 wait_until(lambda m=prepared: _resolution(iso.engine, m) == "COMMIT", 30,
                            "the check-back")
     assert seen == ["off"] * 6
+
+
+def test_a_database_url_naming_several_hosts_reaches_the_one_that_answers(
+    engine: Engine, outbox: Outbox, settings: Settings, schema: str, topic: str,
+    services: devservices.Services
+) -> None:
+    """A URL naming a standby and the primary (libpq tries each host in turn): every engine
+    read it, but the relay's LISTEN connection was made from the URL as text, which libpq
+    read as one host named ``127.0.0.1:PORT``; each pass failed, for ever."""
+    url = make_url(services.database_url)
+    hosts = f"host=127.0.0.1:{devservices.free_port()}&host=127.0.0.1:{url.port}"
+    several = settings.model_copy(update={"database_url": (
+        f"postgresql://{devservices.DB_USER}:{devservices.DB_PASSWORD}@/{url.database}"
+        f"?{hosts}")})
+    with running_relay(several):
+        publish_orders(engine, outbox, topic, [(f"k{i % 3}", i) for i in range(20)])
+        wait_delivered(engine, schema, 20)
