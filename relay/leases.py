@@ -46,8 +46,8 @@ class Leases:
         #: owned shards whose sends may be unrecorded: not fetched until their tail is read
         self._unsettled: frozenset[int] = frozenset()
         self._valid_until = 0.0
-        #: set when this relay takes shards or has some to hand back (the main loop, waiting
-        #: for a notification, wakes on it too)
+        #: set when this relay takes shards, has some to hand back, or has its lapsed leases
+        #: back (the main loop, waiting for a notification, wakes on it too)
         self.changed = threading.Event()
 
     @property
@@ -93,6 +93,7 @@ class Leases:
                 mine |= set(claimed)
         with self._lock:
             before = self._owned
+            lapsed = time.monotonic() >= self._valid_until  # the loop may be waiting them out
             self._owned = frozenset(mine)
             # renewed but not known: a previous process with this worker id held them
             dirty = (self._owned - before - set(claimed)) | {
@@ -100,7 +101,7 @@ class Leases:
             self._unsettled = (self._unsettled | dirty) & self._owned
             self._surplus = frozenset(sorted(mine)[share:])
             self._valid_until = started + self.lease_seconds * 0.8
-        if self._owned - before or self._surplus:
+        if self._owned - before or self._surplus or (lapsed and self._owned):
             self.changed.set()
         if before != self._owned:
             log.info("relay %s owns %d shards (+%d -%d, %d to settle) of %d relays",

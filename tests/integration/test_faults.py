@@ -656,3 +656,20 @@ def test_a_database_url_naming_several_hosts_reaches_the_one_that_answers(
     with running_relay(several):
         publish_orders(engine, outbox, topic, [(f"k{i % 3}", i) for i in range(20)])
         wait_delivered(engine, schema, 20)
+
+
+def test_a_relay_whose_leases_lapsed_for_a_moment_delivers_as_soon_as_they_are_renewed(
+    engine: Engine, outbox: Outbox, settings: Settings, schema: str, topic: str
+) -> None:
+    """While its leases are past their time (a renewal held up), a relay delivers nothing and
+    waits. The renewal that brought them back, the same shards, did not wake it: it slept
+    out its whole poll interval (a minute, for a relay that counts on notifications)."""
+    patient = settings.model_copy(update={"relay_poll_interval": 60, "relay_lease_seconds": 3})
+    with running_relay(patient):
+        publish_orders(engine, outbox, topic, [("k", 0)])
+        wait_delivered(engine, schema, 1)
+        with engine.connect() as conn, conn.begin():
+            conn.execute(text(f"LOCK TABLE {schema}.relay_lease IN EXCLUSIVE MODE"))
+            time.sleep(4)  # the renewal waits past 80% of the lease: the leases lapse
+        publish_orders(engine, outbox, topic, [("k", 1)])
+        wait_delivered(engine, schema, 2, timeout=15)
