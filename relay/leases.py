@@ -252,6 +252,7 @@ class LeaseKeeper(threading.Thread):
                 if setup_error(exc) is not None:
                     self.fatal = exc
                     self.first_tick.set()
+                    self._leases.changed.set()  # the main loop raises it, not after its poll
                     break
                 if not self._failing:
                     log.warning("relay %s cannot renew its leases (%s); retrying every %.1fs",
