@@ -252,8 +252,7 @@ class DatabaseSettings(_Base):
         description="PostgreSQL schema holding the outbox tables",
         validation_alias="OUTBOX_SCHEMA",
     )
-    worker_id: str = Field(default_factory=default_worker_id, min_length=1, max_length=200,
-                           pattern=r"^\S+$")
+    worker_id: str = Field(default_factory=default_worker_id, min_length=1, max_length=200)
     database_tcp_timeout: float = Field(
         default=30.0, ge=1, le=3600,
         description="seconds a connection to PostgreSQL may go silent (sent data "
@@ -285,6 +284,17 @@ class DatabaseSettings(_Base):
     def sqlalchemy_url(self) -> str:
         self.require("database_url")
         return sqlalchemy_url(self.database_url, self.database_tcp_timeout)
+
+    @field_validator("worker_id")
+    @classmethod
+    def _worker_id(cls, value: str) -> str:
+        """Printable ASCII: it names the relay's sessions (``application_name``), in which
+        PostgreSQL replaces any other character, and a relay would not find its own lost
+        session again (it took it for a twin's)."""
+        if not re.fullmatch(r"[!-~]+", value):
+            raise ValueError(f"{value!r} is not printable ASCII without spaces (it names the "
+                             "daemon's sessions in PostgreSQL)")
+        return value
 
 
 class KafkaSettings(_Base):
@@ -401,6 +411,10 @@ class KafkaSettings(_Base):
 
 def _bootstrap_problem(entry: str) -> str | None:
     """What is wrong with one ``host[:port]`` of a bootstrap list, or None."""
+    _, separator, address = entry.partition("://")
+    if separator:  # a broker's listener, as in its server.properties
+        return (f"{entry!r} is a listener: write {address} (the protocol is "
+                "OUTBOX_KAFKA_SECURITY_PROTOCOL)")
     if entry.startswith("["):
         host, _, rest = entry[1:].partition("]")
         if rest and not rest.startswith(":"):
@@ -567,7 +581,7 @@ class ReconcileSettings(DatabaseSettings, KafkaSettings):
         default="reconcile-output", description="where reconciliation runs write their files"
     )
     reconcile_sla_seconds: float = Field(
-        default=300.0, gt=0,
+        default=300.0, gt=0, le=3650 * 86400,
         description="a committed message not delivered this long after it was due is a finding",
     )
     reconcile_thresholds: dict[str, int | None] = Field(

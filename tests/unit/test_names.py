@@ -45,9 +45,19 @@ def test_the_default_worker_id_differs_between_processes_with_the_same_host_and_
     assert len(ids) == 50
 
 
-@pytest.mark.parametrize("worker_id", ["", " ", "relay 1", "a\n"])
-def test_an_empty_or_spaced_worker_id_is_refused(worker_id: str) -> None:
+@pytest.mark.parametrize("worker_id", ["", " ", "relay 1", "a\n", "relé-1"])
+def test_an_empty_spaced_or_non_ascii_worker_id_is_refused(worker_id: str) -> None:
+    """Not ASCII, it named sessions PostgreSQL renames (application_name keeps printable
+    ASCII only): the relay did not find its own lost session again, and took it for a twin."""
     from outbox.settings import RelaySettings, load_settings
 
     with pytest.raises(ConfigurationError, match="worker_id"):
         load_settings(RelaySettings, worker_id=worker_id)
+
+
+def test_a_reconciliation_sla_past_ten_years_is_refused_in_one_line() -> None:
+    """A huge SLA ("never") put the window's end before year 1: a traceback at the run."""
+    from outbox.settings import ReconcileSettings, load_settings
+
+    with pytest.raises(ConfigurationError, match="reconcile_sla_seconds"):
+        load_settings(ReconcileSettings, reconcile_sla_seconds=1e11)
