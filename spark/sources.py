@@ -38,15 +38,30 @@ FETCH_SIZE = 10_000
 SESSION_INIT = store.settings_sql({**store.TIMEOUT_SETTINGS, "jit": "off"})
 
 
+#: libpq's ``target_session_attrs`` as pgjdbc's ``targetServerType``.
+TARGET_SERVER_TYPES = {"any": "any", "read-write": "primary", "primary": "primary",
+                       "read-only": "secondary", "standby": "secondary",
+                       "prefer-standby": "preferSecondary"}
+
+
 def jdbc_options(database_url: str) -> dict[str, str]:
-    """A ``postgresql://`` URL as the JDBC reader's options (the password stays an option)."""
+    """A ``postgresql://`` URL as the JDBC reader's options (the password stays an option).
+    A URL naming several hosts (``?host=h1:5432&host=h2:5432``) names them all, in order."""
     url = make_url(database_url)
-    if not url.host or not url.database:
+    params = {k: v if isinstance(v, str) else v[-1] for k, v in url.query.items()
+              if k not in ("host", "target_session_attrs")}
+    listed = url.query.get("host", ())
+    hosts = [_host_port(url.host, url.port)] if url.host else [
+        _host_port(*_split_host(entry)) for entry in
+        ((listed,) if isinstance(listed, str) else listed)]
+    if not hosts or not url.database:
         raise ConfigurationError("the database URL needs a host and a database name for JDBC")
-    query = urlencode({k: v if isinstance(v, str) else v[-1] for k, v in url.query.items()})
-    host = f"[{url.host}]" if ":" in url.host else url.host  # an IPv6 address
+    attrs = url.query.get("target_session_attrs")
+    if isinstance(attrs, str) and attrs in TARGET_SERVER_TYPES:
+        params["targetServerType"] = TARGET_SERVER_TYPES[attrs]
+    query = urlencode(params)
     options = {
-        "url": f"jdbc:postgresql://{host}:{url.port or 5432}/{url.database}"
+        "url": f"jdbc:postgresql://{','.join(hosts)}/{url.database}"
                + (f"?{query}" if query else ""),
         "driver": JDBC_DRIVER,
         "fetchsize": str(FETCH_SIZE),
@@ -62,6 +77,22 @@ def jdbc_options(database_url: str) -> dict[str, str]:
     if url.password:
         options["password"] = str(url.password)
     return options
+
+
+def _split_host(entry: str) -> tuple[str, int | None]:
+    """``host[:port]`` (``[v6]:port``) of a URL's ``host`` parameter."""
+    if entry.startswith("["):
+        host, _, rest = entry[1:].partition("]")
+        return host, int(rest[1:]) if rest[1:].isdigit() else None
+    if entry.count(":") == 1:
+        host, _, port = entry.partition(":")
+        return host, int(port) if port.isdigit() else None
+    return entry, None  # a name, or an IPv6 address alone
+
+
+def _host_port(host: str, port: int | None) -> str:
+    """One host of a JDBC URL: an IPv6 address in brackets, the port always."""
+    return f"[{host}]:{port or 5432}" if ":" in host else f"{host}:{port or 5432}"
 
 
 #: Rows one JDBC read takes at most when a window is large (a cached partition of about

@@ -20,7 +20,7 @@ import pytest
 from click.testing import CliRunner
 from kafka import KafkaProducer
 from pyspark.sql import SparkSession
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine, make_url, text
 from sqlalchemy.orm import Session
 
 from outbox import ConfigurationError, Outbox, migrate
@@ -588,3 +588,19 @@ def test_a_run_sets_aside_the_timeouts_a_dba_set_on_its_role(
     assert [row.asDict() for row in probe] == [{**dict.fromkeys(timeouts, "0"), "jit": "off"}]
     assert result.summary["counts"]["messages"] == 5
     assert result.outcome is RunOutcome.CLEAN
+
+
+def test_a_run_reaches_the_database_through_a_url_naming_several_hosts(
+    spark: SparkSession, services: devservices.Services, engine: Engine, schema: str,
+    topic: str, tmp_path: Path
+) -> None:
+    """A URL naming a standby and the primary (libpq's form, which the relay reads): the
+    JDBC reads refused it ("needs a host"), so reconciliation could not run."""
+    url = make_url(services.database_url)
+    several = (f"postgresql://{devservices.DB_USER}:{devservices.DB_PASSWORD}@/{url.database}"
+               f"?host=127.0.0.1:{devservices.free_port()}&host=127.0.0.1:{url.port}")
+    settings = reconcile_settings(services, schema, tmp_path).model_copy(
+        update={"database_url": several, "reconcile_read_topics": False})
+    publish_clean_flow(engine, Outbox(settings=settings), topic, 4)
+    result = job.run(spark, settings, until=datetime.now(UTC))
+    assert result.summary["counts"]["messages"] == 4

@@ -13,6 +13,11 @@ from outbox.spark.sources import jdbc_options
     # an IPv6 host in brackets, as JDBC URLs write it (it lost them: ::1:5432 is no host)
     ("postgresql://app:pw@[::1]:5432/shop", "jdbc:postgresql://[::1]:5432/shop"),
     ("postgresql://app@[2001:db8::7]/shop", "jdbc:postgresql://[2001:db8::7]:5432/shop"),
+    # several hosts, tried in order (it refused the URL: "needs a host")
+    ("postgresql://app@/shop?host=standby:5433&host=primary&target_session_attrs=read-write",
+     "jdbc:postgresql://standby:5433,primary:5432/shop?targetServerType=primary"),
+    ("postgresql://app@/shop?host=[::1]:5433&host=::2&sslmode=require",
+     "jdbc:postgresql://[::1]:5433,[::2]:5432/shop?sslmode=require"),
 ])
 def test_the_jdbc_url_names_the_same_server(database_url: str, jdbc_url: str) -> None:
     options = jdbc_options(database_url)
