@@ -29,7 +29,7 @@ from confluent_kafka import (
 
 from outbox.exceptions import ConfigurationError, ServiceUnavailable
 from outbox.relay.producer import PRODUCER_DEFAULTS, request_timeout_ms
-from outbox.relay.tails import STALL_SECONDS, Stall, Tail
+from outbox.relay.tails import Stall, Tail
 from outbox.relay.transport import PRODUCER_STATE_ERRORS, Delivery, Headers, Report
 from outbox.settings import RelaySettings
 
@@ -241,6 +241,9 @@ class ConfluentTailReader:
     def __init__(self, settings: RelaySettings) -> None:
         self._bootstrap = settings.kafka_bootstrap
         self._config = consumer_config(settings)
+        #: how long a metadata request may go unanswered (kafka-python's reader: its
+        #: bootstrap_timeout_ms); then the takeover is retried as an outage
+        self._answer_within = settings.kafka_connect_timeout_ms / 1000
 
     def _consumer(self) -> Consumer:
         try:
@@ -251,7 +254,7 @@ class ConfluentTailReader:
     def partitions(self, topic: str) -> int:
         consumer = self._consumer()
         try:
-            found = consumer.list_topics(topic, timeout=STALL_SECONDS).topics.get(topic)
+            found = consumer.list_topics(topic, timeout=self._answer_within).topics.get(topic)
         except KafkaException as exc:
             raise ServiceUnavailable(f"no metadata for topic {topic} ({exc})") from None
         finally:
