@@ -65,13 +65,16 @@ class Result:
 
 
 def local_session(settings: ReconcileSettings) -> SparkSession:
-    """The session: spark-submit's when launched by it, else local[*] with the JDBC jar."""
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    """The session: spark-submit's when launched by it, else local[*] with the JDBC jar. A
+    local session's driver listens on the loopback address; one whose executors run
+    elsewhere (``reconcile_spark_master`` a cluster's) must be reachable from them."""
+    submitted = "PYSPARK_GATEWAY_PORT" in os.environ
+    master = settings.reconcile_spark_master or (None if submitted else "local[*]")
+    if master is not None and master.startswith("local"):
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     builder = SparkSession.builder.appName("outbox-reconcile").config(
         "spark.sql.session.timeZone", "UTC")
-    submitted = "PYSPARK_GATEWAY_PORT" in os.environ
-    master = settings.reconcile_spark_master or (None if submitted else "local[*]")
     if master:
         builder = builder.master(master)
     if not submitted:
