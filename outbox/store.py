@@ -247,7 +247,11 @@ def server_tcp_timeouts(connection: psycopg.Connection[Any]) -> dict[str, str]:
     without a reset otherwise lives on until the server's kernel gives up (two hours by
     default), holding its locks (a relay's worker id, its wake locks, which make every
     publish notify) and a connection slot."""
-    params = connection.info.get_parameters()
+    return server_tcp_settings(connection.info.get_parameters())
+
+
+def server_tcp_settings(params: Mapping[str, str]) -> dict[str, str]:
+    """The server's settings for libpq's TCP timeout parameters among ``params``."""
     return {server: str(int(params[client])) for client, server in _SERVER_TCP_SETTINGS.items()
             if params.get(client, "").isdigit()}
 

@@ -176,7 +176,7 @@ def _run(spark: SparkSession, settings: ReconcileSettings, engine: Engine,
             log.info("window %s .. %s (%s): %d messages", _iso(window.since) or "beginning",
                      _iso(window.until), source, bounds.count)
             handed = carry.read(spark, mark.output_path)
-            jdbc = sources.jdbc_options(settings.database_url)
+            jdbc = sources.jdbc_options(settings.database_url, settings.database_tcp_timeout)
             parts = sources.read_count(bounds.count, spark.sparkContext.defaultParallelism,
                                        settings.reconcile_partitions)
             ranges = sources.id_ranges(bounds.min_id or 0, bounds.max_id or 0, parts)

@@ -16,6 +16,7 @@ from sqlalchemy.engine import make_url
 
 from outbox import store
 from outbox.exceptions import ConfigurationError
+from outbox.settings import sqlalchemy_url
 from outbox.spark.kafka_source import (
     CLIENTS,
     FORMAT,
@@ -27,15 +28,27 @@ from outbox.spark.kafka_source import (
 
 JDBC_DRIVER = "org.postgresql.Driver"
 FETCH_SIZE = 10_000
-#: Run on each JDBC connection before its read:
-#:
-#: * no JIT: the subqueries are index range scans whose cost estimate crosses jit_above_cost
-#:   at a few hundred thousand rows: JIT then compiles (and at 5M messages inlines and
-#:   optimises) each one, about 180 ms per orphan-check range, and runs no faster;
-#: * none of the timeouts a DBA may set on the role (store.TIMEOUT_SETTINGS): a read takes
-#:   as long as its rows, and between two fetches of rows its session is idle in its
-#:   transaction while Spark works.
-SESSION_INIT = store.settings_sql({**store.TIMEOUT_SETTINGS, "jit": "off"})
+#: libpq's parameters for a connection's TCP timeouts (settings.tcp_timeouts): pgjdbc has
+#: its own names for two, and a session's server side takes the others (session_init).
+LIBPQ_TCP_PARAMETERS = ("connect_timeout", "keepalives", "keepalives_idle",
+                        "keepalives_interval", "keepalives_count", "tcp_user_timeout")
+
+
+def session_init(tcp: Mapping[str, str]) -> str:
+    """What each JDBC connection runs before its read:
+
+    * no JIT: the subqueries are index range scans whose cost estimate crosses
+      jit_above_cost at a few hundred thousand rows: JIT then compiles (and at 5M messages
+      inlines and optimises) each one, about 180 ms per orphan-check range, and runs no
+      faster;
+    * none of the timeouts a DBA may set on the role (store.TIMEOUT_SETTINGS): a read takes
+      as long as its rows, and between two fetches of rows its session is idle in its
+      transaction while Spark works;
+    * the server's side of the TCP timeouts (``tcp``, libpq's parameters): pgjdbc cannot set
+      them on its socket, and the session of an executor that vanished would live on for
+      the server's kernel's two hours, holding back vacuum with its snapshot."""
+    return store.settings_sql({**store.TIMEOUT_SETTINGS, "jit": "off",
+                               **store.server_tcp_settings(tcp)})
 
 
 #: libpq's ``target_session_attrs`` as pgjdbc's ``targetServerType``.
@@ -44,12 +57,14 @@ TARGET_SERVER_TYPES = {"any": "any", "read-write": "primary", "primary": "primar
                        "prefer-standby": "preferSecondary"}
 
 
-def jdbc_options(database_url: str) -> dict[str, str]:
-    """A ``postgresql://`` URL as the JDBC reader's options (the password stays an option).
-    A URL naming several hosts (``?host=h1:5432&host=h2:5432``) names them all, in order."""
-    url = make_url(database_url)
+def jdbc_options(database_url: str, tcp_timeout: float | None = None) -> dict[str, str]:
+    """A ``postgresql://`` URL as the JDBC reader's options (the password stays an option),
+    with ``tcp_timeout`` as the relay's connections take it (settings.tcp_timeouts). A URL
+    naming several hosts (``?host=h1:5432&host=h2:5432``) names them all, in order."""
+    url = make_url(sqlalchemy_url(database_url, tcp_timeout))
     params = {k: v if isinstance(v, str) else v[-1] for k, v in url.query.items()
               if k not in ("host", "target_session_attrs")}
+    tcp = {name: params.pop(name) for name in LIBPQ_TCP_PARAMETERS if name in params}
     listed = url.query.get("host", ())
     hosts = [_host_port(url.host, url.port)] if url.host else [
         _host_port(*_split_host(entry)) for entry in
@@ -66,12 +81,16 @@ def jdbc_options(database_url: str) -> dict[str, str]:
         "driver": JDBC_DRIVER,
         "fetchsize": str(FETCH_SIZE),
         "ApplicationName": "outbox-reconcile",
-        "sessionInitStatement": SESSION_INIT,
+        "sessionInitStatement": session_init(tcp),
         # Binary results from the first execution (pgjdbc uses text until a statement has run
         # five times, and each subquery runs once): timestamps, bigints and bytea arrive as
         # bytes, not text to parse; reading the window costs about 15% less.
         "prepareThreshold": "-1",
     }
+    if tcp.get("connect_timeout", "").isdigit():
+        options["connectTimeout"] = tcp["connect_timeout"]
+    if tcp.get("keepalives", "1") != "0":
+        options["tcpKeepAlive"] = "true"
     if url.username:
         options["user"] = url.username
     if url.password:

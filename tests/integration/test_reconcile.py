@@ -566,6 +566,9 @@ def test_a_run_sets_aside_the_timeouts_a_dba_set_on_its_role(
     login = f"{schema}_timed"
     timeouts = {"statement_timeout": "5s", "idle_in_transaction_session_timeout": "5s",
                 "lock_timeout": "5s", "idle_session_timeout": "1s"}
+    # the server's side of the TCP timeout (30 s), which pgjdbc cannot set on its socket
+    server_tcp = {"tcp_keepalives_idle": "15", "tcp_keepalives_interval": "5",
+                  "tcp_keepalives_count": "3", "tcp_user_timeout": "30000"}
     with engine.begin() as conn:
         conn.execute(text(f"CREATE ROLE {login} LOGIN PASSWORD 'pw' "
                           f"IN ROLE {devservices.DB_USER}, pg_read_all_stats"))
@@ -577,15 +580,18 @@ def test_a_run_sets_aside_the_timeouts_a_dba_set_on_its_role(
         update={"database_url": url, "reconcile_read_topics": False})
     publish_clean_flow(engine, Outbox(settings=settings), topic, 5)
     try:
-        shown = ", ".join(f"current_setting('{name}') AS {name}" for name in (*timeouts, "jit"))
+        shown = ", ".join(f"current_setting('{name}') AS {name}"
+                          for name in (*timeouts, "jit", *server_tcp))
         probe = spark.read.format("jdbc").options(
-            **sources.jdbc_options(url), query=f"SELECT {shown}").load().collect()
+            **sources.jdbc_options(url, settings.database_tcp_timeout),
+            query=f"SELECT {shown}").load().collect()
         result = job.run(spark, settings, until=datetime.now(UTC))
     finally:
         with engine.begin() as conn:
             conn.execute(text(f"DROP OWNED BY {login}"))
             conn.execute(text(f"DROP ROLE {login}"))
-    assert [row.asDict() for row in probe] == [{**dict.fromkeys(timeouts, "0"), "jit": "off"}]
+    assert [row.asDict() for row in probe] == [
+        {**dict.fromkeys(timeouts, "0"), "jit": "off", **server_tcp}]
     assert result.summary["counts"]["messages"] == 5
     assert result.outcome is RunOutcome.CLEAN
 

@@ -23,3 +23,15 @@ def test_the_jdbc_url_names_the_same_server(database_url: str, jdbc_url: str) ->
     options = jdbc_options(database_url)
     assert options["url"] == jdbc_url
     assert options["user"] == "app"
+
+
+def test_the_jdbc_connections_take_the_tcp_timeout_and_the_server_its_side() -> None:
+    """pgjdbc had no timeout at all: a read from a silent server blocked for ever, and the
+    session of a vanished executor lived on for the server's two hours."""
+    options = jdbc_options("postgresql://app@db/shop?keepalives_count=5", tcp_timeout=30)
+    assert options["url"] == "jdbc:postgresql://db:5432/shop"  # libpq's names left out
+    assert (options["connectTimeout"], options["tcpKeepAlive"]) == ("30", "true")
+    init = options["sessionInitStatement"]
+    for setting in ("('tcp_keepalives_idle', '15')", "('tcp_keepalives_count', '5')",
+                    "('tcp_user_timeout', '30000')", "('statement_timeout', '0')"):
+        assert setting in init, init
