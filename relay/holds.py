@@ -28,6 +28,7 @@ knows it.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Collection
@@ -85,6 +86,13 @@ class TopicHolds:
     def topics(self) -> list[str]:
         """The held topics, which the fetch skips."""
         return list(self._held)
+
+    @property
+    def next_at(self) -> float:
+        """When a held or tried topic is next to be asked about (inf: none is): the main
+        loop, waiting for notifications, waits no longer."""
+        return min((hold.retry_at for hold in (*self._held.values(), *self._tried.values())),
+                   default=math.inf)
 
     def admit(self, conn: Connection, shards: Collection[int],
               batch: list[store.Deliverable]) -> list[store.Deliverable]:

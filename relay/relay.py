@@ -325,7 +325,7 @@ class Relay:
                 if notes is not None and self._heed(notes):
                     promote_at = 0.0
                 continue
-            due = promote_at - time.monotonic() if shards else poll
+            due = min(promote_at, self._holds.next_at) - time.monotonic() if shards else poll
             notes = wakeup.wait(max(0.0, min(poll, due)), self.stopping, self._leases.changed)
             woken = bool(notes)
             if wakeup.waited:

@@ -292,3 +292,17 @@ def test_a_topic_deleted_under_the_relay_is_held_while_the_others_flow(
         assert record.message_id is not None
         by_key.setdefault(record.key, []).append(record.message_id)
     assert all(ids == sorted(ids) for ids in by_key.values()), "held messages keep key order"
+
+
+def test_a_held_topic_is_asked_about_on_time_by_a_relay_with_nothing_else_to_do(
+    engine: Engine, outbox: Outbox, schema: str, missing: str, proxy: KafkaProxy,
+    held_settings: Settings,
+) -> None:
+    """A relay whose only work was a held topic slept out its poll interval between two
+    questions to Kafka (a minute, for a relay that counts on notifications), not the hold's
+    back-off of 1, 2, 4, ... 30 s."""
+    publish_orders(engine, outbox, missing, HELD)
+    with running_relay(held_settings.model_copy(update={"relay_poll_interval": 60})):
+        wait_until(lambda: held_gauge(missing) == 1, 20, "the topic to be held")
+        proxy.release(missing)
+        wait_delivered(engine, schema, len(HELD), timeout=20)
