@@ -884,9 +884,12 @@ def unchecked_groups(conn: Connection, schema: str, groups: Sequence[str]) -> di
     return {row.producer_group: int(row.due) for row in rows}
 
 
-def begin_check(conn: Connection, schema: str, timeout_seconds: float) -> None:
-    """Make the open transaction read-only, with statements cut off after the timeout."""
-    conn.execute(query("begin_check", schema), {"timeout_ms": _milliseconds(timeout_seconds)})
+def begin_check(conn: Connection, schema: str, timeout_seconds: float, idle_seconds: float
+                ) -> None:
+    """Make the open transaction read-only, with statements cut off after the timeout and
+    the session ended once the transaction is idle for ``idle_seconds``."""
+    conn.execute(query("begin_check", schema), {"timeout_ms": _milliseconds(timeout_seconds),
+                                                "idle_ms": _milliseconds(idle_seconds)})
 
 
 def _milliseconds(seconds: float) -> str:

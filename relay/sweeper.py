@@ -256,7 +256,8 @@ class Sweeper:
         for group, checker in sql_checkers.items():
             try:
                 with conn.begin() as transaction:
-                    store.begin_check(conn, self.schema, self.settings.checker_timeout)
+                    store.begin_check(conn, self.schema, self.settings.checker_timeout,
+                                      self.settings.checker_timeout + CLAIM_MARGIN)
                     store.prepare_sql_checker(conn, self.schema, checker.statement)
                     transaction.rollback()
                 store.reset_session(conn, self.schema)
@@ -288,7 +289,8 @@ class Sweeper:
         with self._engine.connect() as conn:
             try:
                 with self._cancellable(item, conn), conn.begin() as transaction:
-                    store.begin_check(conn, self.schema, self.settings.checker_timeout)
+                    store.begin_check(conn, self.schema, self.settings.checker_timeout,
+                                      self.settings.checker_timeout + CLAIM_MARGIN)
                     answer = self.checkers[group](message, conn)
                     transaction.rollback()
                 store.reset_session(conn, self.schema)

@@ -582,9 +582,12 @@ ORDER BY producer_group;
 SELECT set_config('statement_timeout', :timeout_ms, true);
 
 -- name: begin_check
--- A checker's transaction is read-only and its statements are cut off at the checker timeout.
+-- A checker's transaction is read-only and its statements are cut off at the checker timeout;
+-- the session ends if the transaction stays idle past :idle_ms (a Python checker stuck
+-- outside any statement, whose thread cannot be stopped, would hold its snapshot for ever).
 SELECT set_config('transaction_read_only', 'on', true),
-       set_config('statement_timeout', :timeout_ms, true);
+       set_config('statement_timeout', :timeout_ms, true),
+       set_config('idle_in_transaction_session_timeout', :idle_ms, true);
 
 -- name: discarded
 -- What `outbox discarded` lists: rows whose check-backs all stayed inconclusive.

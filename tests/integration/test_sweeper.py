@@ -546,6 +546,38 @@ def test_a_sql_checker_is_cut_off_at_the_checker_timeout(
     assert ops(engine, schema, message_id)[0][1].endswith("checker timed out after 0.3 s")
 
 
+def test_a_python_checker_stuck_between_statements_holds_no_transaction_past_its_claim(
+    engine: Engine, orders: Outbox, fast: Settings, schema: str
+) -> None:
+    """A Python checker's thread cannot be stopped. Stuck outside any statement (a call that
+    never returns), it kept its check's transaction open, and its snapshot held back vacuum,
+    for as long as it was stuck: only a statement was cut off at the checker timeout."""
+    release = threading.Event()
+    checking = threading.Event()
+
+    def stuck(message: Message, conn: Connection) -> str:
+        conn.execute(text("SELECT 1"))
+        checking.set()
+        release.wait(30)
+        return "COMMIT"
+
+    def checks_open() -> int:
+        with engine.connect() as conn:
+            return int(conn.execute(text(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = :name "
+                "AND state = 'idle in transaction' AND now() - state_change > interval '1s'"),
+                {"name": f"outbox-sweeper:{fast.worker_id}"[:63]}).scalar_one())
+
+    prepare(engine, orders)
+    try:
+        with sweeping(fast, {GROUP: stuck}, checker_timeout=0.5):
+            wait_until(checking.is_set, 10, "the check to start")
+            wait_until(lambda: checks_open() == 1, 10, "the check's transaction, idle")
+            wait_until(lambda: checks_open() == 0, 10, "the session to end past the claim")
+    finally:
+        release.set()
+
+
 # --- the command --------------------------------------------------------------------------
 
 def test_sweep_command_uses_the_checkers_of_the_app(
