@@ -226,12 +226,13 @@ def set_session(connection: psycopg.Connection[Any], settings: Mapping[str, str]
 def settings_sql(settings: Mapping[str, str]) -> str:
     """One statement that SETs ``settings`` for the session, but those the server does not
     know (``transaction_timeout`` before PostgreSQL 17), where a SET would fail. One
-    statement, so a role's short ``statement_timeout`` cannot cancel those after the first."""
+    statement, so a role's short ``statement_timeout`` cannot cancel those after the first
+    (0.7 ms where ten SETs took 1.8, BENCHMARKS.md)."""
     rows = sql.SQL(", ").join(sql.SQL("({}, {})").format(sql.Literal(name), sql.Literal(value))
                               for name, value in settings.items())
     return sql.SQL("SELECT count(set_config(v.name, v.setting, false)) "
                    "FROM (VALUES {}) AS v(name, setting) "
-                   "WHERE v.name IN (SELECT name FROM pg_settings)").format(rows).as_string()
+                   "WHERE current_setting(v.name, true) IS NOT NULL").format(rows).as_string()
 
 
 #: libpq's parameters that end a silent connection (settings.tcp_timeouts), and the server's
