@@ -953,6 +953,9 @@ def prepare_sql_checker(conn: Connection, schema: str, statement: str) -> None:
         except psycopg.Error as exc:  # the connection's trouble, not the statement's
             raise DBAPIError.instance(None, None, exc, psycopg.Error) from None
         if result.status != pq.ExecStatus.COMMAND_OK:
+            error = psycopg.errors.error_from_result(result, driver.info.encoding)
+            if isinstance(error, psycopg.errors.QueryCanceled):  # see cut_off
+                raise DBAPIError.instance(None, None, error, psycopg.Error)
             message = result.error_field(pq.DiagnosticField.MESSAGE_PRIMARY) or b"refused"
             raise CheckerRefused(message.decode(driver.info.encoding, errors="replace"))
     if result.nfields == 0:

@@ -264,6 +264,11 @@ class Sweeper:
             except (CheckerRefused, DBAPIError) as exc:
                 if isinstance(exc, DBAPIError) and server_trouble(exc):
                     raise  # the server's, not the checker's: reported as any other
+                if store.cut_off(exc):
+                    log.warning("could not prepare the SQL checker of producer group %r within "
+                                "the checker timeout (%g s: a table it reads is locked?); its "
+                                "checks will tell", group, self.settings.checker_timeout)
+                    continue
                 raise ConfigurationError(
                     f"the SQL checker of producer group {group!r} is refused: "
                     f"{first_line(exc)} (OUTBOX_SQL_CHECKERS)") from None

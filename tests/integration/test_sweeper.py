@@ -546,6 +546,26 @@ def test_a_sql_checker_is_cut_off_at_the_checker_timeout(
     assert ops(engine, schema, message_id)[0][1].endswith("checker timed out after 0.3 s")
 
 
+def test_a_sql_checker_waiting_for_a_locked_table_is_cut_off_as_a_timeout(
+    engine: Engine, orders: Outbox, fast: Settings, schema: str, payments: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """PostgreSQL reads the tables a statement names as it prepares it. A checker of a table
+    locked by a migration waited in its prepare: cut off at the checker timeout, the check
+    was recorded as "PostgreSQL refused", as if the checker could not run; at start, the
+    sweeper refused to start."""
+    caplog.set_level(logging.INFO, logger="outbox.sweeper")
+    with engine.connect() as locker, locker.begin():
+        locker.execute(text(f"LOCK TABLE {payments} IN ACCESS EXCLUSIVE MODE"))
+        with sweeping(fast, sql_checkers={GROUP: f"SELECT 'COMMIT' FROM {payments}"},
+                      check_max=1, checker_timeout=0.3):
+            wait_until(lambda: "started" in caplog.text, 10, "the sweeper to start")
+            message_id = prepare(engine, orders)
+            wait_status(engine, schema, message_id, "DISCARDED")
+    assert ops(engine, schema, message_id)[0][1].endswith("checker timed out after 0.3 s")
+    assert "could not prepare the SQL checker" in caplog.text, caplog.text
+
+
 def test_a_python_checker_stuck_between_statements_holds_no_transaction_past_its_claim(
     engine: Engine, orders: Outbox, fast: Settings, schema: str
 ) -> None:
