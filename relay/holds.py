@@ -19,10 +19,11 @@ request tells a refusal is over, so after each back-off the topic is *tried*: it
 fetched and sent again; refused again, it is held again quietly; once Kafka acknowledges one
 of its records, it is released.
 
-A topic deleted after the relay first asked about it fails as a broker away does (its records
-are retried until the delivery timeout, then the pass ends); any topic whose records failed
-so is asked about again before the next batch is sent to it, and held if Kafka no longer
-knows it.
+A topic deleted after the relay first asked about it looks like a broker away: its records
+are retried. Any topic whose records failed so is asked about again before the next batch
+is sent to it, and held if Kafka no longer knows it; a batch that waits for acks asks about
+its topics after a few seconds, so a deleted topic ends the pass then, not at the delivery
+timeout (relay.py, ``TopicGone``).
 """
 
 from __future__ import annotations

@@ -123,6 +123,9 @@ class KafkaPythonTransport:
     def __init__(self, settings: RelaySettings) -> None:
         self.producer = make_producer(settings)
         self._metadata = self.producer._metadata  # kafka-python's ClusterMetadata
+        #: one look-up at a time: the main loop's and the recorder's (relay.py) would drop
+        #: each other's topics from the metadata
+        self._asking = threading.Lock()
 
     def send(self, topic: str, key: bytes | None, value: bytes, headers: Headers) -> Delivery:
         """Sends a record of a topic :meth:`available` found; one whose metadata the
@@ -163,6 +166,11 @@ class KafkaPythonTransport:
         asked = set(topics) - found
         if not asked:
             return found
+        with self._asking:
+            return found | self._ask(asked, timeout)
+
+    def _ask(self, asked: set[str], timeout: float) -> set[str]:
+        metadata = self._metadata
         answered = threading.Event()
         before = metadata._last_successful_refresh_ms
         for topic in asked:
@@ -170,10 +178,10 @@ class KafkaPythonTransport:
         future.add_both(lambda *_: answered.set())
         self.producer._sender.wakeup()
         answered.wait(timeout)
-        found |= {topic for topic in asked if metadata.partitions_for_topic(topic) is not None}
+        found = {topic for topic in asked if metadata.partitions_for_topic(topic) is not None}
         for topic in asked - found:
             metadata._topics.discard(topic)
-        if found < set(topics) and metadata._last_successful_refresh_ms == before:
+        if found < asked and metadata._last_successful_refresh_ms == before:
             raise ServiceUnavailable(f"Kafka did not answer a metadata request within "
                                      f"{timeout:g}s")
         return found

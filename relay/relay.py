@@ -36,7 +36,7 @@ from outbox.exceptions import ServiceUnavailable, describe
 from outbox.migrate import require_current
 from outbox.relay import metrics
 from outbox.relay.daemon import Lifecycle
-from outbox.relay.holds import TopicHolds
+from outbox.relay.holds import PROBE_SECONDS, TopicHolds
 from outbox.relay.leases import LeaseKeeper, Leases, WorkerIdentity
 from outbox.relay.recovery import Recovery
 from outbox.relay.retention import Pruner
@@ -68,6 +68,13 @@ class BrokerTrouble(Exception):
 class TopicRefused(BrokerTrouble):
     """Kafka's producer stopped after Kafka refused a topic's records (now held): a new one
     goes on with the other topics at once, no outage."""
+
+
+class TopicGone(TopicRefused):
+    """Kafka answered for the topics of a batch waiting for its acks and no longer knows some
+    of them (deleted): their records would be retried for the whole delivery timeout, every
+    topic's batches waiting behind them. A new producer goes on at once; those topics are
+    asked about before their next batch, and held (relay/holds.py)."""
 
 
 class Abandoned(Exception):
@@ -136,6 +143,9 @@ class Relay:
         #: whole record batch for one bad record, so each is sent alone next (set operations
         #: only, from the main loop and the recorder)
         self._suspects: set[int] = set()
+        #: topics Kafka no longer knew while their records awaited acks, this pass: the
+        #: flights still holding their records are given up at once (see _await_acks)
+        self._gone: set[str] = set()
 
     @property
     def owned_shards(self) -> frozenset[int]:
@@ -235,6 +245,7 @@ class Relay:
         if self.stopping.is_set():
             return
         self._identity.hold()  # after an outage: still ours, or taken back
+        self._gone = set()
         wakeup = Wakeup(self.settings.sqlalchemy_url, self.schema)
         if self._keeper.ident is None:
             # LISTEN first: the others answer our first heartbeat with a NOTIFY.
@@ -472,19 +483,40 @@ class Relay:
         started = time.monotonic()
         wedged_after = 2 * self.settings.kafka_delivery_timeout_ms / 1000 + SLOW_ACK_SECONDS
         warned = False
+        topics = {row.topic for row, delivery in zip(flight.rows, flight.deliveries,
+                                                      strict=True) if delivery is not None}
+        look_at = started + (0 if topics & self._gone else SLOW_ACK_SECONDS)
         while not flight.settled(0.25):
             if self.lifecycle.abandon.is_set():
                 raise Abandoned
-            if time.monotonic() - started > wedged_after:
+            now = time.monotonic()
+            if now - started > wedged_after:
                 raise BrokerTrouble(
                     f"Kafka's producer has not settled {len(flight.sent)} records in "
                     f"{wedged_after:.0f}s, past its delivery timeout: it is stuck")
-            if not warned and time.monotonic() - started > SLOW_ACK_SECONDS:
+            if now >= look_at:
+                look_at = now + SLOW_ACK_SECONDS
+                self._give_up_gone_topics(flight, topics, now - started)
+            if not warned and now - started > SLOW_ACK_SECONDS:
                 warned = True
                 self.lifecycle.outage(
                     f"Kafka has not acknowledged {len(flight.sent)} messages for "
                     f"{SLOW_ACK_SECONDS:.0f}s (the producer retries for "
                     f"{self.settings.kafka_delivery_timeout_ms / 1000:.0f}s)", since=started)
+
+    def _give_up_gone_topics(self, flight: InFlight, topics: set[str], waited: float) -> None:
+        """Raises TopicGone if Kafka answers for ``topics`` and no longer knows some of them;
+        no answer is an outage, waited out as before."""
+        try:
+            gone = topics - flight.transport.available(topics, PROBE_SECONDS)
+        except ServiceUnavailable:
+            return
+        if gone:
+            self._gone |= gone
+            self._holds.lost(gone)
+            raise TopicGone(f"Kafka no longer knows topic {', '.join(sorted(gone))} (deleted?) "
+                            f"while {len(flight.sent)} records of a batch have waited "
+                            f"{waited:.1f}s for their acks")
 
     def in_flight(self) -> int:
         recorder = self._recorder

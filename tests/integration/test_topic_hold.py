@@ -294,6 +294,33 @@ def test_a_topic_deleted_under_the_relay_is_held_while_the_others_flow(
     assert all(ids == sorted(ids) for ids in by_key.values()), "held messages keep key order"
 
 
+def test_a_topic_deleted_under_the_relay_stalls_the_others_for_seconds_not_its_delivery_timeout(
+    engine: Engine, outbox: Outbox, schema: str, topic: str, proxy: KafkaProxy,
+    held_settings: Settings, services: devservices.Services,
+) -> None:
+    """The records of a deleted topic in flight are retried for the producer's delivery
+    timeout (two minutes by default), and every topic's batches waited behind them: once
+    Kafka answers for the others and no longer knows the topic, it is held at once."""
+    doomed = f"doomed-{uuid.uuid4().hex[:8]}"
+    create_topic(services.kafka_bootstrap, doomed, partitions=1)
+    first = publish_orders(engine, outbox, doomed, HELD[:10])
+    patient = held_settings.model_copy(update={"kafka_delivery_timeout_ms": 120_000})
+    with running_relay(patient):
+        wait_delivered(engine, schema, len(first))
+        proxy.delete(doomed)
+        for held, good in zip(HELD[10:], (GOOD[i::20] for i in range(20)), strict=True):
+            publish_orders(engine, outbox, doomed, [held])  # every batch holds both topics
+            publish_orders(engine, outbox, topic, good)
+        wait_until(lambda: count_topic(engine, schema, topic, "DELIVERED") == len(GOOD), 30,
+                   "the other topic's messages, well within the delivery timeout")
+        assert held_gauge(doomed) == 1
+        assert count_topic(engine, schema, doomed, "PENDING") == len(HELD) - 10
+        proxy.release(doomed)
+        proxy.accept(doomed)
+        wait_delivered(engine, schema, len(HELD) + len(GOOD), timeout=60)
+    assert Counter(ids_per_record(services, topic).values()) == {1: len(GOOD)}
+
+
 def test_a_held_topic_is_asked_about_on_time_by_a_relay_with_nothing_else_to_do(
     engine: Engine, outbox: Outbox, schema: str, missing: str, proxy: KafkaProxy,
     held_settings: Settings,
