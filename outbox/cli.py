@@ -258,9 +258,9 @@ def status(shared: Shared, as_json: bool) -> None:
                    f"{relay_row['in_flight']} in flight")
     _print_topics(topics)
     for held in (t for t in topics if t["held"]):
-        until = (f"Kafka accepts them ({held['held_reason']}; "
-                 if held["held_reason"].startswith("Kafka refuses")
-                 else "Kafka knows the topic (create it; ")
+        until = ("Kafka knows the topic (create it; "
+                 if held["held_reason"].startswith("Kafka has no metadata")
+                 else f"Kafka accepts them ({held['held_reason']}; ")
         click.echo(f"topic {held['topic']} held: {held['held']} messages wait until {until}"
                    "OUTBOX_TOPIC_HOLD_PARK_AFTER parks them)")
     for group in check_backs:

@@ -17,7 +17,10 @@ bound the relay's clock is outside, a message format too old for headers:
 by one: the refusal is the operator's to mend, and says nothing of the messages. No metadata
 request tells a refusal is over, so after each back-off the topic is *tried*: its rows are
 fetched and sent again; refused again, it is held again quietly; once Kafka acknowledges one
-of its records, it is released.
+of its records, it is released. So is a topic whose records Kafka *keeps retrying* while it
+acknowledges other topics' (a partition without a leader or enough in-sync replicas, which
+the producer retries until its delivery timeout while every topic waits behind it: relay.py's
+``_give_up_stuck_topics``).
 
 A topic deleted after the relay first asked about it looks like a broker away: its records
 are retried. Any topic whose records failed so is asked about again before the next batch
@@ -61,10 +64,11 @@ class Hold:
     retry_at: float = 0.0
     parked: int = 0
     refused: bool = False  #: Kafka refuses its records (else: Kafka has no metadata for it)
+    stuck: bool = False  #: refused, in that Kafka retries them while it takes other topics'
 
 
 class TopicHolds:
-    """The relay's held topics; used by its main loop, except :meth:`refused`,
+    """The relay's held topics; used by its main loop, except :meth:`refused`, :meth:`stuck`,
     :meth:`landed` and :meth:`lost`, which the recorder calls with what Kafka answered."""
 
     def __init__(self, settings: RelaySettings, transport: Transport) -> None:
@@ -80,7 +84,7 @@ class TopicHolds:
         self.tried: frozenset[str] = frozenset()
         self._answers_lock = threading.Lock()
         #: from the recorder, in the order of the batches: (what Kafka did, topic, error),
-        #: what being "refused", "landed" (a record of a tried topic) or "lost"
+        #: what being "refused", "stuck", "landed" (a record of a tried topic) or "lost"
         self._answers: list[tuple[str, str, str]] = []
 
     @property
@@ -111,6 +115,13 @@ class TopicHolds:
         """Kafka refused a record of ``topic`` for the topic's sake (recorder thread)."""
         with self._answers_lock:
             self._answers.append(("refused", topic, error))
+
+    def stuck(self, topics: Collection[str], waited: float) -> None:
+        """Kafka acknowledged other topics' records while these topics' waited ``waited``
+        seconds (a partition without a leader or enough in-sync replicas, which the producer
+        retries until its delivery timeout): held as refused ones (any thread)."""
+        with self._answers_lock:
+            self._answers.extend(("stuck", topic, f"{waited:.0f}s") for topic in topics)
 
     def landed(self, topics: Collection[str]) -> None:
         """Kafka acknowledged records of these tried topics (recorder thread)."""
@@ -168,7 +179,7 @@ class TopicHolds:
             elif topic not in self._held:
                 hold = self._tried.pop(topic, None)
                 if hold is None:
-                    hold = self._hold_refused(topic, error)
+                    hold = self._hold_refused(topic, error, stuck=what == "stuck")
                 else:  # tried too soon: back off further, quietly
                     self._back_off(hold)
                 self._held[topic] = hold
@@ -186,15 +197,23 @@ class TopicHolds:
             log.warning("topic %s: Kafka takes its records again after %.1fs: delivering "
                         "its held messages", topic, time.monotonic() - hold.since)
 
-    def _hold_refused(self, topic: str, error: str) -> Hold:
+    def _hold_refused(self, topic: str, error: str, stuck: bool) -> Hold:
         started = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
-        hold = Hold(since=time.monotonic(), refused=True, reason=(
-            f"held: Kafka refuses the records of topic {topic} ({error}) since {started}"))
+        if stuck:
+            what = (f"Kafka has not acknowledged its records for {error} while it acknowledged "
+                    "other topics' (a partition without a leader, or without enough in-sync "
+                    "replicas?)")
+            reason = (f"held: Kafka retries the records of topic {topic} while it takes other "
+                      f"topics' (a partition without a leader, or without enough in-sync "
+                      f"replicas?) since {started}")
+        else:
+            what = f"Kafka refuses its records ({error}), a grant or a setting to mend"
+            reason = f"held: Kafka refuses the records of topic {topic} ({error}) since {started}"
+        hold = Hold(since=time.monotonic(), refused=True, stuck=stuck, reason=reason)
         hold.retry_at = hold.since + hold.retry_in
         metrics.TOPIC_HELD.labels(topic).set(1)
-        log.warning("topic %s: Kafka refuses its records (%s), a grant or a setting to mend; "
-                    "holding its messages, other topics keep flowing; %s", topic, error,
-                    self._bound("sent again with back-off until accepted"))
+        log.warning("topic %s: %s; holding its messages, other topics keep flowing; %s", topic,
+                    what, self._bound("sent again with back-off until accepted"))
         return hold
 
     @staticmethod
@@ -247,7 +266,8 @@ class TopicHolds:
 
     def _park(self, conn: Connection, shards: Collection[int], topic: str, hold: Hold,
               held_for: float) -> None:
-        what, mend = (("refused by Kafka", "grant the relay's principal what it lacks")
+        what, mend = (("not acknowledged by Kafka", "mend its partitions") if hold.stuck
+                      else ("refused by Kafka", "grant the relay's principal what it lacks")
                       if hold.refused else ("unknown to Kafka", "create the topic"))
         reason = (f"topic {topic} {what} for {held_for:.0f}s "
                   f"(OUTBOX_TOPIC_HOLD_PARK_AFTER={self._park_after:g}): {mend}, "

@@ -143,9 +143,9 @@ class Relay:
         #: whole record batch for one bad record, so each is sent alone next (set operations
         #: only, from the main loop and the recorder)
         self._suspects: set[int] = set()
-        #: topics Kafka no longer knew while their records awaited acks, this pass: the
-        #: flights still holding their records are given up at once (see _await_acks)
-        self._gone: set[str] = set()
+        #: topics whose records awaiting acks were given up this pass (see
+        #: _give_up_stuck_topics): the flights still holding their records are given up at once
+        self._given_up: set[str] = set()
 
     @property
     def owned_shards(self) -> frozenset[int]:
@@ -245,7 +245,7 @@ class Relay:
         if self.stopping.is_set():
             return
         self._identity.hold()  # after an outage: still ours, or taken back
-        self._gone = set()
+        self._given_up = set()
         wakeup = Wakeup(self.settings.sqlalchemy_url, self.schema)
         if self._keeper.ident is None:
             # LISTEN first: the others answer our first heartbeat with a NOTIFY.
@@ -485,7 +485,7 @@ class Relay:
         warned = False
         topics = {row.topic for row, delivery in zip(flight.rows, flight.deliveries,
                                                       strict=True) if delivery is not None}
-        look_at = started + (0 if topics & self._gone else SLOW_ACK_SECONDS)
+        look_at = started + (0 if topics & self._given_up else SLOW_ACK_SECONDS)
         while not flight.settled(0.25):
             if self.lifecycle.abandon.is_set():
                 raise Abandoned
@@ -496,7 +496,7 @@ class Relay:
                     f"{wedged_after:.0f}s, past its delivery timeout: it is stuck")
             if now >= look_at:
                 look_at = now + SLOW_ACK_SECONDS
-                self._give_up_gone_topics(flight, topics, now - started)
+                self._give_up_stuck_topics(flight, now - started)
             if not warned and now - started > SLOW_ACK_SECONDS:
                 warned = True
                 self.lifecycle.outage(
@@ -504,19 +504,44 @@ class Relay:
                     f"{SLOW_ACK_SECONDS:.0f}s (the producer retries for "
                     f"{self.settings.kafka_delivery_timeout_ms / 1000:.0f}s)", since=started)
 
-    def _give_up_gone_topics(self, flight: InFlight, topics: set[str], waited: float) -> None:
-        """Raises TopicGone if Kafka answers for ``topics`` and no longer knows some of them;
-        no answer is an outage, waited out as before."""
+    def _give_up_stuck_topics(self, flight: InFlight, waited: float) -> None:
+        """Ends the pass, a new producer going on at once, if Kafka answers while records of
+        ``flight`` wait: TopicGone if it no longer knows their topic (deleted); TopicRefused,
+        the topic held as a refused one, if records of other topics sent with or after them
+        have landed meanwhile (a partition without a leader or enough in-sync replicas, which
+        the producer retries until its delivery timeout while every topic waits behind it),
+        or if it is such a topic tried again. Neither: an outage, waited out as before."""
+        transport = flight.transport
+        waiting = {row.topic for row, delivery in zip(flight.rows, flight.deliveries, strict=True)
+                   if delivery is not None and not transport.wait([delivery], 0)}
+        if not waiting:
+            return
         try:
-            gone = topics - flight.transport.available(topics, PROBE_SECONDS)
+            gone = waiting - transport.available(waiting, PROBE_SECONDS)
         except ServiceUnavailable:
             return
         if gone:
-            self._gone |= gone
+            self._given_up |= gone
             self._holds.lost(gone)
             raise TopicGone(f"Kafka no longer knows topic {', '.join(sorted(gone))} (deleted?) "
                             f"while {len(flight.sent)} records of a batch have waited "
                             f"{waited:.1f}s for their acks")
+        recorder = self._recorder
+        landed = {row.topic for later in (recorder.flights() if recorder else [flight])
+                  if later.transport is transport
+                  for row, delivery in zip(later.rows, later.deliveries, strict=True)
+                  if delivery is not None and delivery.error is None
+                  and transport.wait([delivery], 0)}
+        # a topic tried again after it was held so (relay/holds.py) needs no other evidence:
+        # were Kafka away, the other topics' records would show it next
+        stuck = waiting if landed - waiting else waiting & self._holds.tried
+        if stuck:
+            self._given_up |= stuck
+            self._holds.stuck(stuck, waited)
+            raise TopicRefused(f"Kafka has not acknowledged the records of topic "
+                               f"{', '.join(sorted(stuck))} for {waited:.1f}s" + (
+                                   " while it acknowledged other topics' records"
+                                   if landed - waiting else ", tried again"))
 
     def in_flight(self) -> int:
         recorder = self._recorder
@@ -559,6 +584,11 @@ class Recorder(threading.Thread):
     def in_flight_ids(self) -> store.IdRanges:
         with self._changed:
             return store.IdRanges.joined(flight.ids for flight in self._unsettled)
+
+    def flights(self) -> list[InFlight]:
+        """The batches handed over and not yet settled, in order."""
+        with self._changed:
+            return list(self._unsettled)
 
     def in_flight_count(self) -> int:
         with self._changed:

@@ -163,14 +163,15 @@ def test_acks_that_arrived_are_recorded_before_a_failed_pass_sends_again(
 ) -> None:
     """The first batch holds a record the broker keeps refusing (retriable) until the
     producer's delivery timeout ends the pass; the three batches sent after it were acked
-    meanwhile, and a new pass must not send them again."""
+    meanwhile, and a new pass must not send them again. (The timeout is shorter than the 5 s
+    after which the relay would hold the topic instead: see the test below.)"""
     refused = f"refused-{uuid.uuid4().hex[:8]}"
     create_topic(services.kafka_bootstrap, refused, partitions=1)
     proxy.refuse(refused)
     publish_orders(engine, outbox, refused, [("r", 0)])
     good_ids = publish_orders(engine, outbox, topic, GOOD[:79])  # 4 batches of 20 with it
     failing = held_settings.model_copy(update={"relay_batch_size": 20,
-                                               "kafka_delivery_timeout_ms": 6_000})
+                                               "kafka_delivery_timeout_ms": 3_000})
     with running_relay(failing) as relay:
         wait_until(lambda: "BrokerTrouble" in caplog.text, 60,
                    "the refused record to end a pass")
@@ -319,6 +320,54 @@ def test_a_topic_deleted_under_the_relay_stalls_the_others_for_seconds_not_its_d
         proxy.accept(doomed)
         wait_delivered(engine, schema, len(HELD) + len(GOOD), timeout=60)
     assert Counter(ids_per_record(services, topic).values()) == {1: len(GOOD)}
+
+
+def test_a_topic_kafka_keeps_retrying_is_held_while_the_others_flow(
+    engine: Engine, outbox: Outbox, schema: str, topic: str, proxy: KafkaProxy,
+    held_settings: Settings, services: devservices.Services, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A partition without enough in-sync replicas (NOT_ENOUGH_REPLICAS, retriable) fails
+    nothing until the delivery timeout: every topic's batches waited two minutes behind its
+    records, pass after pass (measured with a 10 s timeout: 80 messages/s delivered of 166
+    published). Once other topics' records land meanwhile, it is held as a refused one."""
+    caplog.set_level(logging.INFO, logger="outbox.relay")
+    stuck = f"stuck-{uuid.uuid4().hex[:8]}"
+    create_topic(services.kafka_bootstrap, stuck, partitions=1)
+    patient = held_settings.model_copy(update={"kafka_delivery_timeout_ms": 120_000})
+    with running_relay(patient):
+        publish_orders(engine, outbox, stuck, HELD[:1])
+        wait_delivered(engine, schema, 1)
+        proxy.refuse(stuck)
+        for held, good in zip(HELD[1:21], (GOOD[i::20] for i in range(20)), strict=True):
+            publish_orders(engine, outbox, stuck, [held])  # every batch holds both topics
+            publish_orders(engine, outbox, topic, good)
+        wait_until(lambda: count_topic(engine, schema, topic, "DELIVERED") == len(GOOD), 30,
+                   "the other topic's messages, well within the delivery timeout")
+        wait_until(lambda: held_gauge(stuck) == 1, 10, "the topic to be held")
+        assert count_topic(engine, schema, stuck, "PENDING") == 20
+        shown = run_outbox(patient, "status")
+        assert f"topic {stuck} held: 20 messages wait until Kafka accepts them (Kafka retries " \
+            "the records" in shown.stdout, shown.stdout
+        wait_until(lambda: caplog.text.count("producer after TopicRefused") >= 2, 30,
+                   "a try of the topic, a second behind, to find it stuck again")
+        publish_orders(engine, outbox, topic, GOOD[:50])
+        wait_until(lambda: count_topic(engine, schema, topic, "DELIVERED") == len(GOOD) + 50,
+                   30, "the other topic's later messages")
+        assert held_gauge(stuck) == 1
+        proxy.accept(stuck)
+        wait_delivered(engine, schema, 21 + len(GOOD) + 50, timeout=90)
+        wait_until(lambda: held_gauge(stuck) == 0, 10, "the topic to be released")
+    assert Counter(ids_per_record(services, topic).values()) == {1: len(GOOD) + 50}
+    assert caplog.text.count("Kafka has not acknowledged its records") == 1, "held quietly"
+    records = read_topic(services.kafka_bootstrap, stuck)
+    ids = [record.message_id for record in records]
+    assert len(ids) == len(set(ids)) == 21, "each once, none lost"
+    by_key: dict[bytes | None, list[int]] = {}
+    for record in records:
+        assert record.message_id is not None
+        by_key.setdefault(record.key, []).append(record.message_id)
+    assert all(ids == sorted(ids) for ids in by_key.values()), "held messages keep key order"
+    assert "paused" not in caplog.text, "Kafka answered all along: no outage"
 
 
 def test_a_held_topic_is_asked_about_on_time_by_a_relay_with_nothing_else_to_do(
