@@ -516,6 +516,9 @@ class Relay:
                    if delivery is not None and not transport.wait([delivery], 0)}
         if not waiting:
             return
+        if waiting & self._given_up:  # the pass is ending: salvage no more of this batch
+            raise TopicRefused(f"records of topic {', '.join(sorted(waiting & self._given_up))}"
+                               " given up this pass")
         try:
             gone = waiting - transport.available(waiting, PROBE_SECONDS)
         except ServiceUnavailable:
