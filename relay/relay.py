@@ -483,9 +483,8 @@ class Relay:
         started = time.monotonic()
         wedged_after = 2 * self.settings.kafka_delivery_timeout_ms / 1000 + SLOW_ACK_SECONDS
         warned = False
-        topics = {row.topic for row, delivery in zip(flight.rows, flight.deliveries,
-                                                      strict=True) if delivery is not None}
-        look_at = started + (0 if topics & self._given_up else SLOW_ACK_SECONDS)
+        given_up = self._given_up and {row.topic for row in flight.rows} & self._given_up
+        look_at = started + (0 if given_up else SLOW_ACK_SECONDS)
         while not flight.settled(0.25):
             if self.lifecycle.abandon.is_set():
                 raise Abandoned
