@@ -542,6 +542,18 @@ def mark_delivered(
     return _driver_rows(conn, "mark_delivered", schema, params)
 
 
+#: What PostgreSQL's text refuses: NUL, and lone surrogates (which UTF-8 cannot encode).
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+
+
+def as_text(value: str | bytes) -> str:
+    """``value`` as PostgreSQL text holds it: bytes decoded as UTF-8, and invalid UTF-8, NUL
+    and lone surrogates replaced by U+FFFD. An error's text (a checker's, a broker's) or a
+    binary key refused by the driver would fail the statement recording it."""
+    text = value.decode(errors="replace") if isinstance(value, bytes) else value
+    return _UNSTORABLE.sub("\ufffd", text)
+
+
 @dataclass(frozen=True, slots=True)
 class Failure:
     id: int
@@ -560,7 +572,7 @@ def record_failures(
         query("record_failures", schema),
         {
             "ids": int_array(f.id for f in failures),
-            "errors": [f.error for f in failures],
+            "errors": [as_text(f.error) for f in failures],
             "permanent": [f.permanent for f in failures],
             "max_attempts": max_attempts,
             "actor": actor,
@@ -573,14 +585,14 @@ def mark_held(conn: Connection, schema: str, topic: str, shards: Iterable[int],
               reason: str) -> None:
     """Note ``reason`` (starting with ``held: ``) on a held topic's waiting rows."""
     conn.execute(query("mark_held", schema),
-                 {"topic": topic, "shards": int_array(shards), "reason": reason})
+                 {"topic": topic, "shards": int_array(shards), "reason": as_text(reason)})
 
 
 def park_topic(conn: Connection, schema: str, actor: str, topic: str, shards: Iterable[int],
                reason: str) -> int:
     """Park a held topic's waiting rows with ``reason``; returns how many."""
     rows = conn.execute(query("park_topic", schema), {
-        "topic": topic, "shards": int_array(shards), "reason": reason, "actor": actor})
+        "topic": topic, "shards": int_array(shards), "reason": as_text(reason), "actor": actor})
     return len(rows.all())
 
 
@@ -859,7 +871,7 @@ def record_checks(
             "ids": int_array(o.id for o in outcomes),
             "tokens": [o.token for o in outcomes],
             "resolutions": [o.resolution.value for o in outcomes],
-            "details": [o.detail for o in outcomes],
+            "details": [as_text(o.detail) for o in outcomes],
             "check_interval": check_interval,
             "check_max": check_max,
             "actor": actor,
@@ -978,8 +990,8 @@ def run_sql_checker(conn: Connection, schema: str, statement: str, message: Mess
         "id": message.id,
         "producer_group": message.producer_group,
         "topic": message.topic,
-        "key": None if message.key is None else message.key.decode(errors="replace"),
-        "payload": message.payload.decode(errors="replace"),
+        "key": None if message.key is None else as_text(message.key),
+        "payload": as_text(message.payload),
         "check_count": message.check_count,
     }
     return conn.execute(query("run_sql_checker", schema), params).scalar()

@@ -21,7 +21,15 @@ from outbox.dev import services as devservices
 from outbox.settings import Settings
 from tests.conftest import wait_until
 from tests.integration import test_sweeper
-from tests.integration.test_sweeper import GROUP, ops, prepare, row, sweeping, wait_status
+from tests.integration.test_sweeper import (
+    GROUP,
+    ops,
+    prepare,
+    row,
+    sweeping,
+    wait_resolution,
+    wait_status,
+)
 from tests.processes import start_outbox
 from tests.tcp_proxy import TcpProxy
 
@@ -188,6 +196,21 @@ def test_a_checker_cannot_call_functions_the_sweepers_superuser_may(
 @pytest.fixture
 def services_url(fast: Settings) -> str:
     return fast.database_url
+
+
+def test_a_binary_key_and_payload_reach_a_sql_checker_as_text(
+    engine: Engine, orders: Outbox, fast: Settings, schema: str, roles: list[str]
+) -> None:
+    """A NUL byte in a key or payload (protobuf, an integer or UUID as key bytes) made every
+    check of the message "PostgreSQL refused: ... cannot contain NUL (0x00) bytes", and the
+    message was discarded after 15, whatever the checker would have answered. They reach it
+    as text, NUL and invalid UTF-8 replaced by U+FFFD."""
+    message_id = prepare(engine, orders, payload=b"\x00\xff{}", key=b"\x00\x2a")
+    sql = ("SELECT CASE WHEN :key = U&'\\FFFD*' AND :payload = U&'\\FFFD\\FFFD{}' "
+           "THEN 'COMMIT' ELSE 'ROLLBACK' END")
+    with sweeping(fast, sql_checkers={GROUP: sql}):
+        wait_resolution(engine, schema, message_id, "COMMIT", timeout=15)
+    assert row(engine, schema, message_id).check_count == 1
 
 
 def test_a_connection_lost_while_a_sql_checker_is_prepared_is_not_the_message_s_fault(

@@ -55,7 +55,7 @@ def sweeping(settings: Settings, checkers: Mapping[str, Checker] | None = None,
 
 
 def prepare(engine: Engine, outbox: Outbox, topic: str = "orders", payload: object = "x",
-            key: str | None = None) -> int:
+            key: str | bytes | None = None) -> int:
     with Session(engine) as session, session.begin():
         return outbox.prepare(session, topic, payload, key=key)
 
@@ -162,6 +162,22 @@ def test_a_checker_that_raises_counts_as_inconclusive(
     assert ops(engine, schema, message_id) == [
         ("DISCARDED", "3 inconclusive check-backs, the last: checker raised ConnectionError: "
                       "inventory service unreachable")]
+
+
+def test_a_checker_whose_error_postgresql_cannot_store_is_counted_all_the_same(
+    engine: Engine, orders: Outbox, fast: Settings, schema: str
+) -> None:
+    """An error's text holding a NUL or a lone surrogate (an echoed binary reply) could not
+    be recorded: the check was never counted, and the message was checked again for ever."""
+    def garbled(message: Message, conn: Connection) -> str:
+        raise ValueError("reply b'\x00\x01' then \ud800")
+
+    message_id = prepare(engine, orders)
+    with sweeping(fast, {GROUP: garbled}, check_max=2):
+        wait_status(engine, schema, message_id, "DISCARDED", timeout=20)
+    assert ops(engine, schema, message_id) == [
+        ("DISCARDED", "2 inconclusive check-backs, the last: checker raised ValueError: "
+                      "reply b'\ufffd\x01' then \ufffd")]
 
 
 def test_a_checker_that_calls_sys_exit_counts_as_inconclusive(
