@@ -111,7 +111,11 @@ def checkers_for(settings: SweepSettings, checkers: Mapping[str, Checker]) -> di
 class _Running:
     claim: store.Claim
     deadline: float
+    #: counted as timed out at its deadline (_expire): its answer, if one comes, is ignored
     expired: bool = False
+    #: its checker returned or raised: it is not counted as timed out (set under the lock,
+    #: as ``expired`` is, so that one check is never counted both ways)
+    ended: bool = False
     #: The connection the check runs on while it runs: cancelled at the deadline.
     driver: psycopg.Connection[Any] | None = None
 
@@ -276,8 +280,13 @@ class Sweeper:
     def _check(self, item: _Running) -> None:
         """One check-back, in a worker thread; then records its outcome."""
         message = item.claim.message
-        resolution, kind, detail = self._ask(item)
-        if item.expired:  # counted and logged at its deadline (_expire), which cancelled it
+        try:
+            resolution, kind, detail = self._ask(item)
+        finally:
+            with self._lock:
+                item.ended = True
+                expired = item.expired
+        if expired:  # counted and logged at its deadline (_expire), which cancelled it
             return
         if kind in ("ERROR", "TIMEOUT"):
             log.warning("message %d (producer group %r): %s; counted as inconclusive",
@@ -308,8 +317,8 @@ class Sweeper:
                     raise  # not the message's fault: uncounted, checked again (_loop logs it)
                 if isinstance(exc, CheckerRefused | DBAPIError):
                     return Resolution.UNKNOWN, "ERROR", f"PostgreSQL refused: {first_line(exc)}"
-                return (Resolution.UNKNOWN, "ERROR",
-                        f"checker raised {type(exc).__name__}: {first_line(exc)}")
+                return (Resolution.UNKNOWN, "ERROR",  # its text as it is recorded, logged too
+                        f"checker raised {type(exc).__name__}: {store.as_text(first_line(exc))}")
         return resolution, resolution.value, f"checker answered {resolution}"
 
     @contextlib.contextmanager
@@ -330,12 +339,15 @@ class Sweeper:
 
         The thread may still finish; its late answer then finds the claim gone and is ignored.
         """
-        overdue = [r for r in running.values() if not r.expired and r.deadline <= now]
+        with self._lock:  # one that ended unrecorded (in a database outage) is not counted:
+            overdue = [r for r in running.values()  # its claim lapses, and it is checked again
+                       if not (r.expired or r.ended) and r.deadline <= now]
+            for item in overdue:
+                item.expired = True
         if not overdue:
             return
         detail = _timed_out(self.settings.checker_timeout)
         for item in overdue:
-            item.expired = True
             with self._lock:
                 if item.driver is not None:
                     try:

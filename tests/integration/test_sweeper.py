@@ -17,17 +17,19 @@ from typing import Any
 
 import pytest
 from prometheus_client import REGISTRY
-from sqlalchemy import Connection, Engine, Row, text
+from sqlalchemy import Connection, Engine, Row, make_url, text
 from sqlalchemy.orm import Session
 
 from outbox import Message, Outbox, store
 from outbox.checkers import Checker
+from outbox.dev import services as devservices
 from outbox.dev.topics import read_topic
 from outbox.relay.relay import Relay
 from outbox.relay.sweeper import Sweeper
 from outbox.settings import Settings
 from tests.conftest import publish_orders, running, wait_delivered, wait_until
 from tests.processes import outbox_env, run_outbox, start_outbox
+from tests.tcp_proxy import TcpProxy
 
 GROUP = "orders"
 
@@ -178,6 +180,36 @@ def test_a_checker_whose_error_postgresql_cannot_store_is_counted_all_the_same(
     assert ops(engine, schema, message_id) == [
         ("DISCARDED", "2 inconclusive check-backs, the last: checker raised ValueError: "
                       "reply b'\ufffd\x01' then \ufffd")]
+
+
+def test_a_check_that_ended_during_a_database_outage_is_not_counted_as_timed_out(
+    services: devservices.Services, engine: Engine, orders: Outbox, fast: Settings,
+    schema: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A checker answered COMMIT while PostgreSQL was away, so its answer could not be
+    recorded. Back from the outage, the sweeper counted that finished check as timed out (it
+    was still listed as running): with one check left, a committed message was discarded."""
+    proxy = TcpProxy(make_url(services.database_url).port or 5432)
+    through = fast.model_copy(update={"database_url": make_url(services.database_url).set(
+        port=proxy.port).render_as_string(hide_password=False), "check_max": 1})
+    asked = threading.Event()
+
+    def slow_commit(message: Message, conn: Connection) -> str:
+        asked.set()
+        time.sleep(1.0)
+        return "COMMIT"
+
+    message_id = prepare(engine, orders)
+    try:
+        with sweeping(through, {GROUP: slow_commit}):
+            assert asked.wait(15), "the check to start"
+            proxy.cut()
+            time.sleep(through.checker_timeout + 1)  # past the check's deadline
+            proxy.restore()
+            wait_resolution(engine, schema, message_id, "COMMIT", timeout=30)
+    finally:
+        proxy.close()
+    assert "timed out" not in caplog.text, caplog.text
 
 
 def test_a_checker_that_calls_sys_exit_counts_as_inconclusive(
