@@ -309,7 +309,7 @@ class Sweeper:
                     transaction.rollback()
                 store.reset_session(conn, self.schema)
                 resolution = to_resolution(answer, f"the checker of producer group {group!r}")
-            except (Exception, SystemExit) as exc:  # a checker calling sys.exit is an error too
+            except BaseException as exc:  # sys.exit, a cancelled coroutine's: errors too
                 conn.invalidate()
                 if store.cut_off(exc):
                     return Resolution.UNKNOWN, "TIMEOUT", _timed_out(self.settings.checker_timeout)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import logging
@@ -212,17 +213,24 @@ def test_a_check_that_ended_during_a_database_outage_is_not_counted_as_timed_out
     assert "timed out" not in caplog.text, caplog.text
 
 
-def test_a_checker_that_calls_sys_exit_counts_as_inconclusive(
-    engine: Engine, orders: Outbox, fast: Settings, schema: str
+@pytest.mark.parametrize("raised", [SystemExit(3), asyncio.CancelledError("cancelled"),
+                                    KeyboardInterrupt("interrupted")],
+                         ids=["sys.exit", "asyncio-cancelled", "keyboard-interrupt"])
+def test_a_checker_that_raises_a_base_exception_counts_as_inconclusive(
+    engine: Engine, orders: Outbox, fast: Settings, schema: str, raised: BaseException
 ) -> None:
-    def exits(message: Message, conn: Connection) -> str:
-        raise SystemExit(3)
+    """Only SystemExit was caught: a checker that ran a coroutine cancelled under it (an
+    ``asyncio.CancelledError``, no Exception) was never counted, and its message was checked
+    again every few seconds for ever, its key held back behind it."""
+    def raises(message: Message, conn: Connection) -> str:
+        raise raised
 
     message_id = prepare(engine, orders)
-    with sweeping(fast, {GROUP: exits}, check_max=2):
+    with sweeping(fast, {GROUP: raises}, check_max=2):
         wait_status(engine, schema, message_id, "DISCARDED", timeout=20)
     assert ops(engine, schema, message_id) == [
-        ("DISCARDED", "2 inconclusive check-backs, the last: checker raised SystemExit: 3")]
+        ("DISCARDED", f"2 inconclusive check-backs, the last: checker raised "
+                      f"{type(raised).__name__}: {raised}")]
 
 
 def test_a_checker_that_times_out_counts_as_inconclusive_and_its_late_answer_is_ignored(
