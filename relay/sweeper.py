@@ -301,6 +301,7 @@ class Sweeper:
         message = item.claim.message
         group = message.producer_group
         with self._engine.connect() as conn:
+            driver = conn.connection.driver_connection
             try:
                 with self._cancellable(item, conn), conn.begin() as transaction:
                     store.begin_check(conn, self.schema, self.settings.checker_timeout,
@@ -310,12 +311,15 @@ class Sweeper:
                 store.reset_session(conn, self.schema)
                 resolution = to_resolution(answer, f"the checker of producer group {group!r}")
             except BaseException as exc:  # sys.exit, a cancelled coroutine's: errors too
+                lost = driver is None or driver.closed or driver.broken  # the check's session
                 conn.invalidate()
                 if store.cut_off(exc):
                     return Resolution.UNKNOWN, "TIMEOUT", _timed_out(self.settings.checker_timeout)
                 if isinstance(exc, DBAPIError) and server_trouble(exc):
-                    raise  # not the message's fault: uncounted, checked again (_loop logs it)
-                if isinstance(exc, CheckerRefused | DBAPIError):
+                    if lost:  # not the message's fault: uncounted, checked again (_loop logs)
+                        raise
+                    # else a database of the checker's own does not answer: the check failed
+                elif isinstance(exc, CheckerRefused | DBAPIError):
                     return Resolution.UNKNOWN, "ERROR", f"PostgreSQL refused: {first_line(exc)}"
                 return (Resolution.UNKNOWN, "ERROR",  # its text as it is recorded, logged too
                         f"checker raised {type(exc).__name__}: {store.as_text(first_line(exc))}")

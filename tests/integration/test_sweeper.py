@@ -18,12 +18,13 @@ from typing import Any
 
 import pytest
 from prometheus_client import REGISTRY
-from sqlalchemy import Connection, Engine, Row, make_url, text
+from sqlalchemy import Connection, Engine, Row, create_engine, make_url, text
 from sqlalchemy.orm import Session
 
 from outbox import Message, Outbox, store
 from outbox.checkers import Checker
 from outbox.dev import services as devservices
+from outbox.dev.services import free_port
 from outbox.dev.topics import read_topic
 from outbox.relay.relay import Relay
 from outbox.relay.sweeper import Sweeper
@@ -165,6 +166,27 @@ def test_a_checker_that_raises_counts_as_inconclusive(
     assert ops(engine, schema, message_id) == [
         ("DISCARDED", "3 inconclusive check-backs, the last: checker raised ConnectionError: "
                       "inventory service unreachable")]
+
+
+def test_a_checker_whose_own_database_is_down_counts_as_inconclusive(
+    engine: Engine, orders: Outbox, fast: Settings, schema: str
+) -> None:
+    """A Python checker asking another database (the business one) that does not answer
+    raised the same OperationalError as a lost outbox connection: taken for the outbox's own
+    trouble, the check was never counted, and the message was checked again for ever."""
+    elsewhere = create_engine(f"postgresql+psycopg://nobody@127.0.0.1:{free_port()}/shop")
+
+    def asks_elsewhere(message: Message, conn: Connection) -> str:
+        with elsewhere.connect() as shop:
+            return str(shop.execute(text("SELECT 'COMMIT'")).scalar_one())
+
+    message_id = prepare(engine, orders)
+    with sweeping(fast, {GROUP: asks_elsewhere}, check_max=2):
+        wait_status(engine, schema, message_id, "DISCARDED", timeout=20)
+    [(action, detail)] = ops(engine, schema, message_id)
+    assert (action, detail.split(":")[0]) == (
+        "DISCARDED", "2 inconclusive check-backs, the last"), detail
+    assert "checker raised OperationalError: " in detail and "refused" in detail, detail
 
 
 def test_a_checker_whose_error_postgresql_cannot_store_is_counted_all_the_same(
