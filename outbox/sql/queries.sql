@@ -522,10 +522,18 @@ RETURNING m.id, m.producer_group, m.topic, m.key, m.header_keys, m.header_values
 -- COMMIT leaves the row to the relay (and wakes it); ROLLBACK deletes it with an op record;
 -- an inconclusive answer schedules the next check, or at the :check_max-th discards the row
 -- with an op record (RocketMQ's TRANS_CHECK_MAX_TIME_TOPIC). Returns the rows it changed.
-WITH outcome AS (
-    SELECT * FROM unnest(CAST(:ids AS bigint[]), CAST(:tokens AS timestamptz[]),
-                         CAST(:resolutions AS text[]), CAST(:details AS text[]))
+-- A row locked by an application's decision not yet committed is skipped, not waited for:
+-- its decision wins if it commits, and if not, the claim lapses and the row is checked again
+-- (the sweeper's main loop records timeouts here, and waited as long as the application).
+WITH unlocked AS (
+    SELECT message_id FROM {schema}.pending
+    WHERE message_id = ANY(CAST(:ids AS bigint[]))
+    FOR UPDATE SKIP LOCKED
+), outcome AS (
+    SELECT o.* FROM unnest(CAST(:ids AS bigint[]), CAST(:tokens AS timestamptz[]),
+                           CAST(:resolutions AS text[]), CAST(:details AS text[]))
              AS o(id, token, resolution, detail)
+    JOIN unlocked ON unlocked.message_id = o.id
 ), checked AS (
     UPDATE {schema}.pending AS p
     SET check_count = p.check_count + 1,

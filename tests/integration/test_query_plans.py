@@ -185,7 +185,9 @@ def test_the_sweeper_reads_its_due_rows_whatever_the_statistics_say_of_the_backl
                           "channel": "test"}}
     for name, params in statements.items():
         plan = explained(engine, schema, name, params)
-        assert rows_read(plan, "pending") <= 2 * len(unknown), (name, plan)
+        # record_checks reads its 10 rows to lock them (SKIP LOCKED), then, planned on the
+        # snapshot, the 50 due ones twice (its UPDATE and DELETE): 110 of 30,020
+        assert rows_read(plan, "pending") <= 3 * len(unknown), (name, plan)
 
 
 def test_the_outbox_processes_run_without_jit_and_with_custom_plans(

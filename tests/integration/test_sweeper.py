@@ -313,6 +313,35 @@ def test_a_slow_checker_does_not_starve_the_others(
 
 # --- decisions and claims ------------------------------------------------------------------
 
+def test_a_decision_held_open_during_a_timed_out_check_stops_no_other_check(
+    engine: Engine, orders: Outbox, fast: Settings, schema: str,
+) -> None:
+    """The sweeper counts a timed-out check in its main loop. An application that decided
+    that message in a transaction still open held the row's lock, and the main loop waited
+    for it: no message of any group was claimed until the application committed."""
+    in_check, release = threading.Event(), threading.Event()
+    first = prepare(engine, orders)
+
+    def slow_then_quick(message: Message, conn: Connection) -> str:
+        if message.id == first:
+            in_check.set()
+            release.wait(20)
+        return "COMMIT"
+
+    with sweeping(fast, {GROUP: slow_then_quick}, checker_timeout=1), \
+            Session(engine) as app:
+        assert in_check.wait(30)
+        app.begin()
+        orders.commit(app, first)  # the row is locked until the application commits
+        time.sleep(2 * fast.checker_timeout)  # past the check's deadline
+        later = prepare(engine, orders)
+        wait_resolution(engine, schema, later, "COMMIT", timeout=10)
+        app.commit()
+        release.set()
+    assert row(engine, schema, first).resolution == "COMMIT"
+
+
+
 @pytest.mark.parametrize(("decision", "late_answer", "resolved"), [
     ("commit", "ROLLBACK", "COMMIT"),
     ("commit", "UNKNOWN", "COMMIT"),
