@@ -6,7 +6,8 @@ RocketMQ's transactional check on PostgreSQL. A row whose resolution is UNKNOWN 
 ``next_check_at`` past the checker timeout: several sweepers never check one row at the same
 time, and a crashed sweeper's claims simply expire. Each check runs its producer group's
 checker in a worker thread (at most ``sweep_concurrency`` at once, so one slow checker does
-not starve the others), in a read-only transaction with a statement timeout. COMMIT hands
+not starve the others; a group whose Python checks are stuck past their timeout is set aside
+until one ends), in a read-only transaction with a statement timeout. COMMIT hands
 the row to the relay, ROLLBACK closes it; an UNKNOWN answer, an error or a timeout is
 counted, and the ``check_max``-th such check discards the row: kept, logged, counted,
 listed by ``outbox discarded`` and re-armed by ``outbox resume``.
@@ -49,6 +50,11 @@ CHECKS = Counter(
 )
 DISCARDED = Counter(
     "outbox_messages_discarded", "Messages discarded after check_max inconclusive check-backs",
+    ["producer_group"],
+)
+STUCK = Gauge(
+    "outbox_checks_stuck",
+    "Checks still running past the checker timeout (a Python checker cannot be stopped)",
     ["producer_group"],
 )
 UNCHECKED = Gauge(
@@ -153,8 +159,16 @@ class Sweeper:
         self._stopped: Future[None] = Future()  # completed by stop(): wakes the loop's wait
         self._lock = threading.Lock()
         self._reported: set[str] = set()
+        #: A group with this many checks stuck past their timeout is not claimed until one
+        #: ends: each keeps its thread and connection, and its messages would be claimed
+        #: and stuck again while the other groups' waited for a free slot.
+        self._stuck_limit = max(1, settings.sweep_concurrency // 2)
+        self._stuck_groups: set[str] = set()
+        #: threads (and connections) the checks may hold: the running ones, and the stuck
+        self._threads = settings.sweep_concurrency + self._stuck_limit * len(self.groups)
         self._engine: Engine = store.engine(
-            settings.sqlalchemy_url, pool_size=settings.sweep_concurrency + 1, max_overflow=2,
+            settings.sqlalchemy_url, pool_size=settings.sweep_concurrency + 1,
+            max_overflow=self._threads - settings.sweep_concurrency + 2,
             pool_pre_ping=True,
             connect_args={"application_name": f"outbox-sweeper:{settings.worker_id}"[:63]},
         )
@@ -177,7 +191,7 @@ class Sweeper:
         log.info("sweeper %s started: database %s, schema %s, checkers for %s",
                  self.settings.worker_id, mask_url(self.settings.database_url), self.schema,
                  ", ".join(self.groups))
-        executor = ThreadPoolExecutor(self.settings.sweep_concurrency, "checker")
+        executor = ThreadPoolExecutor(self._threads, "checker")
         running: dict[Future[None], _Running] = {}
         try:
             self.lifecycle.serve(lambda: self._serve(executor, running), (DBAPIError,),
@@ -212,11 +226,13 @@ class Sweeper:
             if now >= report_at:
                 self._report_unchecked(conn)
                 report_at = now + settings.check_interval
-            wanted = min(settings.sweep_concurrency - len(running), settings.sweep_batch_size)
+            live = sum(1 for item in running.values() if not item.expired)
+            groups = self._claimable(running)
+            wanted = min(settings.sweep_concurrency - live, settings.sweep_batch_size)
             claims: list[store.Claim] = []
-            if wanted > 0:
+            if wanted > 0 and groups:
                 with conn.begin():
-                    claims = store.claim_checks(conn, self.schema, self.groups, wanted,
+                    claims = store.claim_checks(conn, self.schema, groups, wanted,
                                                 settings.checker_timeout + CLAIM_MARGIN)
             self.lifecycle.recovered()  # its statements ran: not merely connected
             started = time.monotonic()
@@ -224,14 +240,14 @@ class Sweeper:
                 item = _Running(claim, started + settings.checker_timeout)
                 running[executor.submit(self._check, item)] = item
             timeout = settings.sweep_poll_interval
-            if claims and len(claims) == wanted and len(running) < settings.sweep_concurrency:
+            if claims and len(claims) == wanted and live + len(claims) < settings.sweep_concurrency:
                 timeout = 0.0  # a full batch, and room for more: claim again at once
             deadlines = [r.deadline for r in running.values() if not r.expired]
             if deadlines:
                 timeout = min(timeout, min(deadlines) - time.monotonic())
-            if len(claims) < wanted:  # nothing more is due now: sleep until the next one is
+            if len(claims) < wanted and groups:  # nothing more is due: sleep until the next is
                 with conn.begin():
-                    due_in = store.next_check_in(conn, self.schema, self.groups)
+                    due_in = store.next_check_in(conn, self.schema, groups)
                 if due_in is not None:
                     timeout = min(timeout, max(due_in, MIN_SLEEP))
             done, _ = wait([*running, self._stopped], max(timeout, 0.0),
@@ -243,6 +259,25 @@ class Sweeper:
                                 "when its claim expires: %s", ended.claim.message.id,
                                 ended.claim.message.producer_group,
                                 first_line(future.exception()))
+
+    def _claimable(self, running: dict[Future[None], _Running]) -> list[str]:
+        """The groups whose messages may be claimed: not those with ``_stuck_limit`` checks
+        still running past their timeout (said once, and by ``outbox_checks_stuck``)."""
+        stuck = collections.Counter(item.claim.message.producer_group
+                                    for item in running.values() if item.expired)
+        for group in self.groups:
+            STUCK.labels(group).set(stuck[group])
+        blocked = {group for group, count in stuck.items() if count >= self._stuck_limit}
+        for group in sorted(blocked - self._stuck_groups):
+            log.warning("producer group %r: %d checks still run past their timeout of %g s "
+                        "(a Python checker cannot be stopped: give its calls a timeout); its "
+                        "messages are not checked until one ends, the other groups' are",
+                        group, stuck[group], self.settings.checker_timeout)
+        for group in sorted(self._stuck_groups - blocked):
+            log.warning("producer group %r: a stuck check ended; checking its messages again",
+                        group)
+        self._stuck_groups = blocked
+        return [group for group in self.groups if group not in blocked]
 
     def _refuse_bad_sql_checkers(self, conn: Connection) -> None:
         """Prepare each SQL checker once at start, as a check would: one that PostgreSQL

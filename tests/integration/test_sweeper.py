@@ -311,6 +311,39 @@ def test_a_slow_checker_does_not_starve_the_others(
         wait_resolution(engine, schema, stuck_id, "COMMIT")
 
 
+def test_checkers_stuck_past_their_timeout_do_not_starve_the_other_groups(
+    engine: Engine, orders: Outbox, fast: Settings, schema: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A Python checker stuck for good (a network call without a timeout, to a host that
+    drops its packets) keeps its thread. Each timed-out check stayed one of the
+    ``sweep_concurrency`` slots, and its message was claimed again and stuck again: with
+    every slot stuck, no message of any group was checked again, and nothing said why."""
+    release = threading.Event()
+
+    def hangs(message: Message, conn: Connection) -> str:
+        release.wait(60)
+        return "COMMIT"
+
+    hung = Outbox(settings=fast, producer_group="hung")
+    stuck_ids = [prepare(engine, hung) for _ in range(4)]
+    try:
+        with caplog.at_level(logging.WARNING, "outbox.sweeper"), \
+                sweeping(fast, {"hung": hangs, GROUP: answering("COMMIT")},
+                         sweep_concurrency=2, checker_timeout=0.5, check_interval=0.5):
+            time.sleep(4)  # every slot stuck, had the stuck ones kept theirs
+            quick_ids = [prepare(engine, orders) for _ in range(3)]
+            for message_id in quick_ids:
+                wait_resolution(engine, schema, message_id, "COMMIT", timeout=10)
+            assert any("producer group 'hung': 1 checks still run past" in r.getMessage()
+                       for r in caplog.records), caplog.text
+            release.set()
+            for message_id in stuck_ids:
+                wait_resolution(engine, schema, message_id, "COMMIT", timeout=20)
+    finally:
+        release.set()
+
+
 # --- decisions and claims ------------------------------------------------------------------
 
 def test_a_decision_held_open_during_a_timed_out_check_stops_no_other_check(
