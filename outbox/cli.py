@@ -6,11 +6,12 @@ import contextlib
 import logging
 import os
 import sys
+import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import click
 from alembic.util.exc import CommandError as AlembicError
@@ -61,23 +62,27 @@ class OutboxGroup(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except OutboxError as exc:
-            click.echo(f"outbox: error: {exc}", err=True)
-            ctx.exit(2)
-        except OperationalError as exc:
-            url = ctx.obj.used_url if isinstance(ctx.obj, Shared) else ""
-            click.echo(f"outbox: error: cannot use PostgreSQL at {mask_url(url)}: "
-                       f"{first_line(exc)}", err=True)
-            ctx.exit(2)
-        except DBAPIError as exc:
-            hint = setup_error(exc)
-            if hint is None:
+        except Exception as exc:
+            line = error_line(ctx, exc)
+            if line is None:
                 raise
-            click.echo(f"outbox: error: {hint}", err=True)
+            click.echo(line, err=True)
             ctx.exit(2)
-        except AlembicError as exc:
-            click.echo(f"outbox: error: {first_line(exc)}", err=True)
-            ctx.exit(2)
+
+
+def error_line(ctx: click.Context, exc: Exception) -> str | None:
+    """The one line for an error a user can fix; None for a bug (a traceback)."""
+    if isinstance(exc, OutboxError):
+        return f"outbox: error: {exc}"
+    if isinstance(exc, OperationalError):
+        url = ctx.obj.used_url if isinstance(ctx.obj, Shared) else ""
+        return f"outbox: error: cannot use PostgreSQL at {mask_url(url)}: {first_line(exc)}"
+    if isinstance(exc, DBAPIError):
+        hint = setup_error(exc)
+        return None if hint is None else f"outbox: error: {hint}"
+    if isinstance(exc, AlembicError):
+        return f"outbox: error: {first_line(exc)}"
+    return None
 
 
 @contextlib.contextmanager
@@ -405,11 +410,25 @@ def sweep(shared: Shared, app_path: str | None, check_interval: float | None,
         from outbox.relay import metrics
 
         metrics.serve(settings.sweep_metrics_port)
-    run_until_signalled(daemon)
-    if daemon.stuck:  # their threads would be joined at exit, for ever
-        logging.shutdown()
-        sys.stdout.flush()
-        os._exit(0)
+    try:
+        run_until_signalled(daemon)
+    except Exception as exc:
+        if not daemon.stuck:
+            raise
+        line = error_line(click.get_current_context(), exc)
+        click.echo(line or "".join(traceback.format_exception(exc)), err=True)
+        _exit_leaving_threads(2 if line else 1)
+    if daemon.stuck:
+        _exit_leaving_threads(0)
+
+
+def _exit_leaving_threads(code: int) -> NoReturn:
+    """Exit now: the threads of checks stuck past their timeout would be joined at exit, for
+    ever (Python cannot stop a thread)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 @main.command()

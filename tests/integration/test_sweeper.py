@@ -777,6 +777,29 @@ def test_sweep_command_stops_on_sigterm_though_a_checker_never_answers(
     assert f"checks of messages {message_id} are still running past their timeout" in output
 
 
+def test_sweep_command_exits_on_a_setup_error_though_a_checker_never_answers(
+    engine: Engine, fast: Settings, schema: str
+) -> None:
+    """The same stuck thread, when the sweeper stopped on an error (a privilege revoked, a
+    table dropped): the error was printed, then the interpreter waited for the thread at
+    exit, for ever, and no supervisor could restart the process."""
+    message_id = prepare(engine, Outbox(settings=fast, producer_group="stuck-orders"))
+    sweeper = start_outbox(fast, "sweep", "--app", "tests.checker_app:stuck",
+                           "--check-interval", "0.1", "--checker-timeout", "0.5")
+    try:
+        wait_until(lambda: row(engine, schema, message_id).check_count >= 1, 30,
+                   "the check to time out")
+        with engine.begin() as conn:
+            conn.execute(text(f"DROP TABLE {schema}.pending CASCADE"))
+        output, _ = sweeper.communicate(timeout=30)
+    finally:
+        if sweeper.poll() is None:
+            sweeper.kill()
+            sweeper.communicate()
+    assert sweeper.returncode == 2, output
+    assert "outbox: error: a table is missing" in output, output
+
+
 @pytest.mark.parametrize(("args", "env", "error"), [
     (("--app", "no_such_service.outbox:outbox"), {},
      "--app no_such_service.outbox:outbox: cannot import 'no_such_service.outbox'"),
