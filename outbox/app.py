@@ -516,6 +516,11 @@ def _noting_unknown(message_id: int) -> Iterator[None]:
     """Tell whoever sees an exception from the local transaction what became of the row."""
     try:
         yield
+    except DecisionConflict as exc:
+        exc.add_note(f"outbox message {message_id} was resolved while the local transaction "
+                     "ran (by its check-back, if the local transaction outlasted "
+                     "transaction_timeout or its check_immunity)")
+        raise
     except BaseException as exc:
         exc.add_note(f"outbox message {message_id} stays UNKNOWN until its check-back "
                      "resolves it")

@@ -89,6 +89,28 @@ def test_local_transaction_answering_rollback_is_never_delivered(
         ("ROLLED_BACK", f"app:{settings.worker_id}")]
 
 
+def test_a_check_back_that_resolved_the_message_during_the_local_transaction_is_said_so(
+    engine: Engine, outbox: Outbox, schema: str
+) -> None:
+    """A local transaction longer than the transaction timeout meets its check-back: a
+    checker that cannot see its effect yet answers ROLLBACK. The DecisionConflict that
+    followed carried the note "stays UNKNOWN until its check-back resolves it", where the
+    message was rolled back for good."""
+    def slow_charge(message: Message) -> str:
+        outbox.rollback(engine, message.id)  # the check-back, answered meanwhile
+        return "COMMIT"
+
+    with pytest.raises(DecisionConflict) as caught:
+        outbox.send_in_transaction(engine, "orders", {"n": 1}, slow_charge)
+
+    message_id = int(str(caught.value).split()[1])
+    assert message_row(engine, schema, message_id).status == "ROLLED_BACK"
+    assert caught.value.__notes__ == [
+        f"outbox message {message_id} was resolved while the local transaction ran (by its "
+        "check-back, if the local transaction outlasted transaction_timeout or its "
+        "check_immunity)"]
+
+
 def test_local_transaction_that_raises_leaves_the_message_unknown_for_the_check_back(
     engine: Engine, outbox: Outbox, schema: str, settings: Settings
 ) -> None:
