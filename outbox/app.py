@@ -23,6 +23,7 @@ from outbox.encoding import (
     CONTROL,
     MAX_MESSAGE_ID,
     EncodedMessage,
+    check_waiting_key,
     cloudevent_headers,
     delivery_time,
     encode,
@@ -126,12 +127,15 @@ class Outbox:
         """
         _check_options("publish", options, _PUBLISH_KEYS)
         message = self._encode(topic, payload, options)
+        delivery_time = self._delivery_time(options)
+        if delivery_time:
+            check_waiting_key(message.key, "delayed message")
         statement, params = store.publish(
             self.schema,
             message,
             producer_group=self.producer_group,
             notify=self.settings.notify,
-            **self._delivery_time(options),
+            **delivery_time,
         )
         _refuse_engine(session)
         return self._execute(session, statement, params, _message_id)
@@ -243,6 +247,7 @@ class Outbox:
     def _prepare_statement(
         self, message: EncodedMessage, options: PrepareOptions
     ) -> tuple[TextClause, dict[str, Any]]:
+        check_waiting_key(message.key, "prepared message")
         check_immunity = options.get("check_immunity")
         if check_immunity is None:
             check_after = self.settings.transaction_timeout
