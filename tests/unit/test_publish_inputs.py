@@ -79,8 +79,10 @@ def test_bad_publish_input_is_one_invalid_message(engine: Engine, outbox: Outbox
     assert connections == []
 
 
-@pytest.mark.parametrize("group", [None, "", 5, "a\x00b"])
+@pytest.mark.parametrize("group", [None, "", 5, "a\x00b", "orders-\udcff"])
 def test_a_bad_producer_group_is_refused_when_the_outbox_is_made(group: object) -> None:
+    """A lone surrogate (an environment value decoded with surrogateescape) passed, and
+    every publish then raised a bare UnicodeEncodeError from the driver."""
     with pytest.raises(ConfigurationError, match="producer_group"):
         Outbox(settings=PublishSettings(), producer_group=group)  # type: ignore[arg-type]
 
@@ -104,7 +106,7 @@ def test_settings_that_are_not_publishing_settings_are_refused(settings: object)
         Outbox(settings=settings)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("source", ["", 5, "urn:\x00"])
+@pytest.mark.parametrize("source", ["", 5, "urn:\x00", "urn:\udcff"])
 def test_a_bad_cloudevents_source_is_refused_when_the_outbox_is_made(source: object) -> None:
     """An empty one meant no CloudEvents at all, an int failed every publish later."""
     with pytest.raises(ConfigurationError, match="cloudevents_source"):
