@@ -30,7 +30,7 @@ from outbox.relay.relay import Relay
 from outbox.relay.sweeper import Sweeper
 from outbox.settings import Settings
 from tests.conftest import publish_orders, running, wait_delivered, wait_until
-from tests.processes import outbox_env, run_outbox, start_outbox
+from tests.processes import OutboxProcess, outbox_env, run_outbox, start_outbox
 from tests.tcp_proxy import TcpProxy
 
 GROUP = "orders"
@@ -755,24 +755,32 @@ def test_sweep_command_uses_the_checkers_of_the_app(
     assert "checkers for cli-orders" in output
 
 
-def test_sweep_command_stops_on_sigterm_though_a_checker_never_answers(
-    engine: Engine, fast: Settings, schema: str
-) -> None:
-    """A Python checker cannot be stopped: its thread outlived the sweeper's loop, and the
-    interpreter waited for it at exit, so SIGTERM never ended the process."""
+@contextmanager
+def stuck_sweeper(engine: Engine, fast: Settings, schema: str
+                  ) -> Iterator[tuple[OutboxProcess, int]]:
+    """`outbox sweep` whose Python checker never answers, once its first check timed out;
+    killed afterwards if it is still running."""
     message_id = prepare(engine, Outbox(settings=fast, producer_group="stuck-orders"))
     sweeper = start_outbox(fast, "sweep", "--app", "tests.checker_app:stuck",
                            "--check-interval", "0.1", "--checker-timeout", "0.5")
     try:
         wait_until(lambda: row(engine, schema, message_id).check_count >= 1, 30,
                    "the check to time out")
+        yield sweeper, message_id
     finally:
-        sweeper.send_signal(signal.SIGTERM)
-        try:
-            output, _ = sweeper.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
+        if sweeper.poll() is None:
             sweeper.kill()
-            raise
+            sweeper.communicate()
+
+
+def test_sweep_command_stops_on_sigterm_though_a_checker_never_answers(
+    engine: Engine, fast: Settings, schema: str
+) -> None:
+    """A Python checker cannot be stopped: its thread outlived the sweeper's loop, and the
+    interpreter waited for it at exit, so SIGTERM never ended the process."""
+    with stuck_sweeper(engine, fast, schema) as (sweeper, message_id):
+        sweeper.send_signal(signal.SIGTERM)
+        output, _ = sweeper.communicate(timeout=30)
     assert sweeper.returncode == 0, output
     assert f"checks of messages {message_id} are still running past their timeout" in output
 
@@ -783,19 +791,10 @@ def test_sweep_command_exits_on_a_setup_error_though_a_checker_never_answers(
     """The same stuck thread, when the sweeper stopped on an error (a privilege revoked, a
     table dropped): the error was printed, then the interpreter waited for the thread at
     exit, for ever, and no supervisor could restart the process."""
-    message_id = prepare(engine, Outbox(settings=fast, producer_group="stuck-orders"))
-    sweeper = start_outbox(fast, "sweep", "--app", "tests.checker_app:stuck",
-                           "--check-interval", "0.1", "--checker-timeout", "0.5")
-    try:
-        wait_until(lambda: row(engine, schema, message_id).check_count >= 1, 30,
-                   "the check to time out")
+    with stuck_sweeper(engine, fast, schema) as (sweeper, _):
         with engine.begin() as conn:
             conn.execute(text(f"DROP TABLE {schema}.pending CASCADE"))
         output, _ = sweeper.communicate(timeout=30)
-    finally:
-        if sweeper.poll() is None:
-            sweeper.kill()
-            sweeper.communicate()
     assert sweeper.returncode == 2, output
     assert "outbox: error: a table is missing" in output, output
 
