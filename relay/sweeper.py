@@ -164,8 +164,11 @@ class Sweeper:
         #: and stuck again while the other groups' waited for a free slot.
         self._stuck_limit = max(1, settings.sweep_concurrency // 2)
         self._stuck_groups: set[str] = set()
-        #: threads (and connections) the checks may hold: the running ones, and the stuck
-        self._threads = settings.sweep_concurrency + self._stuck_limit * len(self.groups)
+        #: threads (and connections) the checks may hold: the running ones, and per group
+        #: the stuck ones, below the limit and then as many as were running when they
+        #: timed out (a check waiting for a thread would be counted as timed out unrun)
+        self._threads = settings.sweep_concurrency + len(self.groups) * (
+            self._stuck_limit - 1 + settings.sweep_concurrency)
         self._engine: Engine = store.engine(
             settings.sqlalchemy_url, pool_size=settings.sweep_concurrency + 1,
             max_overflow=self._threads - settings.sweep_concurrency + 2,
