@@ -8,7 +8,6 @@ import logging
 import operator
 import os
 import random
-import re
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping
 from datetime import timedelta
 from typing import Any, TypeVar, Unpack, get_type_hints, overload
@@ -438,15 +437,10 @@ def _name(value: Any, what: str) -> str:
     """A producer group or CloudEvents source: refused at once when it is not a usable str
     (an empty one would silently mean the default, or no CloudEvents at all)."""
     if not isinstance(value, str) or not value or CONTROL.search(value) \
-            or _UNENCODABLE.search(value):
+            or store.as_text(value) != value:  # a lone surrogate: the driver refuses it
         raise ConfigurationError(f"{what} must be a non-empty str without control "
                                  f"characters or lone surrogates, got {value!r}")
     return value
-
-
-#: What UTF-8 cannot encode: lone surrogates (an environment value decoded with
-#: ``surrogateescape``, say), which the driver refused at every publish.
-_UNENCODABLE = re.compile("[\ud800-\udfff]")
 
 
 _PUBLISH_KEYS = frozenset(get_type_hints(PublishOptions))
