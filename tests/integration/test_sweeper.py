@@ -335,7 +335,8 @@ def test_checkers_stuck_past_their_timeout_do_not_starve_the_other_groups(
             quick_ids = [prepare(engine, orders) for _ in range(3)]
             for message_id in quick_ids:
                 wait_resolution(engine, schema, message_id, "COMMIT", timeout=10)
-            assert any("producer group 'hung': 1 checks still run past" in r.getMessage()
+            assert any(r.getMessage().startswith("producer group 'hung': ")  # 1 or 2 of
+                       and "checks still run past their timeout" in r.getMessage()  # them
                        for r in caplog.records), caplog.text
             release.set()
             for message_id in stuck_ids:
