@@ -201,18 +201,31 @@ class Sweeper:
                                  max_wait=10, engines=(self._engine,))
         finally:
             executor.shutdown(wait=False, cancel_futures=True)
-            if not self.lifecycle.abandon.is_set():
-                wait(running, timeout=self.settings.checker_timeout)  # let answers land
+            self._let_answers_land(running)
             self.stuck = sorted({item.claim.message.id for future, item in running.items()
                                  if not future.done()})
             if self.stuck:
-                log.warning("sweeper %s: checks of messages %s are still running past their "
-                            "timeout (a Python checker cannot be stopped); they are left to "
-                            "run and their messages are checked again", self.settings.worker_id,
-                            ", ".join(map(str, self.stuck)))
+                log.warning("sweeper %s: %s (a Python checker cannot be stopped); they are "
+                            "left to run and their messages are checked again",
+                            self.settings.worker_id, self._unfinished())
             self._engine.dispose()
             log.info("sweeper %s stopped after %d check-backs", self.settings.worker_id,
                      sum(self.counts.outcomes.values()))
+
+    def _let_answers_land(self, running: dict[Future[None], _Running]) -> None:
+        """Wait up to the checker timeout for running checks to record their answers; a
+        second signal (``abandon``) ends the wait."""
+        deadline = time.monotonic() + self.settings.checker_timeout
+        while not self.lifecycle.abandon.is_set() and time.monotonic() < deadline:
+            if not wait(running, timeout=min(0.1, deadline - time.monotonic())).not_done:
+                return
+
+    def _unfinished(self) -> str:
+        """What the checks still running at the end (``stuck``) are: abandoned, or stuck."""
+        ids = ", ".join(map(str, self.stuck))
+        if self.lifecycle.abandon.is_set():
+            return f"checks of messages {ids} were abandoned"
+        return f"checks of messages {ids} are still running past their timeout"
 
     def _serve(self, executor: ThreadPoolExecutor, running: dict[Future[None], _Running]
                ) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from sqlalchemy import Connection
+from sqlalchemy import Connection, text
 
 from outbox import Message, Outbox
 
@@ -17,12 +17,14 @@ def order_was_placed(message: Message, conn: Connection) -> str:
     return "COMMIT"
 
 
-#: A checker that never answers, as one calling a service without a timeout would:
+#: A checker that never answers, as one calling a service without a timeout would, once it
+#: has read its database (its session shows the check in hand):
 #: `outbox sweep --app tests.checker_app:stuck`.
 stuck = Outbox(producer_group="stuck-orders")
 
 
 @stuck.checker()
 def never_answers(message: Message, conn: Connection) -> str:
+    conn.execute(text("SELECT 1"))
     threading.Event().wait()
     return "COMMIT"

@@ -14,6 +14,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -76,6 +77,15 @@ def ops(engine: Engine, schema: str, message_id: int) -> list[tuple[str, str]]:
         return [(r.action, r.detail) for r in conn.execute(text(
             f"SELECT action, detail FROM {schema}.op_record WHERE message_id = :id ORDER BY id"),
             {"id": message_id})]
+
+
+def checks_open(engine: Engine, settings: Settings) -> int:
+    """The sweeper's sessions idle in a transaction for over a second: checks in hand."""
+    with engine.connect() as conn:
+        return int(conn.execute(text(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = :name "
+            "AND state = 'idle in transaction' AND now() - state_change > interval '1s'"),
+            {"name": f"outbox-sweeper:{settings.worker_id}"[:63]}).scalar_one())
 
 
 def wait_status(engine: Engine, schema: str, message_id: int, status: str,
@@ -722,19 +732,13 @@ def test_a_python_checker_stuck_between_statements_holds_no_transaction_past_its
         release.wait(30)
         return "COMMIT"
 
-    def checks_open() -> int:
-        with engine.connect() as conn:
-            return int(conn.execute(text(
-                "SELECT count(*) FROM pg_stat_activity WHERE application_name = :name "
-                "AND state = 'idle in transaction' AND now() - state_change > interval '1s'"),
-                {"name": f"outbox-sweeper:{fast.worker_id}"[:63]}).scalar_one())
-
     prepare(engine, orders)
     try:
         with sweeping(fast, {GROUP: stuck}, checker_timeout=0.5):
             wait_until(checking.is_set, 10, "the check to start")
-            wait_until(lambda: checks_open() == 1, 10, "the check's transaction, idle")
-            wait_until(lambda: checks_open() == 0, 10, "the session to end past the claim")
+            wait_until(lambda: checks_open(engine, fast) == 1, 10, "the check's transaction, idle")
+            wait_until(lambda: checks_open(engine, fast) == 0, 10,
+                       "the session to end past the claim")
     finally:
         release.set()
 
@@ -798,6 +802,32 @@ def test_sweep_command_exits_on_a_setup_error_though_a_checker_never_answers(
         output, _ = sweeper.communicate(timeout=30)
     assert sweeper.returncode == 2, output
     assert "outbox: error: a table is missing" in output, output
+
+
+def test_a_second_sigterm_abandons_the_checks_the_sweeper_waits_for(
+    engine: Engine, fast: Settings, schema: str
+) -> None:
+    """On the first SIGTERM the sweeper lets running checks land their answers, for up to
+    the checker timeout; a second one abandons them, as it does the relay's work. It was not
+    heard: the process waited out the whole timeout (here a minute) all the same."""
+    message_id = prepare(engine, Outbox(settings=fast, producer_group="stuck-orders"))
+    sweeper = start_outbox(fast, "sweep", "--app", "tests.checker_app:stuck",
+                           "--check-interval", "0.1", "--checker-timeout", "60",
+                           OUTBOX_WORKER_ID=fast.worker_id)
+    try:
+        wait_until(lambda: checks_open(engine, fast) == 1, 30, "the check to start")
+        sweeper.send_signal(signal.SIGTERM)
+        wait_until(lambda: "signal again to abandon it" in Path(sweeper.log).read_text(), 10,
+                   "the first signal to be heard")
+        sweeper.send_signal(signal.SIGTERM)
+        output, _ = sweeper.communicate(timeout=10)
+    finally:
+        if sweeper.poll() is None:
+            sweeper.kill()
+            sweeper.communicate()
+    assert sweeper.returncode == 0, output
+    assert f"checks of messages {message_id} were abandoned" in output, output
+    assert row(engine, schema, message_id).check_count == 0  # not counted: checked again
 
 
 @pytest.mark.parametrize(("args", "env", "error"), [
