@@ -412,15 +412,24 @@ class Sweeper:
                                     "check's statement (%s); its statement timeout ends it",
                                     item.claim.message.id, item.claim.message.producer_group,
                                     first_line(exc))
-            log.warning("message %d (producer group %r): %s; counted as inconclusive",
-                        item.claim.message.id, item.claim.message.producer_group, detail)
-        self._record(conn, [
-            (store.CheckOutcome(r.claim.message.id, r.claim.token, Resolution.UNKNOWN, detail),
-             "TIMEOUT")
-            for r in overdue
-        ])
+        recorded: set[int] = set()
+        try:
+            recorded = self._record(conn, [
+                (store.CheckOutcome(r.claim.message.id, r.claim.token, Resolution.UNKNOWN,
+                                    detail), "TIMEOUT")
+                for r in overdue
+            ])
+        finally:  # said once it is known: an outage here leaves them uncounted
+            for item in overdue:
+                log.warning("message %d (producer group %r): %s; %s",
+                            item.claim.message.id, item.claim.message.producer_group, detail,
+                            "counted as inconclusive" if item.claim.message.id in recorded
+                            else "not counted (PostgreSQL did not take it): checked again "
+                            "when its claim expires")
 
-    def _record(self, conn: Connection, outcomes: list[tuple[store.CheckOutcome, str]]) -> None:
+    def _record(self, conn: Connection, outcomes: list[tuple[store.CheckOutcome, str]]
+                ) -> set[int]:
+        """Record check outcomes; the ids of those recorded (a claim that lapsed is not)."""
         with conn.begin():
             recorded = store.record_checks(
                 conn, self.schema, self.actor, [outcome for outcome, _ in outcomes],
@@ -441,6 +450,7 @@ class Sweeper:
             elif row.resolution != Resolution.UNKNOWN:
                 log.info("message %d (producer group %r) resolved %s by check-back %d",
                          row.id, row.producer_group, row.resolution, row.check_count)
+        return {row.id for row in recorded}
 
     def _report_unchecked(self, conn: Connection) -> None:
         """Report due messages no checker here can answer: logged once per group, counted."""

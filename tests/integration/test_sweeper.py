@@ -245,6 +245,41 @@ def test_a_check_that_ended_during_a_database_outage_is_not_counted_as_timed_out
     assert "timed out" not in caplog.text, caplog.text
 
 
+def test_a_timeout_the_database_did_not_take_is_not_logged_as_counted(
+    services: devservices.Services, engine: Engine, orders: Outbox, fast: Settings,
+    schema: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A check timed out while PostgreSQL was away: the sweeper logged `counted as
+    inconclusive` before it tried to record that, and the record failed. The message was
+    not counted (rightly: it was checked again), but the log said it was."""
+    proxy = TcpProxy(make_url(services.database_url).port or 5432)
+    through = fast.model_copy(update={"database_url": make_url(services.database_url).set(
+        port=proxy.port).render_as_string(hide_password=False),
+        "sweep_poll_interval": 30})  # the loop sleeps until the check's deadline
+    calls: list[float] = []
+
+    def stuck_once(message: Message, conn: Connection) -> str:
+        calls.append(time.monotonic())
+        if len(calls) == 1:
+            time.sleep(through.checker_timeout + 1)
+        return "COMMIT"
+
+    message_id = prepare(engine, orders)
+    try:
+        with sweeping(through, {GROUP: stuck_once}):
+            wait_until(lambda: bool(calls), 15, "the check to start")
+            proxy.cut()
+            wait_until(lambda: "timed out" in caplog.text, 10, "the check to time out")
+            proxy.restore()
+            wait_resolution(engine, schema, message_id, "COMMIT", timeout=30)
+    finally:
+        proxy.close()
+    assert "counted as inconclusive" not in caplog.text, caplog.text
+    assert f"message {message_id} (producer group {GROUP!r}): checker timed out after 2 s; " \
+        "not counted (PostgreSQL did not take it): checked again" in caplog.text, caplog.text
+    assert row(engine, schema, message_id).check_count == 1  # only the COMMIT
+
+
 @pytest.mark.parametrize("raised", [SystemExit(3), asyncio.CancelledError("cancelled"),
                                     KeyboardInterrupt("interrupted")],
                          ids=["sys.exit", "asyncio-cancelled", "keyboard-interrupt"])
