@@ -93,7 +93,8 @@ class Wakeup:
 
     def _pause(self) -> float:
         extra = self._idle_wakes - FREE_WAKES
-        return 0.0 if extra < 0 else min(MAX_PAUSE, FIRST_PAUSE * 2 ** extra)
+        # the exponent capped too: the count of idle wake-ups is not (2.0 ** 1024 overflows)
+        return 0.0 if extra < 0 else min(MAX_PAUSE, FIRST_PAUSE * 2.0 ** min(extra, 16))
 
     def drain(self) -> set[str]:
         return {n.payload for n in self._conn.notifies(timeout=0)}

@@ -133,3 +133,16 @@ def test_a_sleeping_relay_fetches_again_after_a_full_batch(
         wait_until(lambda: wake_locks(engine) == SHARDS, 10, "the relay to fall asleep")
         publish_orders(engine, outbox, topic, [(f"k{n % 3}", n) for n in range(12)])
         wait_delivered(engine, schema, 12, timeout=10)
+
+
+def test_a_relay_woken_for_nothing_a_thousand_times_keeps_waking(
+    engine: Engine, schema: str, wakeup: Wakeup
+) -> None:
+    """Each wake-up that finds nothing doubles the pause before the next, up to a cap: the
+    doubling itself was not capped, and the 1,027th (a service that publishes only delayed
+    messages, each notifying long before it is due) raised OverflowError and ended the relay."""
+    for _ in range(1_100):
+        wakeup.found_work(False)  # what the relay says after each empty fetch
+    with engine.begin() as conn:
+        conn.execute(text(f"NOTIFY {store.notify_channel(schema)}, 'flood'"))
+    assert notified(wakeup) == {"flood"}
