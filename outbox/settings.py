@@ -19,7 +19,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, Self, TypeVar
 
-from psycopg.conninfo import conninfo_to_dict
+import psycopg
+from psycopg.conninfo import conninfo_to_dict, make_conninfo, timeout_from_conninfo
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
@@ -114,11 +115,23 @@ def sqlalchemy_url(url: str, tcp_timeout: float | None = None) -> str:
         raise ConfigurationError(
             f"database URL must be postgresql://..., got {parsed.get_backend_name()!r}"
         )
+    _check_parameters(url, parsed.query)
     if tcp_timeout is not None:
         parsed = parsed.update_query_dict({name: value for name, value
                                            in tcp_timeouts(tcp_timeout).items()
                                            if name not in parsed.query})
     return parsed.set(drivername="postgresql+psycopg").render_as_string(hide_password=False)
+
+
+def _check_parameters(url: str, query: Mapping[str, str | tuple[str, ...]]) -> None:
+    """Refuse what psycopg refuses before it connects (a misspelt option, a connect_timeout
+    that is no number): it raises no outage's error, and every command printed a traceback."""
+    params = {name: ",".join(value) if isinstance(value, tuple) else value
+              for name, value in query.items()}
+    try:
+        timeout_from_conninfo(conninfo_to_dict(make_conninfo("", **params)))
+    except psycopg.ProgrammingError as exc:
+        raise ConfigurationError(f"invalid database URL {mask_url(url)!r}: {exc}") from None
 
 
 def mask_url(url: str) -> str:

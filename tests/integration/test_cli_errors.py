@@ -72,6 +72,23 @@ def test_invalid_settings(settings: Settings, variable: str, value: str, fragmen
     assert_one_line_error(result, fragment)
 
 
+@pytest.mark.parametrize("command", [["relay"], ["status"], ["resume", "1"], ["db", "upgrade"]])
+@pytest.mark.parametrize(("query", "fragment"), [
+    ("sslmod=require", 'invalid connection option "sslmod"'),
+    ("connect_timeout=soon", "bad value for connect_timeout: 'soon'"),
+], ids=["misspelt-option", "bad-timeout"])
+def test_a_database_url_with_a_wrong_parameter(
+    settings: Settings, command: list[str], query: str, fragment: str
+) -> None:
+    """psycopg refuses them before it connects, with an error that is not an outage's: each
+    command printed a traceback of over a hundred lines instead of this one."""
+    env = outbox_env(settings, OUTBOX_DATABASE_URL=f"postgresql://app:s3cret@db/shop?{query}")
+    result = run_outbox(None, *command, env=env)
+    assert_one_line_error(result, "invalid database URL 'postgresql://app:***@db/shop?",
+                          fragment)
+    assert "s3cret" not in result.stderr
+
+
 @pytest.mark.parametrize(
     ("args", "variables", "fragments"),
     [
