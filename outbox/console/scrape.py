@@ -3,6 +3,8 @@ read when the page loads, each with a short timeout so a dead one cannot stall t
 
 from __future__ import annotations
 
+import http.client
+import math
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -10,6 +12,7 @@ from dataclasses import dataclass, field
 from prometheus_client.parser import text_string_to_metric_families
 
 TIMEOUT_SECONDS = 1.0
+MAX_BYTES = 16 << 20  #: read of a reply at most (a wrong URL may serve a large file)
 #: What the page shows of each endpoint: a sample name and how to label it.
 SHOWN = {
     "outbox_relay_owned_shards": "shards owned",
@@ -45,7 +48,9 @@ def scrape(url: str) -> Endpoint:
     wrong URL must not take the page down with it)."""
     try:
         with urllib.request.urlopen(url, timeout=TIMEOUT_SECONDS) as reply:
-            body = reply.read().decode()
+            body = reply.read(MAX_BYTES).decode()
+    except http.client.HTTPException as exc:  # a port that answers, but not HTTP
+        return Endpoint(url, up=False, error=f"does not answer HTTP ({type(exc).__name__})")
     except (OSError, ValueError) as exc:
         return Endpoint(url, up=False, error=str(getattr(exc, "reason", exc)))
     values: dict[str, float] = {}
@@ -54,7 +59,7 @@ def scrape(url: str) -> Endpoint:
         for family in text_string_to_metric_families(body):
             families.add(family.name)
             for sample in family.samples:
-                if sample.name in SHOWN:
+                if sample.name in SHOWN and math.isfinite(sample.value):
                     label = SHOWN[sample.name]
                     values[label] = values.get(label, 0.0) + sample.value
     except (ValueError, IndexError, TypeError) as exc:  # a page that is not a /metrics

@@ -3,6 +3,7 @@ with something else is shown down, and the others still show."""
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -17,6 +18,8 @@ PAGES = {
                 b"outbox_messages_delivered_total{topic=\"b\"} 4\n"
                 b"# TYPE outbox_relay_owned_shards gauge\noutbox_relay_owned_shards 16\n",
     "/html": b"<!DOCTYPE HTML>\n<html><body>the console itself</body></html>\n",
+    "/inf": b"# TYPE outbox_relay_owned_shards gauge\noutbox_relay_owned_shards +Inf\n"
+            b"# TYPE outbox_messages_parked_total counter\noutbox_messages_parked_total NaN\n",
 }
 
 
@@ -49,6 +52,40 @@ def test_a_page_that_is_not_metrics_is_shown_down_and_the_others_still_show(serv
         "delivered": 7.0, "shards owned": 16.0})
     assert not wrong.up
     assert wrong.error is not None and wrong.error.startswith("not Prometheus metrics")
+
+
+@pytest.fixture
+def not_http() -> Iterator[str]:
+    """A port answering like PostgreSQL (a wrong port in the list): not HTTP at all."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def answer() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(4096)
+                conn.sendall(b"EFATAL\x00VFATAL\x00C0A000\x00Munsupported protocol\x00\x00")
+
+    threading.Thread(target=answer, daemon=True).start()
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}/metrics"
+    listener.close()
+
+
+def test_a_port_that_does_not_speak_http_is_shown_down(server: str, not_http: str) -> None:
+    """http.client's errors for a reply that is not HTTP are neither OSError nor ValueError:
+    they escaped, and the console's page answered 500."""
+    relay, wrong = scrape_all([f"{server}/metrics", not_http])
+    assert relay.up
+    assert not wrong.up and wrong.error is not None and "HTTP" in wrong.error, wrong.error
+
+
+def test_values_that_are_no_number_are_left_out(server: str) -> None:
+    """A +Inf gauge was shown as up, then the page's integer filter raised OverflowError."""
+    [odd] = scrape_all([f"{server}/inf"])
+    assert (odd.up, odd.kind, odd.values) == (True, "relay", {})
 
 
 def test_only_http_urls_are_taken() -> None:
