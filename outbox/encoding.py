@@ -21,6 +21,20 @@ ID_HEADER = "outbox-id"
 #: Message ids are PostgreSQL bigints from a sequence starting at 1.
 MAX_MESSAGE_ID = 2**63 - 1
 CONTENT_TYPE_HEADER = "content-type"
+
+
+def header_message_id(value: str | bytes | None) -> int | None:
+    """An ``outbox-id`` header's message id; None for a value no relay writes (another
+    producer's header of the same name): ``int()`` of it, or a bigint column of it, ended
+    whatever read the topic, and the next reader read the same record."""
+    if not value:
+        return None
+    text = value.decode("ascii", "replace") if isinstance(value, bytes) else value
+    if not text.isascii() or not text.isdigit() or len(text) > 19:
+        return None
+    message_id = int(text)
+    return message_id if 0 < message_id <= MAX_MESSAGE_ID else None
+
 RESERVED_HEADERS = frozenset({ID_HEADER, CONTENT_TYPE_HEADER})
 
 JSON = "application/json"

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 from kafka import KafkaConsumer, TopicPartition
 from kafka.errors import KafkaError
 
-from outbox.encoding import ID_HEADER, MAX_MESSAGE_ID
+from outbox.encoding import ID_HEADER, header_message_id
 from outbox.exceptions import ServiceUnavailable
 from outbox.settings import RelaySettings
 
@@ -53,7 +53,7 @@ class Tail:
         self.records += 1
         for name, header in reversed(list(headers or ())):  # the relay appends it last but one
             if name == ID_HEADER and header is not None:
-                message_id = _message_id(header)
+                message_id = header_message_id(header)
                 if message_id is not None:
                     self.found.setdefault(fingerprint(message_id, topic, key, value),
                                           (partition, offset))
@@ -62,17 +62,6 @@ class Tail:
     def ids(self) -> list[int]:
         """The message ids found, each once."""
         return sorted({message_id for message_id, *_ in self.found})
-
-
-def _message_id(value: str | bytes) -> int | None:
-    """An ``outbox-id`` header's message id; None for a value no relay writes (another
-    producer's header of the same name): ``int()`` of it ended the relay, and every relay
-    that took the shards over read the same tail and ended too."""
-    text = value.decode("ascii", "replace") if isinstance(value, bytes) else value
-    if not text.isascii() or not text.isdigit() or len(text) > 19:
-        return None
-    message_id = int(text)
-    return message_id if 0 < message_id <= MAX_MESSAGE_ID else None
 
 
 class TailReader(Protocol):

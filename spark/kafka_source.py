@@ -24,7 +24,7 @@ import pyarrow as pa
 from kafka import KafkaConsumer, TopicPartition
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
-from outbox.encoding import ID_HEADER
+from outbox.encoding import ID_HEADER, header_message_id
 from outbox.exceptions import ServiceUnavailable
 
 FORMAT = "outbox_kafka"
@@ -213,7 +213,7 @@ def _to_arrow(partition: OffsetRange, offsets: list[int],
         found = None
         for name, value in record_headers or ():
             if name == ID_HEADER:
-                found = int(value) if value and value.isdigit() else None
+                found = header_message_id(value)
                 break
         ids.append(found)
     n = len(offsets)
