@@ -18,7 +18,7 @@ from alembic.util.exc import CommandError as AlembicError
 from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError, OperationalError
 
-from outbox.encoding import MAX_MESSAGE_ID
+from outbox.encoding import MAX_MESSAGE_ID, ascii_digits
 from outbox.exceptions import ConfigurationError, OutboxError, first_line, setup_error
 from outbox.settings import (
     CONFIG_ENV,
@@ -499,7 +499,7 @@ def _thresholds(_ctx: click.Context, _param: click.Parameter, values: tuple[str,
     parsed: dict[str, int | None] = {}
     for value in values:
         name, _, limit = value.partition("=")
-        if not limit or not (limit.isdigit() or limit == "none"):
+        if not limit or not (ascii_digits(limit) or limit == "none"):
             raise click.BadParameter(f"{value!r}: use FINDING=N or FINDING=none")
         parsed[name.strip()] = None if limit == "none" else int(limit)
     return parsed

@@ -23,6 +23,12 @@ MAX_MESSAGE_ID = 2**63 - 1
 CONTENT_TYPE_HEADER = "content-type"
 
 
+def ascii_digits(text: str) -> bool:
+    """Whether ``text`` is a whole number in ASCII digits: ``str.isdigit`` also takes ``²``
+    (which ``int()`` refuses) and Arabic-Indic or full-width digits (which it reads)."""
+    return text.isascii() and text.isdigit()
+
+
 def header_message_id(value: str | bytes | None) -> int | None:
     """An ``outbox-id`` header's message id; None for a value no relay writes (another
     producer's header of the same name): ``int()`` of it, or a bigint column of it, ended
@@ -30,7 +36,7 @@ def header_message_id(value: str | bytes | None) -> int | None:
     if not value:
         return None
     text = value.decode("ascii", "replace") if isinstance(value, bytes) else value
-    if not text.isascii() or not text.isdigit() or len(text) > 19:
+    if not ascii_digits(text) or len(text) > 19:
         return None
     message_id = int(text)
     return message_id if 0 < message_id <= MAX_MESSAGE_ID else None

@@ -31,7 +31,7 @@ from pydantic_settings import (
 )
 from sqlalchemy.engine import make_url
 
-from outbox.encoding import DEFAULT_MAX_DELAY
+from outbox.encoding import DEFAULT_MAX_DELAY, ascii_digits
 from outbox.exceptions import ConfigurationError, ServiceUnavailable
 
 #: Environment variable naming the TOML config file (also set by ``outbox --config``).
@@ -440,7 +440,7 @@ def _bootstrap_problem(entry: str) -> str | None:
         port = after if colon else None
     if not host:
         return "an empty host" if entry else "an empty entry"
-    if port is not None and not (port.isdigit() and 0 < int(port) < 65536):
+    if port is not None and not (ascii_digits(port) and 0 < int(port) < 65536):
         return f"port {port!r} of {entry!r} is not a number from 1 to 65535"
     return None
 

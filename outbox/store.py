@@ -26,7 +26,7 @@ from sqlalchemy import Connection, Engine, TextClause, create_engine, event, mak
 from sqlalchemy.dialects.postgresql.psycopg import dialect as psycopg_dialect
 from sqlalchemy.exc import DBAPIError
 
-from outbox.encoding import EncodedMessage
+from outbox.encoding import EncodedMessage, ascii_digits
 from outbox.exceptions import CheckerRefused
 from outbox.message import Message
 from outbox.schema import Resolution
@@ -254,7 +254,7 @@ def server_tcp_timeouts(connection: psycopg.Connection[Any]) -> dict[str, str]:
 def server_tcp_settings(params: Mapping[str, str]) -> dict[str, str]:
     """The server's settings for libpq's TCP timeout parameters among ``params``."""
     return {server: str(int(params[client])) for client, server in _SERVER_TCP_SETTINGS.items()
-            if params.get(client, "").isdigit()}
+            if ascii_digits(params.get(client, ""))}
 
 
 #: The least time between two reads of the list of ranges (:meth:`Fetching.range_of`).

@@ -15,6 +15,7 @@ from pyspark.sql import functions as F
 from sqlalchemy.engine import make_url
 
 from outbox import store
+from outbox.encoding import ascii_digits
 from outbox.exceptions import ConfigurationError
 from outbox.settings import sqlalchemy_url
 from outbox.spark.kafka_source import (
@@ -87,7 +88,7 @@ def jdbc_options(database_url: str, tcp_timeout: float | None = None) -> dict[st
         # bytes, not text to parse; reading the window costs about 15% less.
         "prepareThreshold": "-1",
     }
-    if tcp.get("connect_timeout", "").isdigit():
+    if ascii_digits(tcp.get("connect_timeout", "")):
         options["connectTimeout"] = tcp["connect_timeout"]
     if tcp.get("keepalives", "1") != "0":
         options["tcpKeepAlive"] = "true"
@@ -102,10 +103,10 @@ def _split_host(entry: str) -> tuple[str, int | None]:
     """``host[:port]`` (``[v6]:port``) of a URL's ``host`` parameter."""
     if entry.startswith("["):
         host, _, rest = entry[1:].partition("]")
-        return host, int(rest[1:]) if rest[1:].isdigit() else None
+        return host, int(rest[1:]) if ascii_digits(rest[1:]) else None
     if entry.count(":") == 1:
         host, _, port = entry.partition(":")
-        return host, int(port) if port.isdigit() else None
+        return host, int(port) if ascii_digits(port) else None
     return entry, None  # a name, or an IPv6 address alone
 
 

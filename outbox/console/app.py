@@ -29,6 +29,7 @@ from outbox.console.overview import (
     Trend,
     read,
 )
+from outbox.encoding import ascii_digits
 from outbox.migrate import require_current
 from outbox.settings import Settings
 
@@ -125,7 +126,7 @@ def _now() -> str:
 def _ids(values: list[str]) -> list[int]:
     if not values:
         raise guard.Refused(400, "refused: select at least one message")
-    if len(values) > MAX_SELECTION or not all(v.isdigit() and 0 < len(v) < 19 for v in values):
+    if len(values) > MAX_SELECTION or not all(ascii_digits(v) and 0 < len(v) < 19 for v in values):
         raise guard.Refused(400, f"refused: message ids are numbers (at most {MAX_SELECTION})")
     return sorted({int(v) for v in values})
 

@@ -69,7 +69,8 @@ def test_thresholds_are_finding_equals_a_count_or_none() -> None:
     assert _thresholds(ctx, thresholds, ("discarded=3", " key_order_broken =none")) == {
         "discarded": 3, "key_order_broken": None}
     assert _thresholds(ctx, thresholds, ()) == {}
-    for bad in ("discarded", "discarded=-1", "discarded=lots"):
+    for bad in ("discarded", "discarded=-1", "discarded=lots", "discarded=\u00b2",
+                "discarded=\u0661"):  # str.isdigit takes both: int() raised, or read 1
         result = outbox("reconcile", "--threshold", bad)
         assert result.exit_code == 2, bad
         assert "use FINDING=N or FINDING=none" in result.output

@@ -149,6 +149,8 @@ def test_invalid_values_are_one_line_per_field() -> None:
     ("kafka1:9O92", "port '9O92'"), ("k1:9092,,k2:9092", "an empty entry"),
     ("::1:9092", "without brackets"), (":9092", "an empty host"), ("k1:70000", "port '70000'"),
     ("PLAINTEXT://kafka:9092", "'PLAINTEXT://kafka:9092' is a listener: write kafka:9092"),
+    ("k1:\uff19\uff10\uff19\uff12", "port '\uff19\uff10\uff19\uff12'"),  # full-width
+    ("k1:\u00b2", "port '\u00b2'"),  # a superscript two: int() of it raised
 ])
 def test_a_bootstrap_list_is_checked_when_the_settings_load(bootstrap: str, problem: str
                                                             ) -> None:
