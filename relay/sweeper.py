@@ -20,6 +20,7 @@ import contextlib
 import importlib
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -70,9 +71,17 @@ CLAIM_MARGIN = 2.0
 MIN_SLEEP = 0.05
 
 
+#: ``module[.submodule][:attribute]``, what :func:`load_app` takes.
+APP_PATH = re.compile(r"[^\W\d]\w*(\.[^\W\d]\w*)*(:[^\W\d]\w*)?")
+
+
 def load_app(path: str) -> Outbox:
     """The ``Outbox`` at ``module:attribute`` (attribute ``outbox`` if omitted)."""
     module_name, _, attribute = path.partition(":")
+    if not APP_PATH.fullmatch(path):  # import_module raised ValueError or TypeError
+        raise ConfigurationError(
+            f"--app {path}: give module:attribute, e.g. myservice.outbox:outbox (a module "
+            "importable from the working directory, no leading dot)")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # like `python -m`: the service's own modules import
     try:

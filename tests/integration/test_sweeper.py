@@ -870,6 +870,8 @@ def test_a_second_sigterm_abandons_the_checks_the_sweeper_waits_for(
      "--app no_such_service.outbox:outbox: cannot import 'no_such_service.outbox'"),
     (("--app", "tests.checker_app:missing"), {}, "tests.checker_app.missing is not an outbox"),
     ((), {}, "the sweeper has no checkers: pass --app module:outbox"),
+    (("--app", ":outbox"), {}, "--app :outbox: give module:attribute"),
+    (("--app", ".checker_app:outbox"), {}, "--app .checker_app:outbox: give module:attribute"),
     ((), {"OUTBOX_SQL_CHECKERS": "{not json"}, "invalid settings"),
 ])
 def test_sweep_command_misconfiguration_is_one_line(
