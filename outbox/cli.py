@@ -432,7 +432,7 @@ def _exit_leaving_threads(code: int) -> NoReturn:
 
 
 @main.command()
-@click.option("--limit", type=click.IntRange(min=1), default=100, show_default=True)
+@click.option("--limit", type=click.IntRange(1, MAX_MESSAGE_ID), default=100, show_default=True)
 @pass_shared
 def discarded(shared: Shared, limit: int) -> None:
     """List messages discarded after their last inconclusive check-back."""

@@ -42,6 +42,14 @@ def test_resume_without_ids_is_a_usage_error() -> None:
     assert "give message ids, or --all" in result.output
 
 
+def test_a_limit_beyond_a_bigint_is_a_usage_error() -> None:
+    """PostgreSQL would refuse it as a LIMIT (bigint out of range), after connecting."""
+    result = outbox("--database-url", "postgresql://nowhere/x", "discarded",
+                    "--limit", "99999999999999999999")
+    assert result.exit_code == 2
+    assert "'--limit': 99999999999999999999 is not in the range" in result.output
+
+
 def test_a_command_needing_the_database_says_how_to_name_it() -> None:
     result = outbox("db", "upgrade")
     assert result.exit_code == 2
