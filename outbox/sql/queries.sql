@@ -155,8 +155,9 @@ FROM delivered;
 -- name: unrecorded_candidates
 -- The messages of :shards that a previous owner (or a failed pass of this relay) may have
 -- sent without recording, per topic and key: the earliest moment one of them can have been
--- sent (after its commit, and after its shard was last settled). Walks pending_relay_idx.
-SELECT p.topic, p.key, min(greatest(p.created_at, l.settled_at)) AS sent_after
+-- sent (after its commit, after it fell due if it was delayed, and after its shard was last
+-- settled; greatest() skips a NULL). Walks pending_relay_idx.
+SELECT p.topic, p.key, min(greatest(p.created_at, p.deliver_after, l.settled_at)) AS sent_after
 FROM {schema}.pending AS p
 JOIN {schema}.relay_lease AS l ON l.shard = p.shard
 WHERE p.status = 'PENDING' AND p.resolution = 'COMMIT'

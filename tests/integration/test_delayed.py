@@ -6,10 +6,10 @@ import time
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from sqlalchemy import Engine
+from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
-from outbox import InvalidMessage, Outbox
+from outbox import InvalidMessage, Outbox, store
 from outbox.dev.topics import read_topic
 from outbox.relay.relay import Relay
 from outbox.settings import Settings
@@ -69,3 +69,26 @@ def test_bad_delivery_times_are_rejected(engine: Engine, outbox: Outbox,
                                          kwargs: dict[str, object], error: str) -> None:
     with Session(engine) as session, session.begin(), pytest.raises(InvalidMessage, match=error):
         outbox.publish(session, "t", "x", **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_takeover_looks_for_a_delayed_message_from_when_it_fell_due(
+    engine: Engine, outbox: Outbox, topic: str, schema: str
+) -> None:
+    """A takeover reads each partition's tail from the last record written before the
+    earliest moment a pending message can have been sent. For a delayed message that was its
+    commit (days ago) or the shard's last settling (a relay's start, days ago too), so the
+    read went back days, or to the start of the partition, for a message sent a moment ago."""
+    with Session(engine) as session, session.begin():
+        message_id = outbox.publish(session, topic, "due", key="k",
+                                    deliver_after=timedelta(days=2))
+    with engine.begin() as conn:  # as if committed 2 days ago and fallen due just now
+        due, shard = conn.execute(text(
+            f"UPDATE {schema}.pending SET status = 'PENDING', "
+            f"created_at = now() - interval '2 days', deliver_after = now() - interval '1s' "
+            f"WHERE message_id = :id RETURNING deliver_after, shard"), {"id": message_id}).one()
+        conn.execute(text(  # its shard settled by a relay that started a day ago
+            f"INSERT INTO {schema}.relay_lease (shard, owner, expires_at, clean, settled_at) "
+            f"VALUES (:shard, 'gone', now(), false, now() - interval '1 day') "
+            f"ON CONFLICT (shard) DO UPDATE SET settled_at = EXCLUDED.settled_at"),
+            {"shard": shard})
+        assert store.unrecorded_candidates(conn, schema, [shard]) == [(topic, b"k", due)]
