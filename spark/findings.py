@@ -8,7 +8,7 @@ window with what its op records and the topic say about it; they are all found i
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import reduce
@@ -140,11 +140,12 @@ def several(facts: DataFrame) -> DataFrame:
 
 
 def find(inputs: Inputs, facts: DataFrame, unknown: DataFrame | None,
-         claims: DataFrame | None) -> DataFrame:
+         claims: DataFrame | None, recorded_since: Collection[int] = ()) -> DataFrame:
     """All findings of the run, as one DataFrame of the columns named above.
 
     ``unknown``: (topic, outbox_id) of new records that match no prepare row at all;
-    ``claims``: (id, topic, partition, offset) of each DELIVERED op record of ``several``.
+    ``claims``: (id, topic, partition, offset) of each DELIVERED op record of ``several``;
+    ``recorded_since``: of :func:`copied_unrecorded`, those recorded once the tables were read.
     """
     rules = [
         undelivered_after_sla(inputs.cutoff),
@@ -154,7 +155,7 @@ def find(inputs: Inputs, facts: DataFrame, unknown: DataFrame | None,
         discarded(),
     ]
     if inputs.records is not None:
-        rules.append(copied_without_op_record())
+        rules.append(copied_without_op_record(recorded_since))
     found = [
         by_message(facts, rules),
         op_record_without_message(inputs.orphans),
@@ -276,13 +277,24 @@ def op_record_without_message(orphans: DataFrame) -> DataFrame:
         partition="kafka_partition", offset="kafka_offset")
 
 
-def copied_without_op_record() -> Rule:
-    """Committed window messages in Kafka without a DELIVERED op record."""
+def _copied_unrecorded() -> Column:
+    return ((F.col("resolution") == Resolution.COMMIT.value)
+            & ~F.col("status").isin(Status.ROLLED_BACK.value, Status.DISCARDED.value)
+            & (F.col("kafka_copies") > 0) & (F.col("delivered_ops") == 0))
+
+
+def copied_unrecorded(facts: DataFrame) -> DataFrame:
+    """The ids of committed messages in Kafka without a DELIVERED op record in the tables as
+    read: those recorded since (delivered while the run read) are no finding."""
+    return facts.where(_copied_unrecorded()).select("id")
+
+
+def copied_without_op_record(recorded_since: Collection[int]) -> Rule:
+    """Committed window messages in Kafka without a DELIVERED op record (``recorded_since``:
+    those that have one now, written after the tables were read)."""
     return Rule(
         "kafka_record_without_op_record",
-        (F.col("resolution") == Resolution.COMMIT.value)
-        & ~F.col("status").isin(Status.ROLLED_BACK.value, Status.DISCARDED.value)
-        & (F.col("kafka_copies") > 0) & (F.col("delivered_ops") == 0),
+        _copied_unrecorded() & ~F.col("id").isin(sorted(recorded_since)),
         F.format_string("status %s; %d copies in Kafka, no DELIVERED op record", "status",
                         "kafka_copies"),
         F.col("copy_at"))

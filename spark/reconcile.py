@@ -199,6 +199,7 @@ def _run(spark: SparkSession, settings: ReconcileSettings, engine: Engine,
                  op_count, carried_count, time.monotonic() - clock_start)
 
         records = read_to = unknown = claims = kafka_count = None
+        recorded_since: set[int] = set()
         if settings.reconcile_read_topics:
             with _phase(timings, "read topics"):
                 records, read_to = _read_topics(spark, settings, engine, messages, mark,
@@ -214,6 +215,8 @@ def _run(spark: SparkSession, settings: ReconcileSettings, engine: Engine,
                 everything = _cache(cached, everything)
                 unknown = _unknown(spark, engine, schema, findings.foreign(everything))
                 claims = _claims(spark, engine, schema, findings.several(facts))
+                recorded_since = _recorded_since(engine, schema,
+                                                 findings.copied_unrecorded(facts))
 
         output = _output_dir(output_root, started_at)
         with _phase(timings, "find and write"):
@@ -223,7 +226,8 @@ def _run(spark: SparkSession, settings: ReconcileSettings, engine: Engine,
             # input (32 for 60 messages with the topics read), each a task of its own in the
             # write and again in the count, with nothing to do in most of them. A session
             # that starts small (dynamic allocation) still gets one per read of a large window.
-            found = _cache(cached, findings.find(inputs, facts, unknown, claims).coalesce(
+            found = _cache(cached, findings.find(inputs, facts, unknown, claims,
+                                                 recorded_since).coalesce(
                 max(parts, spark.sparkContext.defaultParallelism)))
             found.write.mode("error").parquet(str(output / "findings"))
             counts, samples = _count(found, checked=[
@@ -362,6 +366,22 @@ def _claims(spark: SparkSession, engine: Any, schema: str, several: DataFrame) -
             conn, schema, [r.id for r in rows if r.delivered_ops > 0])
         conn.rollback()
     return spark.createDataFrame(claims, "id long, topic string, partition int, offset long")
+
+
+def _recorded_since(engine: Any, schema: str, unrecorded: DataFrame) -> set[int]:
+    """Of the messages in Kafka without an op record in the tables as read, those that have
+    one now: delivered after the tables were read, before the topics were."""
+    ids = [r.id for r in unrecorded.collect()]
+    if not ids:
+        return set()
+    with engine.connect() as conn:
+        recorded = {message_id for message_id, *_ in queries.delivered_positions(
+            conn, schema, ids)}
+        conn.rollback()
+    if recorded:
+        log.info("%d messages were delivered while the run read (in Kafka, not yet recorded "
+                 "in the tables it read): no finding", len(recorded))
+    return recorded
 
 
 def _unknown(spark: SparkSession, engine: Any, schema: str, foreign: DataFrame) -> DataFrame:
