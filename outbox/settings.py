@@ -15,7 +15,7 @@ import re
 import secrets
 import socket
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal, Self, TypeVar
 
@@ -166,9 +166,10 @@ def default_worker_id() -> str:
 class _Base(BaseSettings):
     """The sources and helpers every component's settings share."""
 
-    # No inf or NaN: an infinite lease or timeout silently disables what it bounds.
+    # No inf or NaN: an infinite lease or timeout silently disables what it bounds. Errors
+    # do not echo their input: a model-wide check's is every setting, the database URL too.
     model_config = SettingsConfigDict(env_prefix="OUTBOX_", extra="forbid", populate_by_name=True,
-                                      allow_inf_nan=False)
+                                      allow_inf_nan=False, hide_input_in_errors=True)
 
     @classmethod
     def settings_customise_sources(
@@ -196,6 +197,12 @@ class _Base(BaseSettings):
                     f"config file {config_file} cannot be read: {exc.strerror or exc}"
                 ) from None
         return tuple(sources)
+
+    def __repr_args__(self) -> Iterator[tuple[str | None, Any]]:
+        """What ``repr()`` and ``str()`` show (an error tracker's captured locals, a logged
+        settings object): the database URL masked, as ``SecretStr`` masks the others."""
+        for name, value in super().__repr_args__():
+            yield name, mask_url(value) if name == "database_url" else value
 
     def masked(self) -> dict[str, Any]:
         """Every setting, with passwords replaced by ``***``: safe to print or log."""

@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 from sqlalchemy import make_url
 
 from outbox.exceptions import ConfigurationError
@@ -283,3 +284,22 @@ def test_database_connections_carry_timeouts_for_a_silent_network_and_the_urls_o
                     ).query["tcp_user_timeout"] == "30000"
     with pytest.raises(ValueError, match="database_tcp_timeout"):
         Settings(database_tcp_timeout=0.5)
+
+
+def test_a_settings_object_printed_shows_no_password() -> None:
+    """database_url was a plain string: repr() printed it whole (an error tracker's locals, a
+    settings object logged), though the Kafka and console secrets were masked."""
+    settings = Settings(database_url="postgresql://app:s3cret@db/shop", console_token="t0ken")
+    for shown in (repr(settings), str(settings)):
+        assert "s3cret" not in shown and "t0ken" not in shown, shown
+        assert "postgresql://app:***@db/shop" in shown
+    assert settings.database_url == "postgresql://app:s3cret@db/shop"
+
+
+def test_a_settings_error_does_not_echo_the_input() -> None:
+    """pydantic's error text shows the input (the whole dict of settings, URL and all) for a
+    model-wide check: constructing settings by hand printed the password in a traceback."""
+    with pytest.raises(ValidationError) as error:
+        Settings(database_url="postgresql://app:s3cret@db/shop", kafka_sasl_password="k4fka")
+    assert "kafka_sasl_password set" in str(error.value)
+    assert "s3cret" not in str(error.value) and "k4fka" not in str(error.value), error.value
