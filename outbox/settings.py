@@ -400,6 +400,12 @@ class KafkaSettings(_Base):
             "kafka_ssl_certfile": self.kafka_ssl_certfile,
             "kafka_ssl_keyfile": self.kafka_ssl_keyfile,
         }
+        for name in ("kafka_ssl_cafile", "kafka_ssl_certfile", "kafka_ssl_keyfile"):
+            path = values[name]
+            if path is not None and not os.access(path, os.R_OK):
+                raise ConfigurationError(  # the clients would wait, then blame the broker
+                    f"{name} {path!r} (OUTBOX_{name.upper()}): "
+                    f"{'no such file' if not os.path.exists(path) else 'cannot be read'}")
         names = _SECURITY_NAMES[client]
         return {names[field]: value for field, value in values.items() if value is not None}
 

@@ -72,6 +72,18 @@ def test_invalid_settings(settings: Settings, variable: str, value: str, fragmen
     assert_one_line_error(result, fragment)
 
 
+@COMMANDS
+def test_a_tls_file_that_is_missing_is_named_at_once(settings: Settings, command: list[str]
+                                                     ) -> None:
+    """The clients waited the whole connect timeout for the broker, then said none answers."""
+    env = outbox_env(settings, OUTBOX_KAFKA_SECURITY_PROTOCOL="SSL",
+                     OUTBOX_KAFKA_SSL_CAFILE="/nonexistent/ca.pem",
+                     OUTBOX_KAFKA_CONNECT_TIMEOUT_MS="60000")
+    result = run_outbox(None, *command, env=env)
+    assert_one_line_error(result, "kafka_ssl_cafile '/nonexistent/ca.pem' "
+                                  "(OUTBOX_KAFKA_SSL_CAFILE): no such file")
+
+
 @pytest.mark.parametrize("command", [["relay"], ["status"], ["resume", "1"], ["db", "upgrade"]])
 @pytest.mark.parametrize(("query", "fragment"), [
     ("sslmod=require", 'invalid connection option "sslmod"'),

@@ -81,16 +81,17 @@ def test_secrets_are_masked_in_config_output() -> None:
     assert "postgresql://app:***@db:5432/shop" in result.stdout
 
 
-def test_kafka_sasl_and_tls_settings_reach_the_producer() -> None:
+def test_kafka_sasl_and_tls_settings_reach_the_producer(tmp_path: Path) -> None:
+    (tmp_path / "ca.pem").touch()
     settings = Settings(kafka_bootstrap="k1:9093,k2:9093", kafka_security_protocol="SASL_SSL",
                         kafka_sasl_mechanism="SCRAM-SHA-512", kafka_sasl_username="relay",
-                        kafka_sasl_password="s3cret", kafka_ssl_cafile="/etc/ca.pem")
+                        kafka_sasl_password="s3cret", kafka_ssl_cafile=str(tmp_path / "ca.pem"))
     config = producer_config(settings)
     assert config["bootstrap_servers"] == ["k1:9093", "k2:9093"]
     assert config["security_protocol"] == "SASL_SSL"
     assert config["sasl_mechanism"] == "SCRAM-SHA-512"
     assert (config["sasl_plain_username"], config["sasl_plain_password"]) == ("relay", "s3cret")
-    assert config["ssl_cafile"] == "/etc/ca.pem"
+    assert config["ssl_cafile"] == str(tmp_path / "ca.pem")
     assert config["acks"] == "all" and config["enable_idempotence"] is True
     assert "s3cret" not in repr(settings)
 

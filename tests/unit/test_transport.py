@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 from typing import Any
 
 import kafka.errors
@@ -28,19 +29,23 @@ from outbox.relay.transport import (
 from outbox.settings import Settings
 
 
-def test_kafka_sasl_and_tls_settings_reach_librdkafka_under_its_names() -> None:
+def test_kafka_sasl_and_tls_settings_reach_librdkafka_under_its_names(tmp_path: Path) -> None:
+    files = {name: tmp_path / name for name in ("ca.pem", "relay.pem", "relay.key")}
+    for path in files.values():
+        path.touch()
     settings = Settings(kafka_bootstrap="k1:9093,k2:9093", kafka_security_protocol="SASL_SSL",
                         kafka_sasl_mechanism="SCRAM-SHA-512", kafka_sasl_username="relay",
-                        kafka_sasl_password="s3cret", kafka_ssl_cafile="/etc/ca.pem",
-                        kafka_ssl_certfile="/etc/relay.pem", kafka_ssl_keyfile="/etc/relay.key")
+                        kafka_sasl_password="s3cret", kafka_ssl_cafile=str(files["ca.pem"]),
+                        kafka_ssl_certfile=str(files["relay.pem"]),
+                        kafka_ssl_keyfile=str(files["relay.key"]))
     config = librdkafka_config(settings)
     assert config["bootstrap.servers"] == "k1:9093,k2:9093"
     assert config["security.protocol"] == "SASL_SSL"
     assert config["sasl.mechanisms"] == "SCRAM-SHA-512"
     assert (config["sasl.username"], config["sasl.password"]) == ("relay", "s3cret")
-    assert config["ssl.ca.location"] == "/etc/ca.pem"
-    assert config["ssl.certificate.location"] == "/etc/relay.pem"
-    assert config["ssl.key.location"] == "/etc/relay.key"
+    assert config["ssl.ca.location"] == str(files["ca.pem"])
+    assert config["ssl.certificate.location"] == str(files["relay.pem"])
+    assert config["ssl.key.location"] == str(files["relay.key"])
     assert not {"security_protocol", "sasl_plain_password", "ssl_cafile"} & set(config)
 
 
