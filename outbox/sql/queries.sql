@@ -520,9 +520,11 @@ RETURNING m.id, m.producer_group, m.topic, m.key, m.header_keys, m.header_values
 -- name: record_checks
 -- Check-back outcomes, each recorded only while its claim holds (next_check_at = token)
 -- and the row is still UNKNOWN: a decision, or a record that came first, always wins.
--- COMMIT leaves the row to the relay (and wakes it); ROLLBACK deletes it with an op record;
--- an inconclusive answer schedules the next check, or at the :check_max-th discards the row
--- with an op record (RocketMQ's TRANS_CHECK_MAX_TIME_TOPIC). Returns the rows it changed.
+-- COMMIT leaves the row to the relay; ROLLBACK deletes it with an op record; an inconclusive
+-- answer schedules the next check, or at the :check_max-th discards the row with an op
+-- record (RocketMQ's TRANS_CHECK_MAX_TIME_TOPIC). Each but the reschedule wakes the relay:
+-- a COMMIT is to deliver, and the others free the later messages of the key that waited
+-- behind the row. Returns the rows it changed.
 -- A row locked by an application's decision not yet committed is skipped, not waited for:
 -- its decision wins if it commits, and if not, the claim lapses and the row is checked again
 -- (the sweeper's main loop records timeouts here, and waited as long as the application).
@@ -569,7 +571,8 @@ WITH unlocked AS (
 )
 SELECT id, producer_group, resolution, status, check_count,
        (SELECT count(pg_notify(:channel, '')) FROM changed
-        WHERE resolution = 'COMMIT' AND status = 'PENDING') AS notified
+        WHERE (resolution = 'COMMIT' AND status = 'PENDING')
+           OR status IN ('ROLLED_BACK', 'DISCARDED')) AS notified
 FROM changed;
 
 -- name: next_check_in

@@ -30,7 +30,7 @@ from outbox.dev.topics import read_topic
 from outbox.relay.relay import Relay
 from outbox.relay.sweeper import Sweeper
 from outbox.settings import Settings
-from tests.conftest import publish_orders, running, wait_delivered, wait_until
+from tests.conftest import publish_orders, running, running_relay, wait_delivered, wait_until
 from tests.processes import OutboxProcess, outbox_env, run_outbox, start_outbox
 from tests.tcp_proxy import TcpProxy
 
@@ -243,6 +243,24 @@ def test_a_check_that_ended_during_a_database_outage_is_not_counted_as_timed_out
     finally:
         proxy.close()
     assert "timed out" not in caplog.text, caplog.text
+
+
+@pytest.mark.parametrize(("answer", "check_max"), [("ROLLBACK", 15), ("UNKNOWN", 1)],
+                         ids=["rolled-back", "discarded"])
+def test_a_check_back_that_frees_a_key_wakes_the_relay(
+    engine: Engine, orders: Outbox, fast: Settings, schema: str, topic: str, answer: str,
+    check_max: int
+) -> None:
+    """An UNKNOWN message holds back the later messages of its key. Rolled back or discarded
+    by its check-back, it freed them, but only a COMMIT woke the relay: they waited for its
+    next poll (here 30 s; `relay_poll_interval` may be an hour)."""
+    with running_relay(fast.model_copy(update={"relay_poll_interval": 30})):
+        time.sleep(1)  # idle: asleep on its shards
+        prepare(engine, orders, topic, key="k")
+        with Session(engine) as session, session.begin():
+            orders.publish(session, topic, "behind", key="k")
+        with sweeping(fast, {GROUP: lambda message, conn: answer}, check_max=check_max):
+            wait_delivered(engine, schema, 1, timeout=10)
 
 
 def test_a_timeout_the_database_did_not_take_is_not_logged_as_counted(
