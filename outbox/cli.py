@@ -35,6 +35,8 @@ from outbox.settings import (
 DEFAULT_STATE = Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state"),
                      "outbox", "dev-services.json")
 S = TypeVar("S", bound=DatabaseSettings)
+#: The shortest console token taken: one an operator can guess (or one space) is refused.
+MIN_TOKEN_LENGTH = 16
 
 
 @dataclass
@@ -473,10 +475,12 @@ def console(shared: Shared, host: str | None, port: int | None, allow_actions: b
 
     settings = shared.settings(Settings, console_host=host, console_port=port,
                                console_actions=allow_actions, log_level=log_level)
-    if settings.console_actions and not settings.console_token.get_secret_value():
+    token = settings.console_token.get_secret_value().strip()
+    if settings.console_actions and len(token) < MIN_TOKEN_LENGTH:
+        short = f" of {MIN_TOKEN_LENGTH} characters or more" if token else ""
         raise ConfigurationError(
-            "--allow-actions needs a token: set OUTBOX_CONSOLE_TOKEN to a long random string "
-            "(operators type it to resume messages)")
+            f"--allow-actions needs a token{short}: set OUTBOX_CONSOLE_TOKEN to a long random "
+            "string (operators type it to resume messages)")
     setup_logging(settings.log_level)
     serve(settings, _overdue(settings))
 

@@ -647,6 +647,10 @@ class ConsoleSettings(DatabaseSettings):
         description="the relays' and sweepers' /metrics URLs the console shows (JSON list)")
     console_refresh_seconds: float = Field(
         default=5.0, ge=1, le=3600, description="seconds between the page's refreshes")
+    console_allowed_hosts: list[str] = Field(
+        default_factory=list,
+        description="host names the console answers to (JSON list; '*.example.com' allowed); "
+        "empty: the loopback names while it listens on loopback, any name otherwise")
 
     @field_validator("console_metrics_urls")
     @classmethod

@@ -15,9 +15,12 @@ from typing import Any
 
 from jinja2 import Environment, PackageLoader, select_autoescape
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, PlainTextResponse, Response
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from outbox import store
 from outbox.console import chart, guard, scrape
@@ -147,7 +150,33 @@ def create_app(settings: Settings, overdue_seconds: float) -> Starlette:
         Route("/runs/{run_id:int}/report", console.report, methods=["GET"]),
         Route("/healthz", lambda _request: PlainTextResponse("ok"), methods=["GET"]),
     ]
-    return Starlette(routes=routes)
+    return Starlette(routes=routes, middleware=[
+        Middleware(_TrustedHosts, allowed_hosts=allowed_hosts(settings))])
+
+
+class _TrustedHosts(TrustedHostMiddleware):
+    """Starlette's check of the Host header, but not of ``/healthz`` (it shows nothing, and
+    a probe asks it by whatever address it has)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] == "/healthz":
+            await self.app(scope, receive, send)
+        else:
+            await super().__call__(scope, receive, send)
+
+
+#: The names a browser on this machine reaches a loopback console by.
+LOOPBACK_NAMES = ["localhost", "127.0.0.1", "[::1]"]
+
+
+def allowed_hosts(settings: Settings) -> list[str]:
+    """The Host headers the console answers: a page on a name of an attacker's that resolves
+    to 127.0.0.1 (DNS rebinding) would otherwise read it from the operator's own browser."""
+    if settings.console_allowed_hosts:
+        return settings.console_allowed_hosts
+    if settings.console_host in ("localhost", "::1") or settings.console_host.startswith("127."):
+        return [*LOOPBACK_NAMES, settings.console_host]
+    return ["*"]
 
 
 def serve(settings: Settings, overdue_seconds: float) -> None:

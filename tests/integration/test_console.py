@@ -35,7 +35,7 @@ from tests.conftest import (
     wait_until,
 )
 from tests.integration import test_reconcile
-from tests.processes import run_outbox, start_outbox
+from tests.processes import outbox_env, run_outbox, start_outbox
 
 #: The suite's one local SparkSession (test_reconcile.py's fixture).
 spark = test_reconcile.spark
@@ -165,6 +165,22 @@ def test_a_read_only_console_offers_no_action_and_refuses_one(
     assert f"may delete the outbox's rows: run it as a member of {schema}_console" in logs[0]
 
 
+def test_a_page_asked_for_under_another_name_is_refused(settings: Settings) -> None:
+    """DNS rebinding: a site whose name resolves to 127.0.0.1 made the operator's browser
+    ask the loopback console for its page (payload previews) under the site's own name, and
+    read it. Only the names the console is reached by are answered."""
+    with running_console(settings) as url:
+        port = url.rsplit(":", 1)[1]
+        assert httpx.get(url, headers={"Host": f"rebind.attacker.example:{port}"}
+                         ).status_code == 400
+        assert httpx.get(url, headers={"Host": f"localhost:{port}"}).status_code == 200
+        assert httpx.get(url).status_code == 200
+    with running_console(settings, OUTBOX_CONSOLE_ALLOWED_HOSTS='["outbox.example.com"]'
+                         ) as url:
+        assert httpx.get(url, headers={"Host": "outbox.example.com"}).status_code == 200
+        assert httpx.get(url).status_code == 400
+
+
 @pytest.mark.parametrize("token", ["wrong", ""])
 def test_a_wrong_or_missing_token_is_refused(
     engine: Engine, settings: Settings, schema: str, parked: list[int], token: str
@@ -217,6 +233,12 @@ def test_actions_need_a_token_and_the_console_needs_its_extra(settings: Settings
     assert no_token.stderr.strip().splitlines() == [
         "outbox: error: --allow-actions needs a token: set OUTBOX_CONSOLE_TOKEN to a long "
         "random string (operators type it to resume messages)"]
+    for weak, said in (("   ", "needs a token: set"),  # both were taken: a blank one,
+                       ("hunter2", "needs a token of 16 characters or more")):  # a guessable
+        short = run_outbox(None, "console", "--allow-actions",
+                           env=outbox_env(settings, OUTBOX_CONSOLE_TOKEN=weak))
+        assert short.returncode == 2, short.stderr
+        assert said in short.stderr, short.stderr
     assert without_extra.returncode == 2
     (line,) = without_extra.stderr.strip().splitlines()
     assert line.startswith("outbox: error: console needs the console extra")
