@@ -438,8 +438,9 @@ def _count(found: DataFrame, checked: list[str]) -> tuple[dict[str, int], dict[s
 
 
 def _output_root(settings: ReconcileSettings) -> Path:
-    """``reconcile_output_dir``, made if missing, once a folder could be made in it."""
-    root = Path(settings.reconcile_output_dir)
+    """``reconcile_output_dir``, made if missing, once a folder could be made in it; made
+    absolute, as the run records it for the next (which may start in another folder)."""
+    root = Path(settings.reconcile_output_dir).absolute()
     try:
         root.mkdir(parents=True, exist_ok=True)
         os.rmdir(tempfile.mkdtemp(prefix=".probe-", dir=root))

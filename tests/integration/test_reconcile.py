@@ -335,7 +335,7 @@ def test_run_records_its_summary_and_writes_its_report(
     assert row.outcome == "FAILED"
     assert row.findings == defect_run.counts
     assert row.output_path == str(defect_run.output_path)
-    assert sum(sum(p.values()) for p in row.kafka_offsets.values()) == 60 + 5
+    assert sum(sum(p.values()) for p in row.kafka_offsets.values()) == 60 + 6  # 6 by hand
     report = (defect_run.output_path / "report.txt").read_text()
     assert "FAIL  undelivered_after_sla" in report and f"ids: {defects.undelivered}" in report
     assert json.loads((defect_run.output_path / "summary.json").read_text())["run_id"] == (
@@ -370,7 +370,7 @@ def test_both_kafka_clients_read_the_same_records(
             spark, bootstrap, plan, library=client, max_records_per_split=7).collect())
         for client in TRANSPORTS
     }
-    assert len(read["kafka-python"]) == 60 + 5
+    assert len(read["kafka-python"]) == 60 + 6  # delivered, and produced by hand
     assert read["confluent"] == read["kafka-python"]
 
 

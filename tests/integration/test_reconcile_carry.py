@@ -54,6 +54,31 @@ def test_messages_left_open_are_judged_by_later_runs_until_they_are_delivered(
     assert third.summary["counts"]["carried_in"] == 1
 
 
+def test_a_relative_output_folder_still_hands_the_carry_to_a_run_started_elsewhere(
+    spark: SparkSession, services: devservices.Services, engine: Engine, schema: str,
+    topic: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run recorded its folder as given (the default is `reconcile-output`, relative):
+    the next run, started from another folder (by hand, a re-audit, or a scheduler that
+    changes it), looked for the carry there, found nothing, and judged no open message
+    again."""
+    (tmp_path / "cron").mkdir()
+    (tmp_path / "by-hand").mkdir()
+    settings = reconcile_settings(services, schema, Path("reports"))
+    with engine.begin() as conn:
+        open_id = insert_message(conn, schema, topic, key=b"open", age="1 hour",
+                                 status="PARKED")
+    monkeypatch.chdir(tmp_path / "cron")
+    first = job.run(spark, settings, until=datetime.now(UTC))
+    monkeypatch.chdir(tmp_path / "by-hand")
+    second = job.run(spark, settings, until=datetime.now(UTC))
+
+    assert first.output_path.is_absolute(), first.output_path
+    assert first.output_path.is_relative_to(tmp_path / "cron" / "reports")
+    assert second.summary["counts"]["carried_in"] == 1
+    assert found(spark, second).get("undelivered_after_sla") == {open_id}
+
+
 @pytest.mark.parametrize("read_topics", [True, False], ids=["with-topics", "tables-only"])
 def test_a_reorder_across_two_windows_is_found(
     spark: SparkSession, services: devservices.Services, engine: Engine, schema: str,
