@@ -298,6 +298,17 @@ def message_topics(conn: Connection, schema: str, ids: Iterable[int]) -> dict[in
     return found
 
 
+def pruned_below(conn: Connection, schema: str) -> int | None:
+    """The lowest id of the ranges of ``message`` kept (retention dropped the ranges below
+    it, oldest first): a lower id without a prepare row was pruned. None: none was dropped."""
+    name = validate_identifier(schema, "schema")
+    bounds = getattr(sa.func, name).partition_bounds(f"{name}.message").table_valued(
+        "name", "low", "high")
+    lowest, unbounded = conn.execute(sa.select(
+        sa.func.min(bounds.c.low), sa.func.bool_or(bounds.c.low.is_(None)))).one()
+    return None if unbounded or lowest is None else int(lowest)
+
+
 # --- run summaries ---------------------------------------------------------------------------
 
 

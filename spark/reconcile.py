@@ -386,13 +386,20 @@ def _recorded_since(engine: Any, schema: str, unrecorded: DataFrame) -> set[int]
 
 def _unknown(spark: SparkSession, engine: Any, schema: str, foreign: DataFrame) -> DataFrame:
     """Of the new records outside the window, those whose outbox-id is no message of their
-    topic at all (the others belong to another window)."""
+    topic at all (the others belong to another window), but for the messages retention
+    pruned (no prepare row, an id below the ranges kept): nothing is left to judge them by."""
     candidates = {(r.topic, r.outbox_id) for r in foreign.collect()}
     with engine.connect() as conn:
         topic_of = queries.message_topics(conn, schema, {i for _, i in candidates})
+        kept_from = queries.pruned_below(conn, schema) if candidates else None
         conn.rollback()
+    pruned = {(t, i) for t, i in candidates
+              if i not in topic_of and kept_from is not None and i < kept_from}
+    if pruned:
+        log.info("%d records name messages retention pruned (ids below %d): not judged",
+                 len(pruned), kept_from)
     return spark.createDataFrame(
-        sorted((t, i) for t, i in candidates if topic_of.get(i) != t),
+        sorted((t, i) for t, i in candidates - pruned if topic_of.get(i) != t),
         "topic string, outbox_id long")
 
 
