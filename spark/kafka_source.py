@@ -47,6 +47,10 @@ _CONSUMER: dict[str, Any] = {
 #: committed under it and it never joins the group.
 _RDKAFKA: dict[str, Any] = {
     "group.id": "outbox-reconcile",
+    # A range that starts below what Kafka still keeps (topic retention) reads from the
+    # first record kept, as kafka-python's reader does; librdkafka's default jumped to the
+    # partition's end and read the whole range as empty.
+    "auto.offset.reset": "earliest",
     "enable.auto.commit": False,
     "enable.auto.offset.store": False,
     "enable.partition.eof": False,
