@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import reduce
 from typing import Any
-from urllib.parse import urlencode
+from urllib.parse import quote, urlencode
 
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -77,7 +77,8 @@ def jdbc_options(database_url: str, tcp_timeout: float | None = None) -> dict[st
         params["targetServerType"] = TARGET_SERVER_TYPES[attrs]
     query = urlencode(params)
     options = {
-        "url": f"jdbc:postgresql://{','.join(hosts)}/{url.database}"
+        # pgjdbc cuts the name at "?" and URL-decodes it
+        "url": f"jdbc:postgresql://{','.join(hosts)}/{quote(url.database, safe='')}"
                + (f"?{query}" if query else ""),
         "driver": JDBC_DRIVER,
         "fetchsize": str(FETCH_SIZE),

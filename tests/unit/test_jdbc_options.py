@@ -18,6 +18,9 @@ from outbox.spark.sources import jdbc_options
      "jdbc:postgresql://standby:5433,primary:5432/shop?targetServerType=primary"),
     ("postgresql://app@/shop?host=[::1]:5433&host=::2&sslmode=require",
      "jdbc:postgresql://[::1]:5433,[::2]:5432/shop?sslmode=require"),
+    # pgjdbc cuts the name at "?" and URL-decodes it ("+" is a space): it was put in raw
+    ("postgresql://app@db/my%20db%3Fx", "jdbc:postgresql://db:5432/my%20db%3Fx"),
+    ("postgresql://app@db/a+b%25c", "jdbc:postgresql://db:5432/a%2Bb%25c"),
 ])
 def test_the_jdbc_url_names_the_same_server(database_url: str, jdbc_url: str) -> None:
     options = jdbc_options(database_url)
