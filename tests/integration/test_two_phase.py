@@ -26,7 +26,7 @@ from outbox import (
 from outbox.dev.topics import read_topic
 from outbox.relay.relay import Relay
 from outbox.settings import Settings, sqlalchemy_url
-from tests.conftest import publish_orders, wait_delivered
+from tests.conftest import publish_orders, running_relay, wait_delivered
 
 
 class PaymentTimeout(Exception):
@@ -275,6 +275,19 @@ def test_a_decision_wakes_the_relay_without_waiting_for_a_poll(
         daemon.stop()
         thread.join(30)
     assert not thread.is_alive()
+
+
+def test_a_rollback_wakes_the_relay_for_the_messages_of_its_key(
+    engine: Engine, outbox: Outbox, topic: str, schema: str, settings: Settings
+) -> None:
+    """A prepared message holds back the later messages of its key. Rolled back, it frees
+    them, but only a commit notified: they waited for the relay's next poll (here 30 s)."""
+    held = prepare(engine, outbox, topic, {"n": 1}, key="k")
+    with running_relay(settings.model_copy(update={"relay_poll_interval": 30.0})):
+        publish_orders(engine, outbox, topic, [("k", 1), ("other", 2)])
+        wait_delivered(engine, schema, 1, timeout=20)  # the relay is up, "k" held back
+        outbox.rollback(engine, held)
+        wait_delivered(engine, schema, 2, timeout=10)
 
 
 def test_async_two_phase_shares_the_sync_behaviour(
