@@ -21,6 +21,11 @@ ID_HEADER = "outbox-id"
 #: Message ids are PostgreSQL bigints from a sequence starting at 1.
 MAX_MESSAGE_ID = 2**63 - 1
 CONTENT_TYPE_HEADER = "content-type"
+RESERVED_HEADERS = frozenset({ID_HEADER, CONTENT_TYPE_HEADER})
+
+JSON = "application/json"
+TEXT = "text/plain; charset=utf-8"
+BINARY = "application/octet-stream"
 
 
 def ascii_digits(text: str) -> bool:
@@ -40,12 +45,6 @@ def header_message_id(value: str | bytes | None) -> int | None:
         return None
     message_id = int(text)
     return message_id if 0 < message_id <= MAX_MESSAGE_ID else None
-
-RESERVED_HEADERS = frozenset({ID_HEADER, CONTENT_TYPE_HEADER})
-
-JSON = "application/json"
-TEXT = "text/plain; charset=utf-8"
-BINARY = "application/octet-stream"
 
 
 @dataclass(frozen=True, slots=True)

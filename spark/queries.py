@@ -300,7 +300,8 @@ def message_topics(conn: Connection, schema: str, ids: Iterable[int]) -> dict[in
 
 def pruned_below(conn: Connection, schema: str) -> int | None:
     """The lowest id of the ranges of ``message`` kept (retention dropped the ranges below
-    it, oldest first): a lower id without a prepare row was pruned. None: none was dropped."""
+    it, oldest first): a lower id without a prepare row was pruned. None when the lowest
+    range is open below."""
     name = validate_identifier(schema, "schema")
     bounds = getattr(sa.func, name).partition_bounds(f"{name}.message").table_valued(
         "name", "low", "high")
