@@ -51,6 +51,7 @@ def test_reserved_headers_are_refused_whatever_their_case() -> None:
         ("héllo", "héllo".encode(), TEXT),
         ({"b": [1, 2], "é": None}, '{"b":[1,2],"é":null}'.encode(), JSON),
         (7, b"7", JSON),
+        (None, b"null", JSON),  # not a tombstone (docs/api.md)
     ],
 )
 def test_payloads_are_encoded_by_type(payload: object, body: bytes, content_type: str) -> None:
