@@ -198,7 +198,7 @@ def downgrade(shared: Shared, revision: str) -> None:
 @db.command()
 @pass_shared
 def current(shared: Shared) -> None:
-    """Print the applied revision (nothing when not migrated)."""
+    """Print the applied revision ("(none)" when not migrated)."""
     from outbox import migrate
 
     settings = shared.settings(DatabaseSettings)

@@ -104,7 +104,8 @@ OLDEST_PENDING = Gauge(
 
 TOPIC_HELD = Gauge(
     "outbox_topic_held",
-    "1 while the relay holds a topic's messages because Kafka has no metadata for it",
+    "1 while the relay holds a topic's messages: Kafka has no metadata for it, refuses its "
+    "records or keeps retrying them",
     ["topic"],
 )
 

@@ -4,6 +4,7 @@ with Django's own connection, in the example project (settings, a model, ``migra
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import uuid
@@ -13,12 +14,14 @@ from typing import Any
 
 import pytest
 from sqlalchemy import Engine, text
+from sqlalchemy.orm import Session
 
 from outbox import NotInTransaction, Outbox, SchemaNotMigrated, connectors
 from outbox.dev.topics import create_topic
 from outbox.relay.relay import Relay
 from outbox.settings import Settings
-from tests.conftest import count_status, delivered_to, wait_delivered
+from tests.conftest import count_status, delivered_to, wait_delivered, wait_until
+from tests.processes import start_outbox
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -122,3 +125,32 @@ def test_an_unmigrated_schema_says_which_command_to_run(django_project: None,
     missing = Outbox(settings=settings, schema=f"missing_{uuid.uuid4().hex[:8]}")
     with pytest.raises(SchemaNotMigrated, match="outbox db upgrade"), transaction.atomic():
         missing.publish(connection, "orders", {"n": 1})
+
+
+def test_the_sweeper_runs_the_example_checker(django_project: None, settings: Settings,
+                                              engine: Engine, schema: str) -> None:
+    """The command the example's docstring gives: the sweeper imports the app before Django
+    is set up (importing the views alone raised AppRegistryNotReady)."""
+    from examples.django_service.orders.models import Order
+
+    order = Order.objects.create(customer="ada", total="9.50", state="paid")
+    fast = settings.model_copy(update={"transaction_timeout": 0.2})
+    with Session(engine) as session, session.begin():
+        message_id = Outbox(settings=fast, producer_group="django-orders").prepare(
+            session, "payments", {"order_id": order.id})
+    sweeper = start_outbox(fast, "sweep", "--app", "examples.django_service.sweeper:outbox",
+                           "--check-interval", "0.1", OUTBOX_SWEEP_POLL_INTERVAL="0.1")
+    try:
+        wait_until(lambda: resolution(engine, schema, message_id) == "COMMIT", 30,
+                   "the example's checker to commit the payment")
+    finally:
+        sweeper.send_signal(signal.SIGTERM)
+        output, _ = sweeper.communicate(timeout=30)
+    assert sweeper.returncode == 0, output
+    assert "checkers for django-orders" in output
+
+
+def resolution(engine: Engine, schema: str, message_id: int) -> str:
+    with engine.connect() as conn:
+        return conn.execute(text(f"SELECT resolution FROM {schema}.message_state WHERE id = :id"),
+                            {"id": message_id}).scalar_one()

@@ -1,7 +1,7 @@
 """A small order service on Django: the outbox writes through Django's own connection.
 
     OUTBOX_DATABASE_URL=postgresql://... python examples/django_service/manage.py migrate
-    outbox sweep --app examples.django_service.orders.views:outbox
+    outbox sweep --app examples.django_service.sweeper:outbox
 
 POST /orders             places an order and publishes OrderPlaced inside transaction.atomic()
 POST /orders/<id>/pay    charges a (simulated) gateway with the two-phase API
