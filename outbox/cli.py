@@ -185,6 +185,10 @@ def upgrade(shared: Shared, revision: str, create_roles: bool) -> None:
 
         roles = migrate.create_roles(settings.database_url, settings.schema_name)
         click.echo(f"roles {', '.join(roles)} granted; GRANT them to your login roles")
+        for grant in migrate.missing_grants(settings.database_url, settings.schema_name):
+            click.echo(f"outbox: warning: this role may not grant what {settings.schema_name}"
+                       f"_reconcile needs (outbox reconcile refuses to run under it until "
+                       f"then); a superuser must run: {grant}", err=True)
 
 
 @db.command()

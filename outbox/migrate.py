@@ -135,6 +135,18 @@ def create_roles(url: str, schema: str) -> list[str]:
             for kind in ("app", "relay", "sweeper", "reconcile", "checker", "console")]
 
 
+def missing_grants(url: str, schema: str) -> list[str]:
+    """What :func:`create_roles` could not grant (it takes a superuser), as statements for
+    one to run: PostgreSQL's own warning of it reaches no one through the driver."""
+    engine = store.engine(sqlalchemy_url(url))
+    try:
+        with engine.connect() as conn:
+            sees = conn.execute(store.query("reconcile_role_sees_activity", schema)).scalar()
+    finally:
+        engine.dispose()
+    return [] if sees else [f"GRANT pg_read_all_stats TO {schema}_reconcile"]
+
+
 @contextlib.contextmanager
 def _serialised(url: str, schema: str) -> Iterator[Connection]:
     """One transaction holding the schema's migration lock: two ``db upgrade`` runs at once

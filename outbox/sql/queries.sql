@@ -787,6 +787,10 @@ GRANT SELECT ON ALL TABLES IN SCHEMA {schema} TO {schema}_reconcile;
 ALTER DEFAULT PRIVILEGES IN SCHEMA {schema} GRANT SELECT ON TABLES TO {schema}_reconcile;
 GRANT INSERT ON {schema}.reconcile_run TO {schema}_reconcile;
 
+-- name: reconcile_role_sees_activity
+-- Whether create_reconcile_role could make {schema}_reconcile a member of pg_read_all_stats.
+SELECT pg_has_role('{schema}_reconcile', 'pg_read_all_stats', 'MEMBER');
+
 -- name: create_checker_role
 -- The SQL checkers' group role (NOLOGIN), {schema}_checker: granted nothing in the outbox
 -- schema, it SELECTs only what the operator grants it on the business tables. The sweeper's

@@ -3,7 +3,9 @@ application's role writes prepare rows and decisions but nothing else."""
 
 from __future__ import annotations
 
+import os
 import signal
+import uuid
 from collections.abc import Iterator
 from datetime import timedelta
 
@@ -34,6 +36,7 @@ def logins(engine: Engine, settings: Settings, schema: str) -> Iterator[dict[str
     assert result.returncode == 0, result.stderr
     assert (f"roles {schema}_app, {schema}_relay, {schema}_sweeper, {schema}_reconcile, "
             f"{schema}_checker, {schema}_console granted" in result.stdout)
+    assert "warning" not in result.stderr  # a superuser grants all
     urls = {}
     with engine.begin() as conn:
         for kind in ("app", "relay", "sweeper"):
@@ -282,3 +285,38 @@ def test_relay_role_reads_each_range_of_message_directly(
     finally:
         as_relay.dispose()
     assert len(batch) == 5
+
+
+ROLE_KINDS = ("app", "relay", "sweeper", "reconcile", "checker", "console")
+
+
+def test_roles_made_by_an_owner_who_may_not_grant_activity_say_what_a_superuser_must_run(
+    engine: Engine, services: devservices.Services
+) -> None:
+    """PostgreSQL's own warning (``RAISE WARNING`` in the block) reached no one, and the
+    command said every role was granted; ``outbox reconcile`` then refused to run."""
+    name = f"r_{uuid.uuid4().hex[:12]}"
+    owner = f"{name}_owner"
+    with engine.begin() as conn:
+        database = conn.execute(text("SELECT current_database()")).scalar_one()
+        conn.execute(text(f"CREATE ROLE {owner} LOGIN PASSWORD 'pw'"))
+        conn.execute(text(f"GRANT CREATE ON DATABASE {database} TO {owner}"))
+        for kind in ROLE_KINDS:  # made by a superuser; the owner may grant but not make them
+            conn.execute(text(f"CREATE ROLE {name}_{kind} NOLOGIN"))
+            conn.execute(text(f"GRANT {name}_{kind} TO {owner} WITH ADMIN OPTION"))
+    url = services.database_url.replace(f"{devservices.DB_USER}:{devservices.DB_PASSWORD}@",
+                                        f"{owner}:pw@")
+    try:
+        result = run_outbox(None, "db", "upgrade", "--create-roles", env={
+            **os.environ, "OUTBOX_DATABASE_URL": url, "OUTBOX_SCHEMA": name})
+        assert result.returncode == 0, result.stderr
+        assert (f"outbox: warning: this role may not grant what {name}_reconcile needs"
+                in result.stderr)
+        assert f"a superuser must run: GRANT pg_read_all_stats TO {name}_reconcile" \
+            in result.stderr
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text(f"DROP SCHEMA IF EXISTS {name} CASCADE"))
+            for role in [*(f"{name}_{kind}" for kind in ROLE_KINDS), owner]:
+                conn.execute(text(f"DROP OWNED BY {role}"))
+                conn.execute(text(f"DROP ROLE {role}"))
