@@ -62,6 +62,10 @@ LEFT JOIN LATERAL (
 
 def upgrade() -> None:
     schema = target_schema()
+    # Older applications and relays may still run (upgrade first, restart after): a publish
+    # or delivery committed after the copies below and before the old columns are dropped
+    # would be lost. Readers go on; writers wait until the upgrade commits.
+    op.execute(f"LOCK TABLE {schema}.message, {schema}.op_record IN EXCLUSIVE MODE")
     op.create_table(
         "pending",
         sa.Column("message_id", sa.BigInteger, autoincrement=False, nullable=False),

@@ -328,6 +328,9 @@ def upgrade() -> None:
 def downgrade() -> None:
     """Back to one plain table each: the rows are copied (the partitions then dropped)."""
     schema = target_schema()
+    # a publish or delivery committed after the copies would be dropped with the old tables
+    op.execute(f"LOCK TABLE {schema}.message, {schema}.op_record, {schema}.pending "
+               "IN EXCLUSIVE MODE")
     op.execute(f"DROP VIEW {schema}.message_state")
     for function in FUNCTIONS:
         op.execute(f"DROP FUNCTION {schema}.{function}")

@@ -759,6 +759,78 @@ def test_an_upgrade_waiting_for_a_lock_does_not_queue_the_outbox_s_readers_behin
         drop_schema(engine, name)
 
 
+def test_a_message_an_older_application_commits_while_0004_upgrades_is_kept(
+    services: devservices.Services, engine: Engine
+) -> None:
+    """0004 copied the unfinished rows into ``pending`` before it locked ``message``: a
+    publish of the older application (upgrade first, restart after) committed while the op
+    records were backfilled had no pending row once the old columns were dropped, and was
+    never delivered nor checked. The backfill is made to wait here, as a long one does."""
+    name = f"m_{uuid.uuid4().hex[:12]}"
+    migrate.upgrade(services.database_url, name, "0003")
+    upgrading = threading.Thread(
+        target=migrate.upgrade, args=(services.database_url, name), daemon=True)
+    try:
+        with engine.connect() as publisher, engine.connect() as holder:
+            published = publisher.execute(text(
+                f"INSERT INTO {name}.message (topic, key, payload, content_type, shard, status, "
+                f"resolution) VALUES ('t', NULL, '\\x7b7d'::bytea, 'application/json', 3, "
+                f"'PENDING', 'COMMIT') RETURNING id")).scalar_one()
+            holder.execute(text(f"LOCK TABLE {name}.op_record IN SHARE MODE"))
+            upgrading.start()
+            wait_until(lambda: statement_waits(engine, name), 10, "the upgrade to wait")
+            publisher.commit()
+            holder.rollback()
+        upgrading.join(60)
+        assert not upgrading.is_alive()
+        assert migrate.current(services.database_url, name) == migrate.head()
+        with engine.connect() as conn:
+            state = conn.execute(text(
+                f"SELECT status, resolution FROM {name}.message_state WHERE id = :id"),
+                {"id": published}).one()
+        assert tuple(state) == ("PENDING", "COMMIT")
+    finally:
+        upgrading.join(60)
+        drop_schema(engine, name)
+
+
+def test_a_message_committed_while_a_downgrade_copies_the_history_is_kept(
+    services: devservices.Services, engine: Engine
+) -> None:
+    """0006's downgrade copied ``message`` into a plain table before it locked it: a publish
+    committed during the copy was dropped with the partitioned table."""
+    name = f"m_{uuid.uuid4().hex[:12]}"
+    migrate.upgrade(services.database_url, name, "0013")
+    downgrading = threading.Thread(
+        target=migrate.downgrade, args=(services.database_url, name, "0005"), daemon=True)
+    try:
+        with engine.connect() as publisher:
+            published = publisher.execute(text(
+                f"INSERT INTO {name}.message (producer_group, topic, payload, content_type, "
+                f"shard) VALUES ('g', 't', '\\x7b7d'::bytea, 'application/json', 3) "
+                f"RETURNING id")).scalar_one()
+            downgrading.start()
+            wait_until(lambda: statement_waits(engine, name), 10, "the downgrade to wait")
+            publisher.commit()
+        downgrading.join(60)
+        assert not downgrading.is_alive()
+        assert migrate.current(services.database_url, name) == "0005"
+        with engine.connect() as conn:
+            assert conn.execute(text(f"SELECT id FROM {name}.message")).scalars().all() \
+                == [published]
+    finally:
+        downgrading.join(60)
+        drop_schema(engine, name)
+
+
+def statement_waits(engine: Engine, schema: str) -> bool:
+    """Whether a statement naming ``schema`` waits for a lock."""
+    with engine.connect() as conn:
+        return bool(conn.execute(text(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+            "AND query LIKE :named"), {"named": f"%{schema}.%"}).scalar_one())
+
+
 def waiting_for_a_lock(engine: Engine) -> bool:
     with engine.connect() as conn:
         return bool(conn.execute(text(
