@@ -39,6 +39,8 @@ log = logging.getLogger("outbox.relay.librdkafka")
 REPEAT_SECONDS = 60.0
 #: librdkafka's own (negative) error codes with a kafka-python twin; any other local error
 #: (connection, timeout, queue) is retriable.
+#: The broker's -1, which librdkafka passes on as RD_KAFKA_RESP_ERR_UNKNOWN.
+UNKNOWN_SERVER_ERROR = KafkaError.UNKNOWN
 LOCAL_ERRORS: dict[int, type[kafka.errors.KafkaError]] = {
     KafkaError._MSG_TIMED_OUT: kafka.errors.KafkaTimeoutError,
     KafkaError._TIMED_OUT: kafka.errors.KafkaTimeoutError,
@@ -122,7 +124,7 @@ def consumer_config(settings: RelaySettings) -> dict[str, Any]:
 def translate(error: KafkaError) -> kafka.errors.KafkaError:
     """librdkafka's error as the kafka-python exception the same failure raises there."""
     code = error.code()
-    if code >= 0:
+    if code >= UNKNOWN_SERVER_ERROR:  # Kafka's codes; librdkafka's own are below
         cls = kafka.errors.for_code(code)
     else:
         cls = LOCAL_ERRORS.get(code, kafka.errors.KafkaConnectionError)

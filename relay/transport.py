@@ -27,6 +27,7 @@ from kafka.errors import (
     ProducerFencedError,
     SaslAuthenticationFailedError,
     TopicAuthorizationFailedError,
+    UnknownError,
     UnknownProducerIdError,
     UnsupportedForMessageFormatError,
     UnsupportedVersionError,
@@ -136,6 +137,9 @@ TOPIC_ERRORS = (TopicAuthorizationFailedError, InvalidTimestampError,
 #: IdempotentWrite grant, a failed login, a broker too old): an outage until mended.
 CLUSTER_ERRORS = (AuthorizationError, SaslAuthenticationFailedError, IllegalSaslStateError,
                   InvalidRequiredAcksError, UnsupportedVersionError)
+#: Non-retriable in Kafka's protocol, but the broker's own fault (UNKNOWN_SERVER_ERROR), not the
+#: record's: retried as an outage, never counted toward parking.
+BROKER_FAULTS = (UnknownError,)
 
 
 def refuses_topic(error: BaseException | None) -> bool:
@@ -148,7 +152,8 @@ def is_permanent(error: BaseException | None) -> bool:
     """Kafka's non-retriable errors about a record (too large, invalid, corrupt, ...):
     retrying the same record cannot help, so it is parked after a few attempts."""
     return (isinstance(error, KafkaError) and not error.retriable
-            and not isinstance(error, PRODUCER_STATE_ERRORS + TOPIC_ERRORS + CLUSTER_ERRORS))
+            and not isinstance(error, PRODUCER_STATE_ERRORS + TOPIC_ERRORS + CLUSTER_ERRORS
+                               + BROKER_FAULTS))
 
 
 def make_transport(settings: RelaySettings) -> Transport:

@@ -41,6 +41,7 @@ UNKNOWN_TOPIC_OR_PARTITION = 3
 NOT_ENOUGH_REPLICAS = 19
 TOPIC_AUTHORIZATION_FAILED = 29
 CLUSTER_AUTHORIZATION_FAILED = 31
+UNKNOWN_SERVER_ERROR = -1
 #: correlation id -> (api key, api version, topics hidden from the broker: for Metadata
 #: their names, for Produce their partitions and the error they are answered with)
 Asked = dict[int, tuple[int, int, dict[str, tuple[list[int], int]]]]

@@ -33,6 +33,7 @@ from tests.conftest import (
 from tests.kafka_proxy import (
     CLUSTER_AUTHORIZATION_FAILED,
     TOPIC_AUTHORIZATION_FAILED,
+    UNKNOWN_SERVER_ERROR,
     KafkaProxy,
 )
 from tests.processes import run_outbox, start_outbox
@@ -260,6 +261,26 @@ def test_a_producer_kafka_refuses_everywhere_is_an_outage_not_parked_messages(
         proxy.accept(topic)
         wait_delivered(engine, schema, 20, timeout=60)
     assert "ClusterAuthorizationFailed" in caplog.text
+
+
+def test_a_broker_s_unknown_server_error_parks_nothing(
+    engine: Engine, outbox: Outbox, schema: str, topic: str, proxy: KafkaProxy,
+    held_settings: Settings, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """UNKNOWN_SERVER_ERROR is the broker's own fault, not the records': kafka-python's
+    transport counted it as a permanent rejection and parked healthy messages, while
+    librdkafka's took it as an outage."""
+    proxy.refuse(topic, UNKNOWN_SERVER_ERROR)
+    publish_orders(engine, outbox, topic, GOOD[:20])
+    impatient = held_settings.model_copy(update={"relay_max_attempts": 1})
+    with running_relay(impatient):
+        wait_until(lambda: "paused" in caplog.text or "holding" in caplog.text, 30,
+                   "the refusal to be seen")
+        time.sleep(3)
+        assert count_status(engine, schema, "PARKED") == 0
+        proxy.accept(topic)
+        wait_delivered(engine, schema, 20, timeout=60)
+    assert count_status(engine, schema, "PARKED") == 0
 
 
 def test_a_topic_deleted_under_the_relay_is_held_while_the_others_flow(

@@ -129,6 +129,15 @@ def test_errors_about_a_topic_or_the_producers_grants_park_no_record(
     assert refuses_topic(error) == about_the_topic and not is_permanent(error)
 
 
+def test_the_brokers_unknown_server_error_is_the_same_error_and_parks_nothing() -> None:
+    """-1 is Kafka's UNKNOWN_SERVER_ERROR (librdkafka's RD_KAFKA_RESP_ERR_UNKNOWN): the
+    broker's fault, not the record's, under either transport."""
+    error = translate(KafkaError(KafkaError.UNKNOWN))
+    assert type(error) is kafka.errors.for_code(-1) is kafka.errors.UnknownError
+    assert not is_permanent(error) and not is_permanent(kafka.errors.UnknownError())
+    assert not refuses_topic(error)
+
+
 @pytest.mark.parametrize("code", [KafkaError._MSG_TIMED_OUT, KafkaError._TRANSPORT,
                                   KafkaError._ALL_BROKERS_DOWN, KafkaError._UNKNOWN_TOPIC,
                                   KafkaError._PURGE_QUEUE])
