@@ -455,9 +455,9 @@ class Relay:
             self._holds.refused(topic, error)
         if landed:
             self._holds.landed(landed)
-        if acks:
-            self.lifecycle.recovered()
         transient = [f for f in failures if not f.permanent]
+        if acks and not transient and not salvaging:  # else the pass fails: the outage goes on
+            self.lifecycle.recovered()
         for failure in failures:
             metrics.FAILURES.labels("permanent" if failure.permanent else "retriable").inc()
         if refusals:

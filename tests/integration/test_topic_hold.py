@@ -183,6 +183,34 @@ def test_acks_that_arrived_are_recorded_before_a_failed_pass_sends_again(
     assert ids_per_record(services, topic) == Counter(good_ids), "each good message once"
 
 
+def test_acks_of_a_pass_that_fails_do_not_end_the_outage(
+    engine: Engine, outbox: Outbox, schema: str, topic: str, proxy: KafkaProxy,
+    held_settings: Settings, services: devservices.Services, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Each pass lands the good topic's records and fails on the refused one: the outage
+    goes on. The acks of such a pass logged "delivering again" and reset the back-off, so
+    the log alternated paused / delivering again for as long as it lasted."""
+    refused = f"refused-{uuid.uuid4().hex[:8]}"
+    create_topic(services.kafka_bootstrap, refused, partitions=1)
+    proxy.refuse(refused)
+    publish_orders(engine, outbox, refused, [("r", 0)])
+    failing = held_settings.model_copy(update={"kafka_delivery_timeout_ms": 2_000})
+    with running_relay(failing):
+        for round_ in range(4):  # a pass or more each
+            wait_until(lambda: caplog.text.count("paused") >= 1, 30, "the outage")
+            publish_orders(engine, outbox, topic, GOOD[round_ * 10:round_ * 10 + 10])
+            wait_until(lambda: count_topic(engine, schema, topic, "DELIVERED")
+                       == 10 * (round_ + 1), 30, "the good topic's messages")
+        assert count_topic(engine, schema, refused, "PENDING") == 1
+        lines = [r.getMessage() for r in caplog.records]
+        assert not [line for line in lines if "delivering again" in line], lines
+        assert len([line for line in lines if " paused: " in line]) == 1, lines
+        proxy.accept(refused)
+        wait_until(lambda: count_topic(engine, schema, refused, "DELIVERED") == 1, 60,
+                   "the refused message once Kafka takes it")
+    assert "delivering again" in caplog.text
+
+
 def test_a_topic_first_seen_while_the_broker_is_away_is_not_held(
     engine: Engine, outbox: Outbox, schema: str, topic: str, proxy: KafkaProxy,
     held_settings: Settings, services: devservices.Services, caplog: pytest.LogCaptureFixture,
