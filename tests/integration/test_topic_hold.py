@@ -199,8 +199,8 @@ def test_acks_of_a_pass_that_fails_do_not_end_the_outage(
         for round_ in range(4):  # a pass or more each
             wait_until(lambda: caplog.text.count("paused") >= 1, 30, "the outage")
             publish_orders(engine, outbox, topic, GOOD[round_ * 10:round_ * 10 + 10])
-            wait_until(lambda: count_topic(engine, schema, topic, "DELIVERED")
-                       == 10 * (round_ + 1), 30, "the good topic's messages")
+            wait_until(lambda done=10 * (round_ + 1): count_topic(
+                engine, schema, topic, "DELIVERED") == done, 30, "the good topic's messages")
         assert count_topic(engine, schema, refused, "PENDING") == 1
         lines = [r.getMessage() for r in caplog.records]
         assert not [line for line in lines if "delivering again" in line], lines
