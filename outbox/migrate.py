@@ -138,26 +138,29 @@ def create_roles(url: str, schema: str) -> list[str]:
 def missing_grants(url: str, schema: str) -> list[str]:
     """What :func:`create_roles` could not grant (it takes a superuser), as statements for
     one to run: PostgreSQL's own warning of it reaches no one through the driver."""
+    with _connected(url) as conn:
+        sees = conn.execute(store.query("reconcile_role_sees_activity", schema)).scalar()
+    return [] if sees else [f"GRANT pg_read_all_stats TO {schema}_reconcile"]
+
+
+@contextlib.contextmanager
+def _connected(url: str) -> Iterator[Connection]:
+    """A connection of an engine of its own, disposed of afterwards (a command's one look)."""
     engine = store.engine(sqlalchemy_url(url))
     try:
         with engine.connect() as conn:
-            sees = conn.execute(store.query("reconcile_role_sees_activity", schema)).scalar()
+            yield conn
     finally:
         engine.dispose()
-    return [] if sees else [f"GRANT pg_read_all_stats TO {schema}_reconcile"]
 
 
 @contextlib.contextmanager
 def _serialised(url: str, schema: str) -> Iterator[Connection]:
     """One transaction holding the schema's migration lock: two ``db upgrade`` runs at once
     take turns (the second finds the work done) instead of racing to create the same tables."""
-    engine = store.engine(sqlalchemy_url(url))
-    try:
-        with engine.begin() as conn:
-            store.lock_migrations(conn, validate_identifier(schema), LOCK_TIMEOUT)
-            yield conn
-    finally:
-        engine.dispose()
+    with _connected(url) as conn, conn.begin():
+        store.lock_migrations(conn, validate_identifier(schema), LOCK_TIMEOUT)
+        yield conn
 
 
 def _patiently(url: str, schema: str, migrating: Callable[[Connection], None]) -> None:
@@ -188,12 +191,8 @@ def _patiently(url: str, schema: str, migrating: Callable[[Connection], None]) -
 
 
 def _lock_holders(url: str, schema: str) -> list[str]:
-    engine = store.engine(sqlalchemy_url(url))
-    try:
-        with engine.connect() as conn:
-            return store.lock_holders(conn, schema)
-    finally:
-        engine.dispose()
+    with _connected(url) as conn:
+        return store.lock_holders(conn, schema)
 
 
 def head() -> str:
@@ -204,15 +203,11 @@ def head() -> str:
 
 
 def current(url: str, schema: str) -> str | None:
-    engine = store.engine(sqlalchemy_url(url))
-    try:
-        with engine.connect() as conn:
-            context = MigrationContext.configure(
-                conn, opts={"version_table": VERSION_TABLE, "version_table_schema": schema}
-            )
-            return context.get_current_revision()
-    finally:
-        engine.dispose()
+    with _connected(url) as conn:
+        context = MigrationContext.configure(
+            conn, opts={"version_table": VERSION_TABLE, "version_table_schema": schema}
+        )
+        return context.get_current_revision()
 
 
 def require_current(conn: Connection, schema: str) -> None:

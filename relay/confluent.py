@@ -37,10 +37,11 @@ log = logging.getLogger("outbox.relay.librdkafka")
 #: librdkafka logs each failed connection attempt (several a second while a broker is down);
 #: a line is repeated at most this often, with the count of those left out since.
 REPEAT_SECONDS = 60.0
+#: The broker's -1, which librdkafka passes on as RD_KAFKA_RESP_ERR_UNKNOWN; its own error
+#: codes are below it.
+UNKNOWN_SERVER_ERROR = KafkaError.UNKNOWN
 #: librdkafka's own (negative) error codes with a kafka-python twin; any other local error
 #: (connection, timeout, queue) is retriable.
-#: The broker's -1, which librdkafka passes on as RD_KAFKA_RESP_ERR_UNKNOWN.
-UNKNOWN_SERVER_ERROR = KafkaError.UNKNOWN
 LOCAL_ERRORS: dict[int, type[kafka.errors.KafkaError]] = {
     KafkaError._MSG_TIMED_OUT: kafka.errors.KafkaTimeoutError,
     KafkaError._TIMED_OUT: kafka.errors.KafkaTimeoutError,
@@ -124,7 +125,7 @@ def consumer_config(settings: RelaySettings) -> dict[str, Any]:
 def translate(error: KafkaError) -> kafka.errors.KafkaError:
     """librdkafka's error as the kafka-python exception the same failure raises there."""
     code = error.code()
-    if code >= UNKNOWN_SERVER_ERROR:  # Kafka's codes; librdkafka's own are below
+    if code >= UNKNOWN_SERVER_ERROR:
         cls = kafka.errors.for_code(code)
     else:
         cls = LOCAL_ERRORS.get(code, kafka.errors.KafkaConnectionError)
