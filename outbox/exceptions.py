@@ -1,5 +1,7 @@
 """The errors the outbox raises. Each message is one line that says what to fix."""
 
+import re
+
 
 class OutboxError(Exception):
     """Base class for every error raised by the outbox."""
@@ -54,7 +56,10 @@ def describe(exc: BaseException | None) -> str:
     if exc is None:
         return "unknown error"
     text = str(getattr(exc, "orig", None) or exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
+    name = type(exc).__name__
+    # kafka-python's errors name themselves (after their code, for a broker's answer)
+    text = re.sub(rf"^(\[Error -?\d+\] )?{name}: ", r"\1", text)
+    return f"{name}: {text.splitlines()[0] if text else ''}".rstrip(": ")
 
 
 #: PostgreSQL's SQLSTATEs for a missing table, schema or function: what is missing, and what

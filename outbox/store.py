@@ -129,7 +129,25 @@ class Deliverable(NamedTuple):
 
     @property
     def headers(self) -> list[tuple[str, bytes]]:
-        return list(zip(self.header_keys or (), self.header_values or (), strict=True))
+        return paired_headers(self.header_keys, self.header_values)
+
+
+class UnpairedHeaders(ValueError):
+    """A stored row's header names and values do not pair up: ``publish_message()`` refuses
+    such rows since revision 0018, but a row it stored before may still be there."""
+
+
+def paired_headers(names: list[str] | None, values: list[bytes] | None
+                   ) -> list[tuple[str, bytes]]:
+    """A stored row's headers as ``(name, value)`` pairs; raises :class:`UnpairedHeaders` when
+    the arrays do not pair up one name to one value, none of them NULL (nor an array)."""
+    names, values = names or [], values or []
+    if len(names) != len(values) or not all(type(name) is str for name in names) \
+            or not all(type(value) is bytes for value in values):
+        raise UnpairedHeaders(
+            f"its {len(names)} header names and {len(values)} header values do not pair up "
+            "one to one, none of them NULL (a row stored before revision 0018)")
+    return list(zip(names, values, strict=True))
 
 
 #: What :func:`engine` sets on each new connection, and on the relay's hot ones: none of
@@ -806,6 +824,8 @@ class Claim:
 
     message: Message
     token: datetime
+    #: why the row cannot be handed to a checker (:class:`UnpairedHeaders`), if it cannot
+    unreadable: str | None = None
 
 
 def claim_checks(
@@ -815,22 +835,18 @@ def claim_checks(
         query("claim_checks", schema),
         {"groups": list(groups), "limit": limit, "claim_seconds": claim_seconds},
     )
-    return [
-        Claim(
-            message=Message(
-                id=row.id,
-                producer_group=row.producer_group,
-                topic=row.topic,
-                key=row.key,
-                headers=dict(zip(row.header_keys or (), row.header_values or (), strict=True)),
-                payload=row.payload,
-                content_type=row.content_type,
-                check_count=row.check_count,
-            ),
-            token=row.token,
-        )
-        for row in rows
-    ]
+    return [_claim(row) for row in rows]
+
+
+def _claim(row: Any) -> Claim:
+    try:
+        headers, unreadable = dict(paired_headers(row.header_keys, row.header_values)), None
+    except UnpairedHeaders as exc:
+        headers, unreadable = {}, str(exc)
+    message = Message(id=row.id, producer_group=row.producer_group, topic=row.topic,
+                      key=row.key, headers=headers, payload=row.payload,
+                      content_type=row.content_type, check_count=row.check_count)
+    return Claim(message, row.token, unreadable)
 
 
 @dataclass(frozen=True, slots=True)

@@ -179,6 +179,11 @@ class ConfluentTransport:
                 delivery.failed(translate(exc.args[0]))
                 return delivery
 
+    def unsent(self, error: BaseException) -> Delivery:
+        delivery = Report()
+        delivery.failed(error)
+        return delivery
+
     def wait(self, deliveries: Sequence[Delivery], timeout: float) -> bool:
         """Woken after each poll that served reports; looks on from the first unsettled."""
         waiting = iter(deliveries)

@@ -140,6 +140,9 @@ class KafkaPythonTransport:
             future = Future().failure(exc)
         return Sent(future)
 
+    def unsent(self, error: BaseException) -> Delivery:
+        return Sent(Future().failure(error))
+
     def wait(self, deliveries: Sequence[Delivery], timeout: float) -> bool:
         """Looks at each record's future; waits in ``get()`` on the first not done (which
         follows the record into a new batch if kafka-python splits its batch for size)."""

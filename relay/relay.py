@@ -42,7 +42,9 @@ from outbox.relay.recovery import Recovery
 from outbox.relay.retention import Pruner
 from outbox.relay.transport import (
     Delivery,
+    Headers,
     Transport,
+    UnsendableRecord,
     is_permanent,
     make_transport,
     refuses_topic,
@@ -369,8 +371,13 @@ class Relay:
             if not stopped and (row.key is None or (row.topic, row.key) not in blocked) \
                     and row.topic not in lost:
                 suspect = row.id in self._suspects
-                delivery = self._send_alone(transport, row) if suspect else \
-                    transport.send(row.topic, row.key, row.payload, _headers(row))
+                try:
+                    headers = _headers(row)
+                except store.UnpairedHeaders as exc:
+                    delivery = transport.unsent(UnsendableRecord(f"message {row.id}: {exc}"))
+                else:
+                    delivery = self._send_alone(transport, row, headers) if suspect else \
+                        transport.send(row.topic, row.key, row.payload, headers)
                 if delivery.error is not None:  # refused before sending, or failed alone
                     flight.alone.add(row.id)
                     stopped = suspect
@@ -387,12 +394,13 @@ class Relay:
         metrics.BATCH_SIZE.observe(len(batch))
         return flight
 
-    def _send_alone(self, transport: Transport, row: store.Deliverable) -> Delivery:
+    def _send_alone(self, transport: Transport, row: store.Deliverable, headers: Headers
+                    ) -> Delivery:
         """Sends ``row`` between two flushes, each waiting ``SLOW_ACK_SECONDS`` at most (a
         broker that does not answer fails the pass through the acks, not here)."""
         with contextlib.suppress(KafkaError):  # kafka-python: not flushed in time
             transport.flush(SLOW_ACK_SECONDS)
-        delivery = transport.send(row.topic, row.key, row.payload, _headers(row))
+        delivery = transport.send(row.topic, row.key, row.payload, headers)
         with contextlib.suppress(KafkaError):
             transport.flush(SLOW_ACK_SECONDS)
         return delivery
@@ -694,9 +702,10 @@ def _payload_bytes(batch: list[store.Deliverable]) -> int:
 
 def _headers(row: store.Deliverable) -> list[tuple[str, bytes]]:
     """The row's own headers, then ``outbox-id`` and ``content-type`` (built for every
-    record the relay sends: kept to the cheapest Python can do)."""
-    headers = list(zip(row.header_keys, row.header_values or (), strict=True)) \
-        if row.header_keys else []
+    record the relay sends: kept to the cheapest Python can do); raises
+    store.UnpairedHeaders."""
+    headers = store.paired_headers(row.header_keys, row.header_values) \
+        if row.header_keys or row.header_values else []
     headers.append((ID_HEADER, b"%d" % row.id))
     headers.append((CONTENT_TYPE_HEADER, _encoded(row.content_type)))
     return headers

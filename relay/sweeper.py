@@ -360,6 +360,8 @@ class Sweeper:
         (DISCARD ALL), or closed if the check failed: a check leaves nothing on the pool."""
         message = item.claim.message
         group = message.producer_group
+        if item.claim.unreadable:
+            return Resolution.UNKNOWN, "ERROR", f"not checked: {item.claim.unreadable}"
         with self._engine.connect() as conn:
             driver = conn.connection.driver_connection
             try:

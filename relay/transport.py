@@ -49,6 +49,14 @@ class UnknownOffset(KafkaError):  # type: ignore[misc]  # kafka-python is untype
     description = "the broker acknowledged the record without its offset"
 
 
+class UnsendableRecord(KafkaError):  # type: ignore[misc]
+    """A stored row the relay cannot make a record of (store.UnpairedHeaders): refused before
+    sending, like a record too large, so it is parked after a few attempts."""
+
+    retriable = False
+    description = "the stored row cannot be made a Kafka record"
+
+
 class Delivery(Protocol):
     """Where one record landed, or why it did not: read once the transport's :meth:`wait`
     says it settled (``error`` may be set at once: a record refused before sending)."""
@@ -92,6 +100,11 @@ class Transport(Protocol):
     def send(self, topic: str, key: bytes | None, value: bytes, headers: Headers) -> Delivery:
         """Hand one record over; a record refused before sending (too large, ...) comes back
         already failed."""
+        ...
+
+    def unsent(self, error: BaseException) -> Delivery:
+        """A delivery failed with ``error`` before anything was handed over (a row the relay
+        cannot make a record of), settled as the transport's own are."""
         ...
 
     def wait(self, deliveries: Sequence[Delivery], timeout: float) -> bool:

@@ -189,8 +189,9 @@ def running(daemon: D, name: str) -> Iterator[D]:
     finally:
         daemon.stop()
         thread.join(30)
+        if failure:  # said also when the block failed: a wait timed out because of it
+            raise AssertionError(f"{name} crashed: {failure[0]!r}") from failure[0]
     assert not thread.is_alive(), f"{name} did not stop within 30 s"
-    assert not failure, f"{name} crashed: {failure[0]!r}"
 
 
 @contextlib.contextmanager

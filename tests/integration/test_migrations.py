@@ -6,6 +6,7 @@ themselves, and that the copy every other test gets (tests/conftest.py) is the s
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import uuid
@@ -21,19 +22,25 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.types import TypeEngine
 
 from outbox import Outbox, SchemaNotMigrated, migrate, store
+from outbox.checkers import Checker
 from outbox.dev import services as devservices
 from outbox.dev.topics import read_topic
+from outbox.encoding import encode
 from outbox.migrations import target_metadata
-from outbox.schema import DOMAINS, SHARDS, VERSION_TABLE
+from outbox.relay.sweeper import Sweeper
+from outbox.schema import DOMAINS, SHARDS, VERSION_TABLE, Resolution
 from outbox.settings import Settings
 from tests.conftest import (
+    both_transports,
     count_status,
     drop_roles,
     drop_schema,
     fresh_schema,
+    ids_with_status,
     partition_options,
     publish_orders,
     ranges,
+    running,
     running_relay,
     wait_delivered,
     wait_until,
@@ -707,6 +714,73 @@ def test_upgrade_to_0017_keys_op_records_by_message_and_rows_keep_flowing_and_do
             (table, columns) for table in tables
             for columns in ("btree (id, message_id)", "btree (message_id)", "brin (created_at)")}
         assert count_status(engine, name, "DELIVERED") == 9
+    finally:
+        drop_schema(engine, name)
+
+
+def stored_before_0018(engine: Engine, schema: str, outbox: Outbox, topic: str, key: str,
+                       header_keys: Any, header_values: Any, *, prepared: bool = False,
+                       check_after: float | None = None) -> int:
+    """A row as revision 0014's ``publish_message()`` stored whatever it was given."""
+    message = dataclasses.replace(
+        encode(topic, {"key": key}, key=key, headers=None, content_type=None,
+               max_payload_bytes=1024, random_shard=0),
+        header_keys=header_keys, header_values=header_values)
+    statement, params = store.publish(schema, message, producer_group=outbox.producer_group,
+                                      resolution=Resolution.UNKNOWN if prepared
+                                      else Resolution.COMMIT, check_after_seconds=check_after)
+    with engine.begin() as conn:
+        return int(conn.execute(statement, params).scalar_one())
+
+
+@both_transports
+def test_rows_stored_before_0018_end_no_daemon_and_hold_no_key_after_0021(
+    services: devservices.Services, engine: Engine, settings: Settings, topic: str
+) -> None:
+    """Before revision 0018, ``publish_message()`` stored header arrays that do not pair up
+    and prepared rows without a check time. The relay parks the former, as records refused
+    before sending (it ended at each fetch of one), the sweeper counts its checks of them
+    inconclusive (it cannot hand them to a checker; it ended too), and revision 0021 gives
+    the latter a check time (never checked, they held their keys back for good)."""
+    name = f"m_{uuid.uuid4().hex[:12]}"
+    migrate.upgrade(services.database_url, name, "0017")
+    fast = settings.model_copy(update={
+        "schema_name": name, "relay_max_attempts": 2, "check_max": 2, "check_interval": 0.1,
+        "checker_timeout": 2.0, "sweep_poll_interval": 0.1})
+    outbox = Outbox(settings=fast, producer_group="orders")
+    try:
+        unpaired = stored_before_0018(engine, name, outbox, topic, "a", ["x", "y"], [b"1"])
+        two_dimensional = stored_before_0018(engine, name, outbox, topic, "d", [["x", "y"]],
+                                             [[b"1", b"2"]])
+        unchecked = stored_before_0018(engine, name, outbox, topic, "b", None, None,
+                                       prepared=True)
+        unreadable = stored_before_0018(engine, name, outbox, topic, "c", ["x"], [None],
+                                        prepared=True, check_after=0)
+        behind = publish_orders(engine, outbox, topic, [("a", 1), ("b", 2), ("d", 3)])
+        migrate.upgrade(services.database_url, name)
+        commit: dict[str, Checker] = {"orders": lambda message, conn: "COMMIT"}
+        with running_relay(fast), running(Sweeper(fast, commit), "sweeper"):
+            wait_delivered(engine, name, 4)
+            wait_until(lambda: ids_with_status(engine, name, "PARKED") == [unpaired,
+                                                                          two_dimensional]
+                       and ids_with_status(engine, name, "DISCARDED") == [unreadable],
+                       30, "the unpaired rows parked and discarded")
+        records = read_topic(services.kafka_bootstrap, topic)
+        assert [r.message_id for r in records if r.key == b"b"] == [unchecked, behind[1]]
+        assert sorted(r.message_id for r in records) == sorted([unchecked, *behind])
+        with engine.connect() as conn:
+            details = {row.message_id: row.detail for row in conn.execute(text(
+                f"SELECT message_id, detail FROM {name}.op_record "
+                f"WHERE action IN ('PARKED', 'DISCARDED')"))}
+        assert details[unpaired] == (
+            f"UnsendableRecord: message {unpaired}: its 2 header names and 1 header values do "
+            f"not pair up one to one, none of them NULL (a row stored before revision 0018)")
+        assert "its 1 header names and 1 header values do not pair up" in details[
+            two_dimensional]
+        assert details[unreadable] == (
+            "2 inconclusive check-backs, the last: not checked: its 1 header names and 1 "
+            "header values do not pair up one to one, none of them NULL (a row stored before "
+            "revision 0018)")
     finally:
         drop_schema(engine, name)
 

@@ -14,7 +14,8 @@ from confluent_kafka import KafkaError
 from kafka.producer.future import FutureProduceResult, FutureRecordMetadata
 from kafka.producer.record_accumulator import RecordAccumulator
 
-from outbox.exceptions import ConfigurationError
+from outbox import store
+from outbox.exceptions import ConfigurationError, describe
 from outbox.relay import confluent
 from outbox.relay.confluent import librdkafka_config, translate
 from outbox.relay.producer import Sent, producer_config
@@ -22,6 +23,7 @@ from outbox.relay.tails import KafkaPythonTailReader, Tail, fingerprint
 from outbox.relay.transport import (
     Report,
     UnknownOffset,
+    UnsendableRecord,
     is_permanent,
     make_transport,
     refuses_topic,
@@ -183,6 +185,32 @@ def test_an_acknowledgement_without_an_offset_is_retried_not_recorded() -> None:
     assert isinstance(delivery.error, UnknownOffset) and not is_permanent(delivery.error)
     sent = kafka_python_sent(offset=-1)
     assert isinstance(sent.error, UnknownOffset) and not is_permanent(sent.error)
+
+
+@pytest.mark.parametrize(("names", "values"), [
+    (["a", "b"], [b"1"]), (["a"], [None]), ([None], [b"1"]), ([["a", "b"]], [[b"1", b"2"]]),
+    (None, [b"1"]),
+])
+def test_a_stored_row_whose_headers_do_not_pair_up_is_unsendable_and_parked(
+    names: Any, values: Any
+) -> None:
+    """Rows ``publish_message()`` stored before revision 0018 checked its arguments: the
+    relay refuses such a row before sending, as a permanent error (tests/integration/
+    test_migrations.py runs it through a relay)."""
+    with pytest.raises(store.UnpairedHeaders) as raised:
+        store.paired_headers(names, values)
+    error = UnsendableRecord(f"message 7: {raised.value}")
+    assert is_permanent(error) and not refuses_topic(error)
+    assert describe(error).startswith("UnsendableRecord: message 7: its ")
+    assert store.paired_headers(["a"], [b"1"]) == [("a", b"1")]
+    assert store.paired_headers(None, None) == []
+
+
+def test_a_kafka_python_error_is_described_by_its_name_once() -> None:
+    assert describe(UnknownOffset("partition 3")) == "UnknownOffset: partition 3"
+    assert describe(kafka.errors.MessageSizeTooLargeError("too big")) == \
+        "MessageSizeTooLargeError: [Error 10] too big"
+    assert describe(ValueError("bad")) == "ValueError: bad"
 
 
 def kafka_python_sent(*, offset: int | None = None, error: Exception | None = None) -> Sent:
