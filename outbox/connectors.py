@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import psycopg
-from psycopg.pq import TransactionStatus
+from psycopg.pq import PipelineStatus, TransactionStatus
+from psycopg.raw_cursor import RawCursorMixin
 from psycopg.rows import namedtuple_row
 from sqlalchemy import Connection, Engine, TextClause
 from sqlalchemy.ext.asyncio import (
@@ -150,7 +151,7 @@ async def execute_async(bind: AsyncBind, statement: TextClause, params: dict[str
         _require_idle(target.connection.info.transaction_status != TransactionStatus.IDLE)
         async with target.connection.transaction():
             return await _run_on_async_psycopg(target.connection, statement, params)
-    _require_transaction(_psycopg_in_transaction(target), "postgresql")
+    _require_transaction(await _async_psycopg_in_transaction(target), "postgresql")
     return await _run_on_async_psycopg(target, statement, params)
 
 
@@ -203,10 +204,30 @@ def _autocommit(connection: Connection) -> bool:
         return bool(getattr(dbapi_connection, "autocommit", False))
 
 
-def _psycopg_in_transaction(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]
-                            ) -> bool:
-    """Outside autocommit psycopg opens a transaction by itself; inside, only a block does."""
-    return not conn.autocommit or conn.info.transaction_status != TransactionStatus.IDLE
+#: What an autocommit connection's status reads inside a transaction block.
+IN_BLOCK = (TransactionStatus.INTRANS, TransactionStatus.INERROR)
+
+
+def _psycopg_in_transaction(conn: psycopg.Connection[Any]) -> bool:
+    """Outside autocommit psycopg opens a transaction by itself; inside, only a block does.
+    In pipeline mode the status reads ACTIVE while statements are queued, in a block or not:
+    leaving a nested pipeline syncs it first, and then the status tells."""
+    if not conn.autocommit:
+        return True
+    if conn.info.pipeline_status != PipelineStatus.OFF:
+        with conn.pipeline():
+            pass
+    return conn.info.transaction_status in IN_BLOCK
+
+
+async def _async_psycopg_in_transaction(conn: psycopg.AsyncConnection[Any]) -> bool:
+    """The async twin of :func:`_psycopg_in_transaction`."""
+    if not conn.autocommit:
+        return True
+    if conn.info.pipeline_status != PipelineStatus.OFF:
+        async with conn.pipeline():
+            pass
+    return conn.info.transaction_status in IN_BLOCK
 
 
 def _in_transaction(bind: psycopg.Connection[Any] | DjangoConnection
@@ -242,9 +263,13 @@ def _alone(bind: psycopg.Connection[Any] | psycopg.AsyncConnection[Any] | Django
 
 def _run_on_driver(bind: psycopg.Connection[Any] | DjangoConnection, statement: TextClause,
                    params: dict[str, Any]) -> Rows:
-    """psycopg's ``%(name)s`` style; Django's cursor passes it through to psycopg."""
+    """psycopg's ``%(name)s`` style (a connection whose cursors take ``$1`` only, RawCursor,
+    gets a plain cursor; its other factories, ClientCursor for a pooler, are kept); Django's
+    cursor passes it through to psycopg."""
     if isinstance(bind, psycopg.Connection):
-        with bind.cursor(row_factory=namedtuple_row) as cursor:
+        raw = issubclass(bind.cursor_factory, RawCursorMixin)
+        with (psycopg.Cursor(bind, row_factory=namedtuple_row) if raw
+              else bind.cursor(row_factory=namedtuple_row)) as cursor:
             cursor.execute(store.driver_sql(statement), params)
             return cursor.fetchall()
     with bind.cursor() as cursor:
@@ -255,7 +280,9 @@ def _run_on_driver(bind: psycopg.Connection[Any] | DjangoConnection, statement: 
 
 async def _run_on_async_psycopg(bind: psycopg.AsyncConnection[Any], statement: TextClause,
                                 params: dict[str, Any]) -> Rows:
-    async with bind.cursor(row_factory=namedtuple_row) as cursor:
+    raw = issubclass(bind.cursor_factory, RawCursorMixin)
+    async with (psycopg.AsyncCursor(bind, row_factory=namedtuple_row) if raw
+                else bind.cursor(row_factory=namedtuple_row)) as cursor:
         await cursor.execute(store.driver_sql(statement), params)
         return await cursor.fetchall()
 
@@ -266,9 +293,11 @@ def _require_transaction(in_transaction: bool, dialect: str) -> None:
         raise ConfigurationError(f"the outbox needs PostgreSQL, but this session uses {dialect}")
     if not in_transaction:
         raise NotInTransaction(
-            "publish() needs an open transaction so the message commits or rolls back with "
-            "your data: call it inside `with session.begin():` (or `async with ...`, "
-            "Django's `transaction.atomic()`), not in autocommit mode"
+            "publish(), prepare(), commit() and rollback() need an open transaction, so "
+            "they commit or roll back with your data: call them inside `with session.begin():` "
+            "(or `async with ...`, psycopg's `conn.transaction()`, Django's "
+            "`transaction.atomic()`), not in autocommit mode; a commit() or rollback() may "
+            "be given an Engine instead, which commits it at once"
         )
 
 

@@ -101,3 +101,65 @@ def test_an_unmigrated_schema_says_which_command_to_run(settings: Settings) -> N
 
     with pytest.raises(SchemaNotMigrated, match="outbox db upgrade"):
         asyncio.run(scenario())
+
+
+def messages(engine: Engine, schema: str) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(text(f"SELECT count(*) FROM {schema}.message")).scalar_one())
+
+
+def test_a_pipeline_in_autocommit_mode_is_no_transaction(
+    outbox: Outbox, engine: Engine, schema: str, settings: Settings
+) -> None:
+    """Statements queued in a pipeline made the status read ACTIVE, which passed for a
+    transaction: the message was written and committed on its own, apart from the writes
+    queued before it (sync and async alike). A block inside the pipeline is one."""
+    with psycopg.connect(settings.database_url, autocommit=True) as conn:
+        with conn.pipeline(), pytest.raises(NotInTransaction):
+            conn.execute("SELECT 1")
+            outbox.publish(conn, "orders", {"n": 1})
+        with conn.transaction(), conn.pipeline():
+            conn.execute("SELECT 1")
+            kept = outbox.publish(conn, "orders", {"n": 2})
+
+    async def scenario() -> int:
+        async with await psycopg.AsyncConnection.connect(settings.database_url,
+                                                         autocommit=True) as conn:
+            async with conn.pipeline():
+                await conn.execute("SELECT 1")
+                with pytest.raises(NotInTransaction):
+                    await outbox.publish(conn, "orders", {"n": 3})
+            async with conn.transaction(), conn.pipeline():
+                await conn.execute("SELECT 1")
+                return await outbox.publish(conn, "orders", {"n": 4})
+
+    assert asyncio.run(scenario()) == kept + 1
+    assert messages(engine, schema) == 2
+
+
+def test_a_connection_whose_cursors_bind_on_the_server_publishes_and_decides(
+    outbox: Outbox, engine: Engine, schema: str, settings: Settings
+) -> None:
+    """RawCursor takes ``$1`` placeholders only: the publish statement's named ones raised a
+    raw TypeError. ClientCursor (binding on the client, for a pooler) is kept as it is."""
+    for factory in (psycopg.RawCursor, psycopg.ClientCursor):
+        with psycopg.connect(settings.database_url, cursor_factory=factory) as conn:
+            prepared = outbox.prepare(conn, "orders", {"n": 1})
+            conn.commit()
+        with psycopg.connect(settings.database_url, autocommit=True,
+                             cursor_factory=factory) as conn:
+            with pytest.raises(NotInTransaction, match=r"commit\(\) or rollback\(\) may"):
+                outbox.commit(conn, prepared)  # said so: publish() alone was named
+            with conn.transaction():
+                outbox.commit(conn, prepared)
+
+    async def scenario() -> int:
+        async with await psycopg.AsyncConnection.connect(
+                settings.database_url, cursor_factory=psycopg.AsyncRawCursor) as conn:
+            message_id = await outbox.publish(conn, "orders", {"n": 2})
+            await conn.commit()
+            return message_id
+
+    published = asyncio.run(scenario())
+    assert len(set(resolutions(engine, schema).values())) == 1
+    assert resolutions(engine, schema)[published] == "COMMIT"
