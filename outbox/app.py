@@ -17,7 +17,7 @@ from sqlalchemy import Engine, TextClause
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox import connectors, store
-from outbox.checkers import Checker, to_resolution
+from outbox.checkers import Checker, synchronous, to_resolution
 from outbox.connectors import AsyncBind, AsyncTarget, DjangoConnection, Rows, SyncBind, SyncTarget
 from outbox.encoding import (
     CONTROL,
@@ -427,7 +427,7 @@ class Outbox:
         def register(func: C) -> C:
             if group in self.checkers:
                 raise ConfigurationError(f"producer group {group!r} already has a checker")
-            self.checkers[group] = func
+            self.checkers[group] = synchronous(func, group)
             return func
 
         return register

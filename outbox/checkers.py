@@ -8,6 +8,8 @@ COMMIT, ROLLBACK or UNKNOWN (None counts as UNKNOWN), like RocketMQ's checkLocal
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,12 +17,31 @@ from typing import Any
 from sqlalchemy import Connection
 
 from outbox import store
+from outbox.exceptions import ConfigurationError
 from outbox.message import Message
 from outbox.schema import Resolution
 
 #: ``checker(message, connection)``; the connection is in a read-only transaction whose
 #: statements are cut off at the checker timeout.
 Checker = Callable[[Message, Connection], Any]
+
+
+def synchronous(checker: Any, group: str) -> Checker:
+    """``checker`` if the sweeper can call it: a coroutine function (``async def``, also
+    behind ``functools.partial`` or a ``__call__``) answers a coroutine nothing awaits, so
+    every check would count as inconclusive until the message is discarded."""
+    target = checker
+    while isinstance(target, functools.partial):
+        target = target.func
+    if not callable(target):
+        raise ConfigurationError(f"the checker of producer group {group!r} is not callable: "
+                                 f"{checker!r}")
+    if inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(
+            type(target).__call__):  # an object's own
+        raise ConfigurationError(
+            f"the checker of producer group {group!r} is a coroutine function: checkers run "
+            "on the sweeper's threads and must be plain functions (def, not async def)")
+    return checker  # type: ignore[no-any-return]
 
 
 def to_resolution(answer: object, who: str) -> Resolution:

@@ -36,7 +36,7 @@ from sqlalchemy.exc import DBAPIError
 
 from outbox import store
 from outbox.app import Outbox
-from outbox.checkers import Checker, SqlChecker, to_resolution
+from outbox.checkers import Checker, SqlChecker, synchronous, to_resolution
 from outbox.exceptions import CheckerRefused, ConfigurationError, first_line, server_trouble
 from outbox.migrate import require_current
 from outbox.relay.daemon import Lifecycle
@@ -113,7 +113,7 @@ def checkers_for(settings: SweepSettings, checkers: Mapping[str, Checker]) -> di
                 f"producer group {group!r} has a Python checker and a SQL checker "
                 "(OUTBOX_SQL_CHECKERS): keep one"
             )
-        found[group] = checker
+        found[group] = synchronous(checker, group)
     if not found:
         raise ConfigurationError(
             "the sweeper has no checkers: pass --app module:outbox (an Outbox with "

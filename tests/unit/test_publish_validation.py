@@ -8,6 +8,7 @@ tests/integration/test_validation.py.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -16,7 +17,8 @@ from sqlalchemy import Engine, create_engine
 from sqlalchemy.orm import Session
 
 from outbox import ConfigurationError, InvalidMessage, Outbox
-from outbox.settings import PublishSettings
+from outbox.relay.sweeper import checkers_for
+from outbox.settings import PublishSettings, SweepSettings
 
 
 @pytest.fixture
@@ -88,6 +90,31 @@ def test_checker_registers_with_or_without_parentheses() -> None:
         return "ROLLBACK"
 
     assert outbox.checkers == {"shop": bare, "billing": named}
+
+
+class AsyncCheck:
+    async def __call__(self, message: object, conn: object) -> str:
+        return "COMMIT"
+
+
+async def async_check(message: object, conn: object, extra: int = 0) -> str:
+    return "COMMIT"
+
+
+@pytest.mark.parametrize("checker", [async_check, functools.partial(async_check, extra=1),
+                                     AsyncCheck()])
+def test_a_checker_the_sweeper_cannot_call_is_refused_at_once(checker: object) -> None:
+    """An ``async def`` checker answered a coroutine nothing awaited: each check counted as
+    inconclusive, and the message was discarded. It is refused when registered, and by the
+    sweeper (``outbox sweep`` exits 2) for checkers put in the dict directly."""
+    outbox = Outbox(settings=PublishSettings(), producer_group="shop")
+    with pytest.raises(ConfigurationError, match="checker of producer group 'shop' is"):
+        outbox.checker(checker)  # type: ignore[call-overload]
+    assert outbox.checkers == {}
+    with pytest.raises(ConfigurationError, match="checker of producer group 'shop' is"):
+        checkers_for(SweepSettings(), {"shop": checker})  # type: ignore[dict-item]
+    with pytest.raises(ConfigurationError, match="checker of producer group 'shop' is not"):
+        checkers_for(SweepSettings(), {"shop": "COMMIT"})  # type: ignore[dict-item]
 
 
 class Order:
