@@ -372,6 +372,7 @@ class Outbox:
         with _noting_unknown(message_id):
             answer = to_resolution(local_transaction(prepared), "the local transaction")
             if answer is not Resolution.UNKNOWN:
+                connectors.require_idle_after(owner)
                 self._decide(owner, message_id, answer)
         return TransactionResult(message_id, answer)
 
@@ -391,6 +392,7 @@ class Outbox:
                 returned = await returned
             answer = to_resolution(returned, "the local transaction")
             if answer is not Resolution.UNKNOWN:
+                connectors.require_idle_after(engine)
                 await self._decide_async(engine, message_id, answer)
         return TransactionResult(message_id, answer)
 

@@ -148,7 +148,7 @@ async def execute_async(bind: AsyncBind, statement: TextClause, params: dict[str
         _require_sqlalchemy_transaction(in_transaction, connection)
         return list(await target.execute(statement, params))
     if isinstance(target, AsyncOwnTransaction):
-        _require_idle(target.connection.info.transaction_status != TransactionStatus.IDLE)
+        _require_idle(_busy(target.connection))
         async with target.connection.transaction():
             return await _run_on_async_psycopg(target.connection, statement, params)
     _require_transaction(await _async_psycopg_in_transaction(target), "postgresql")
@@ -247,14 +247,13 @@ def _in_transaction(bind: psycopg.Connection[Any] | DjangoConnection
 @contextlib.contextmanager
 def _alone(bind: psycopg.Connection[Any] | psycopg.AsyncConnection[Any] | DjangoConnection
            ) -> Iterator[psycopg.Connection[Any] | DjangoConnection]:
+    _require_idle(_busy(bind))
     if isinstance(bind, psycopg.Connection):
-        _require_idle(bind.info.transaction_status != TransactionStatus.IDLE)
         with bind.transaction():
             yield bind
     elif isinstance(bind, DjangoConnection):
         from django.db import transaction
 
-        _require_idle(bind.in_atomic_block or not bind.get_autocommit())
         with transaction.atomic(using=bind.alias):
             yield bind
     else:
@@ -301,9 +300,30 @@ def _require_transaction(in_transaction: bool, dialect: str) -> None:
         )
 
 
+def _busy(bind: psycopg.Connection[Any] | psycopg.AsyncConnection[Any] | DjangoConnection
+          ) -> bool:
+    """Whether a transaction is open on the connection (psycopg's, outside autocommit, opens
+    at the first statement; Django's, in ``atomic()`` or with autocommit off)."""
+    if isinstance(bind, DjangoConnection):
+        return bind.in_atomic_block or not bind.get_autocommit()
+    return bind.info.transaction_status != TransactionStatus.IDLE
+
+
 def _require_idle(in_transaction: bool) -> None:
     if in_transaction:
         raise ConfigurationError(
             "send_in_transaction() commits its prepare row before the local transaction "
             "runs: call it on a connection outside any transaction"
         )
+
+
+def require_idle_after(owner: SyncBind | AsyncBind) -> None:
+    """Before the local transaction's answer is recorded on the connection
+    ``send_in_transaction()`` was given: a transaction it left open there would be refused
+    as if the prepare row had been, with the wrong reason."""
+    if isinstance(owner, OwnTransaction | AsyncOwnTransaction) and _busy(owner.connection):
+        raise ConfigurationError(
+            "the local transaction left a transaction open on the connection "
+            "send_in_transaction() was given (psycopg opens one at the first statement "
+            "outside autocommit): commit or roll it back before returning, or use another "
+            "connection; its answer was not recorded")

@@ -9,7 +9,14 @@ import psycopg
 import pytest
 from sqlalchemy import Engine, text
 
-from outbox import Message, NotInTransaction, Outbox, Resolution, SchemaNotMigrated
+from outbox import (
+    ConfigurationError,
+    Message,
+    NotInTransaction,
+    Outbox,
+    Resolution,
+    SchemaNotMigrated,
+)
 from outbox.dev.topics import read_topic
 from outbox.relay.relay import Relay
 from outbox.settings import Settings
@@ -163,3 +170,37 @@ def test_a_connection_whose_cursors_bind_on_the_server_publishes_and_decides(
     published = asyncio.run(scenario())
     assert len(set(resolutions(engine, schema).values())) == 1
     assert resolutions(engine, schema)[published] == "COMMIT"
+
+
+def test_a_local_transaction_that_leaves_its_connection_in_a_transaction_is_told_so(
+    outbox: Outbox, engine: Engine, schema: str, settings: Settings
+) -> None:
+    """psycopg opens a transaction at a local transaction's first statement on the same
+    connection; the answer's recording was then refused with the prepare row's reason ("call
+    it on a connection outside any transaction"), though the row was committed already."""
+    with psycopg.connect(settings.database_url) as conn:
+
+        def charge(message: Message) -> str:
+            conn.execute("SELECT 1")
+            return "COMMIT"
+
+        with pytest.raises(ConfigurationError, match="the local transaction left a "
+                           "transaction open") as raised:
+            outbox.send_in_transaction(conn, "orders", {"n": 1}, charge)
+        conn.rollback()
+        message_id = max(resolutions(engine, schema))
+        assert f"outbox message {message_id} stays UNKNOWN" in "".join(raised.value.__notes__)
+        assert resolutions(engine, schema) == {message_id: "UNKNOWN"}
+
+    async def scenario() -> None:
+        async with await psycopg.AsyncConnection.connect(settings.database_url) as conn:
+
+            async def charge(message: Message) -> str:
+                await conn.execute("SELECT 1")
+                return "COMMIT"
+
+            with pytest.raises(ConfigurationError, match="left a transaction open"):
+                await outbox.send_in_transaction(conn, "orders", {"n": 2}, charge)
+
+    asyncio.run(scenario())
+    assert sorted(resolutions(engine, schema).values()) == ["UNKNOWN", "UNKNOWN"]
