@@ -21,6 +21,7 @@ from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel
 from sqlalchemy import Column, Connection, Integer, MetaData, Numeric, Table, Text, select
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
+from sqlalchemy.schema import CreateSchema
 
 from outbox import Message, Outbox
 from outbox.settings import sqlalchemy_url
@@ -42,6 +43,9 @@ engine: AsyncEngine | None = None
 async def lifespan(_: FastAPI) -> AsyncIterator[None]:
     global engine
     engine = create_async_engine(sqlalchemy_url(os.environ["OUTBOX_DATABASE_URL"]))
+    async with engine.begin() as conn:  # the example's own table; a real service migrates
+        await conn.execute(CreateSchema(str(shop.schema), if_not_exists=True))
+        await conn.run_sync(shop.create_all)
     yield
     await engine.dispose()
 

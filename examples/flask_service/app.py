@@ -42,6 +42,8 @@ def create_app(database_url: str | None = None) -> Flask:
     app.config["SQLALCHEMY_DATABASE_URI"] = sqlalchemy_url(
         database_url or os.environ["OUTBOX_DATABASE_URL"])
     db.init_app(app)
+    with app.app_context():
+        db.create_all()  # the example's own table; a real service migrates its schema
 
     @app.post("/orders")
     def place_order() -> tuple[dict[str, int], int]:

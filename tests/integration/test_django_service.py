@@ -67,6 +67,7 @@ def test_orders_publish_in_atomic_and_failed_ones_publish_nothing(
                           content_type="application/json")
     assert (placed.status_code, failed.status_code) == (201, 500)
     paid = service.post(f"/orders/{placed.json()['order_id']}/pay").json()
+    assert service.post("/orders/9999/pay").status_code == 404  # as the other examples say
     wait_delivered(engine, schema, 2)
     orders = delivered_to(engine, schema, settings.kafka_bootstrap, "orders")
     assert list(orders) == [placed.json()["message_id"]]

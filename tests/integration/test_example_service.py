@@ -26,13 +26,11 @@ def service(engine: Engine, settings: Settings, schema: str,
 
     monkeypatch.setattr(service_module.outbox, "schema", schema)
     monkeypatch.setattr(service_module.outbox, "settings", settings)
-    with engine.begin() as conn:
-        conn.execute(text("CREATE SCHEMA IF NOT EXISTS shop"))
-        service_module.shop.create_all(conn)
-        conn.execute(text("TRUNCATE shop.orders RESTART IDENTITY"))
     for topic in ("orders", "payments"):
         create_topic(settings.kafka_bootstrap, topic)
-    with TestClient(service_module.app) as client:
+    with TestClient(service_module.app) as client:  # its start makes its table
+        with engine.begin() as conn:
+            conn.execute(text("TRUNCATE shop.orders RESTART IDENTITY"))
         yield client
 
 

@@ -22,9 +22,7 @@ def app(settings: Settings, schema: str, monkeypatch: pytest.MonkeyPatch) -> Ite
 
     monkeypatch.setattr(service.outbox, "schema", schema)
     monkeypatch.setattr(service.outbox, "settings", settings)
-    flask_app = service.create_app(settings.database_url)
-    with flask_app.app_context():
-        service.db.create_all()
+    flask_app = service.create_app(settings.database_url)  # makes its table
     for topic in ("orders", "payments"):
         create_topic(settings.kafka_bootstrap, topic)
     yield flask_app

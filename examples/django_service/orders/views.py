@@ -13,6 +13,7 @@ import json
 
 from django.db import connection, transaction
 from django.http import HttpRequest, JsonResponse
+from django.shortcuts import get_object_or_404
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_POST
 from sqlalchemy import Connection, text
@@ -43,7 +44,7 @@ def place_order(request: HttpRequest) -> JsonResponse:
 @csrf_exempt
 @require_POST
 def pay(request: HttpRequest, order_id: int) -> JsonResponse:
-    order = Order.objects.get(id=order_id)
+    order = get_object_or_404(Order, id=order_id)
 
     def capture(message: Message) -> str:
         paid = order.id % 2 == 1  # stands in for a payment gateway
