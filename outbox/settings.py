@@ -100,7 +100,8 @@ def tcp_timeouts(seconds: float) -> dict[str, str]:
 
 
 def sqlalchemy_url(url: str, tcp_timeout: float | None = None) -> str:
-    """Accept ``postgresql://`` URLs and pin the psycopg 3 driver; with ``tcp_timeout``, add
+    """Accept ``postgresql://`` URLs (and ``postgres://``, as libpq does and hosting
+    platforms hand out) and pin the psycopg 3 driver; with ``tcp_timeout``, add
     :func:`tcp_timeouts`'s parameters that the URL does not set itself."""
     try:
         parsed = make_url(url)
@@ -111,7 +112,7 @@ def sqlalchemy_url(url: str, tcp_timeout: float | None = None) -> str:
     if parsed.host and "@" in parsed.host:
         raise ConfigurationError(
             f"invalid database URL {mask_url(url)!r}: write an '@' in the password as %40")
-    if parsed.get_backend_name() != "postgresql":
+    if parsed.get_backend_name() not in ("postgresql", "postgres"):
         raise ConfigurationError(
             f"database URL must be postgresql://..., got {parsed.get_backend_name()!r}"
         )

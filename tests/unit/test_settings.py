@@ -27,6 +27,7 @@ from outbox.settings import (
     validate_identifier,
     with_overrides,
 )
+from outbox.spark.sources import jdbc_options
 from tests.processes import run_outbox
 
 
@@ -255,6 +256,8 @@ def test_database_urls_are_pinned_to_psycopg_3() -> None:
     assert sqlalchemy_url("postgresql://app:pw@db:5432/shop") == (
         "postgresql+psycopg://app:pw@db:5432/shop")
     assert sqlalchemy_url("postgresql+psycopg2://db/shop") == "postgresql+psycopg://db/shop"
+    assert sqlalchemy_url("postgres://app:pw@db/shop") == "postgresql+psycopg://app:pw@db/shop"
+    assert jdbc_options("postgres://app:pw@db/shop")["url"] == "jdbc:postgresql://db:5432/shop"
     wrong_backend = re.escape("must be postgresql://..., got 'mysql'")
     with pytest.raises(ConfigurationError, match=wrong_backend):
         sqlalchemy_url("mysql://app@db/shop")
