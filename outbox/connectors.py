@@ -313,7 +313,8 @@ def _require_idle(in_transaction: bool) -> None:
     if in_transaction:
         raise ConfigurationError(
             "send_in_transaction() commits its prepare row before the local transaction "
-            "runs: call it on a connection outside any transaction"
+            "runs: call it on a connection outside any transaction (a Django view under "
+            "ATOMIC_REQUESTS: decorate it with @transaction.non_atomic_requests)"
         )
 
 

@@ -16,7 +16,7 @@ import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
-from outbox import NotInTransaction, Outbox, SchemaNotMigrated, connectors
+from outbox import ConfigurationError, NotInTransaction, Outbox, SchemaNotMigrated, connectors
 from outbox.dev.topics import create_topic
 from outbox.relay.relay import Relay
 from outbox.settings import Settings
@@ -94,6 +94,8 @@ def test_django_connection_two_phase_and_autocommit(service: Any, settings: Sett
     with transaction.atomic():
         outbox.commit(connection, first)
         outbox.rollback(connection, second)
+        with pytest.raises(ConfigurationError, match="non_atomic_requests"):  # its way out
+            outbox.send_in_transaction(connection, "orders", {"n": 3}, lambda _: "COMMIT")
     with engine.connect() as conn:
         rows = dict(conn.execute(text(f"SELECT id, resolution FROM {schema}.message_state")).all())
     assert rows == {first: "COMMIT", second: "ROLLBACK"}
