@@ -417,6 +417,7 @@ class Relay:
         refused: dict[str, str] = {}  # topic -> the error (relay/holds.py)
         blamed: dict[int, str] = {}  # id() of a refusal's error -> the topic it holds
         tried, landed = self._holds.tried, set()
+        rejected: set[int] = set()  # rejected permanently, beside others: not yet counted
         for flight in flights:
             for row, delivery in zip(flight.rows, flight.deliveries, strict=True):
                 if delivery is None:
@@ -436,6 +437,7 @@ class Relay:
                     # maybe only the neighbour of a bad record: not counted towards
                     # parking, and sent alone next time
                     self._suspects.add(row.id)
+                    rejected.add(row.id)
                     permanent = False
                 failures.append(store.Failure(row.id, describe(delivery.error), permanent))
         if salvaging:  # the pass failed already: not these rows' own (kafka-python fails
@@ -466,8 +468,9 @@ class Relay:
         transient = [f for f in failures if not f.permanent]
         if acks and not transient and not salvaging:  # else the pass fails: the outage goes on
             self.lifecycle.recovered()
-        for failure in failures:
-            metrics.FAILURES.labels("permanent" if failure.permanent else "retriable").inc()
+        for failure in failures:  # a suspect's rejection is permanent, not the broker's
+            metrics.FAILURES.labels("permanent" if failure.permanent or failure.id in rejected
+                                    else "retriable").inc()
         if refusals:
             metrics.FAILURES.labels("refused").inc(len(refusals))
         if transient:

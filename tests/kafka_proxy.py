@@ -42,6 +42,7 @@ NOT_ENOUGH_REPLICAS = 19
 TOPIC_AUTHORIZATION_FAILED = 29
 CLUSTER_AUTHORIZATION_FAILED = 31
 UNKNOWN_SERVER_ERROR = -1
+INVALID_RECORD = 87
 #: correlation id -> (api key, api version, topics hidden from the broker: for Metadata
 #: their names, for Produce their partitions and the error they are answered with)
 Asked = dict[int, tuple[int, int, dict[str, tuple[list[int], int]]]]

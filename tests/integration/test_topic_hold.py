@@ -32,6 +32,7 @@ from tests.conftest import (
 )
 from tests.kafka_proxy import (
     CLUSTER_AUTHORIZATION_FAILED,
+    INVALID_RECORD,
     TOPIC_AUTHORIZATION_FAILED,
     UNKNOWN_SERVER_ERROR,
     KafkaProxy,
@@ -309,6 +310,29 @@ def test_a_broker_s_unknown_server_error_parks_nothing(
         proxy.accept(topic)
         wait_delivered(engine, schema, 20, timeout=60)
     assert count_status(engine, schema, "PARKED") == 0
+
+
+def failures(kind: str) -> float:
+    return REGISTRY.get_sample_value("outbox_delivery_failures_total", {"kind": kind}) or 0.0
+
+
+def test_records_rejected_beside_others_count_as_permanent_failures(
+    engine: Engine, outbox: Outbox, schema: str, topic: str, proxy: KafkaProxy,
+    held_settings: Settings,
+) -> None:
+    """A record the broker rejects for its own sake (INVALID_RECORD) in a request with others
+    is sent alone before its rejection counts toward parking (Relay._send). That first
+    rejection was counted as a retriable failure, which the OutboxBrokerRetries alert reads as
+    a broker in trouble ("when Kafka is down")."""
+    proxy.refuse(topic, INVALID_RECORD)
+    before = {kind: failures(kind) for kind in ("permanent", "retriable")}
+    publish_orders(engine, outbox, topic, GOOD[:5])
+    impatient = held_settings.model_copy(update={"relay_max_attempts": 1})
+    with running_relay(impatient):
+        wait_until(lambda: count_status(engine, schema, "PARKED") == 5, 60,
+                   "the rejected records to be parked")
+    assert failures("retriable") == before["retriable"]
+    assert failures("permanent") - before["permanent"] == 10  # beside the others, then alone
 
 
 def test_a_topic_deleted_under_the_relay_is_held_while_the_others_flow(
