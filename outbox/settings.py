@@ -526,6 +526,11 @@ class RelaySettings(DatabaseSettings, KafkaSettings):
     relay_max_attempts: int = Field(
         default=5, gt=0, description="permanent rejections before a message is parked"
     )
+    relay_stop_timeout: float = Field(
+        default=20.0, gt=0, le=3600,
+        description="seconds a stopping relay waits for the batches in flight; then it "
+        "abandons them (they stay pending), as a second signal does"
+    )
     relay_tail_max_records: int = Field(
         default=1_000_000, gt=0,
         description="records read at most from partition tails before delivering shards a "

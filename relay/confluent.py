@@ -246,8 +246,10 @@ class ConfluentTransport:
 class ConfluentTailReader:
     """Tails read with a librdkafka consumer of their own (relay/tails.py)."""
 
-    def __init__(self, settings: RelaySettings) -> None:
+    def __init__(self, settings: RelaySettings, abandon: threading.Event | None = None
+                 ) -> None:
         self._bootstrap = settings.kafka_bootstrap
+        self._abandon = abandon or threading.Event()
         self._config = consumer_config(settings)
         #: how long a metadata request may go unanswered (kafka-python's reader: its
         #: bootstrap_timeout_ms); then the takeover is retried as an outage
@@ -276,7 +278,7 @@ class ConfluentTailReader:
             consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING if start is None
                                             else start) for p, start in starts.items()])
             ended: set[int] = set()
-            stall = Stall(self._bootstrap)
+            stall = Stall(self._bootstrap, self._abandon)
             while len(ended) < len(starts):
                 if tail.records >= limit:
                     tail.complete = False

@@ -22,6 +22,10 @@ from tenacity import RetryCallState, Retrying, retry_if_exception
 from outbox.exceptions import describe, setup_error
 
 
+class Abandoned(Exception):
+    """Told to stop without waiting for the work in hand (a batch in flight, a tail read)."""
+
+
 class Daemon(Protocol):
     lifecycle: Lifecycle
 
@@ -121,8 +125,9 @@ class Lifecycle:
 
 
 def run_until_signalled(daemon: Daemon) -> None:
-    """Run ``daemon`` in this (main) thread, the process's own: the first SIGTERM or Ctrl-C
-    finishes the work in hand and stops; a second one abandons it.
+    """Run ``daemon`` in this (main) thread, the process's own: the first SIGTERM, Ctrl-C or
+    SIGHUP (its terminal or ssh session gone; there is nothing to reload) finishes the work in
+    hand and stops; a second one abandons it.
 
     What is alive by now (modules, settings, engines) is frozen out of the cyclic garbage
     collector's reach: its full collections walked all of it, again and again, while a relay
@@ -142,6 +147,6 @@ def run_until_signalled(daemon: Daemon) -> None:
         )
         daemon.stop(abandon=again)
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # HUP: a terminal gone
+        signal.signal(signum, on_signal)
     daemon.run()

@@ -25,6 +25,7 @@ end: the rest is sent again (duplicates possible), with a warning.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import defaultdict
 from datetime import UTC, datetime, timedelta
@@ -52,8 +53,11 @@ def partition_of(key: bytes, partitions: int) -> int:
 class Recovery:
     """Settles this relay's unsettled shards (see the module's docstring)."""
 
-    def __init__(self, settings: RelaySettings) -> None:
+    def __init__(self, settings: RelaySettings, abandon: threading.Event | None = None
+                 ) -> None:
         self.settings = settings
+        #: set: a tail read in progress ends (Abandoned), the shards stay unsettled
+        self.abandon = abandon or threading.Event()
         self.schema = settings.schema_name
         self.actor = f"{settings.worker_id} (recovered)"
 
@@ -64,7 +68,7 @@ class Recovery:
         if not shards:
             return
         started = time.monotonic()
-        reader = make_tail_reader(self.settings)
+        reader = make_tail_reader(self.settings, self.abandon)
         tail = Tail()
         for topic, (partitions, sent_after) in self._affected(conn, reader, shards).items():
             starts = self._starts(conn, topic, partitions, sent_after)

@@ -35,7 +35,7 @@ from outbox.encoding import CONTENT_TYPE_HEADER, ID_HEADER
 from outbox.exceptions import ServiceUnavailable, describe
 from outbox.migrate import require_current
 from outbox.relay import metrics
-from outbox.relay.daemon import Lifecycle
+from outbox.relay.daemon import Abandoned, Lifecycle
 from outbox.relay.holds import PROBE_SECONDS, TopicHolds
 from outbox.relay.leases import LeaseKeeper, Leases, WorkerIdentity
 from outbox.relay.recovery import Recovery
@@ -77,10 +77,6 @@ class TopicGone(TopicRefused):
     of them (deleted): their records would be retried for the whole delivery timeout, every
     topic's batches waiting behind them. A new producer goes on at once; those topics are
     asked about before their next batch, and held (relay/holds.py)."""
-
-
-class Abandoned(Exception):
-    """Told to stop without waiting for the batch in flight."""
 
 
 @dataclass
@@ -137,7 +133,8 @@ class Relay:
         self._leases = Leases(self.schema, self.worker_id, settings.relay_lease_seconds)
         self._keeper = LeaseKeeper(settings, self._leases, in_flight=self.in_flight)
         self._identity = WorkerIdentity(settings)
-        self._recovery = Recovery(settings)
+        self._recovery = Recovery(settings, self.lifecycle.abandon)
+        self._stop_timer: threading.Timer | None = None
         self._recorder: Recorder | None = None
         #: what ended the last pass, if Kafka did: the next pass starts a new producer
         self._kafka_failure: BrokerTrouble | None = None
@@ -158,8 +155,22 @@ class Relay:
         return self.lifecycle.stopping
 
     def stop(self, *, abandon: bool = False) -> None:
-        """Ask the loop to end after the current batch, or at once with ``abandon``."""
+        """Ask the loop to end after the current batch, or at once with ``abandon``; a batch
+        (or a takeover's tail read) still in hand after ``relay_stop_timeout`` is abandoned."""
+        first = not self.stopping.is_set()
         self.lifecycle.stop(abandon=abandon)
+        if first and not abandon:
+            self._stop_timer = threading.Timer(self.settings.relay_stop_timeout, self._overdue)
+            self._stop_timer.daemon = True
+            self._stop_timer.start()
+
+    def _overdue(self) -> None:
+        if self.lifecycle.abandon.is_set():
+            return
+        log.warning("relay %s: the work in hand did not finish within %gs of the stop "
+                    "(OUTBOX_RELAY_STOP_TIMEOUT); abandoning it: its messages stay pending",
+                    self.worker_id, self.settings.relay_stop_timeout)
+        self.lifecycle.stop(abandon=True)
 
     def run(self) -> None:
         with self._engine.connect() as conn:
@@ -169,9 +180,17 @@ class Relay:
             self._run()
         finally:
             self._identity.release()
+            if self._stop_timer is not None:
+                self._stop_timer.cancel()
 
     def _run(self) -> None:
-        transport = self._producer = self._transport or make_transport(self.settings)
+        try:
+            transport = self._producer = self._transport or make_transport(self.settings)
+        except ServiceUnavailable:  # no broker answered: a stop asked for meanwhile is no error
+            if not self.stopping.is_set():
+                raise
+            log.info("relay %s stopped before Kafka answered", self.worker_id)
+            return
         self._holds = TopicHolds(self.settings, transport)
         pruner = Pruner(self.settings)
         log.info("relay %s started: database %s, schema %s, Kafka %s (%s)", self.worker_id,

@@ -10,6 +10,7 @@ librdkafka's in relay/confluent.py; :func:`make_tail_reader` picks the transport
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from kafka.errors import KafkaError
 
 from outbox.encoding import ID_HEADER, header_message_id
 from outbox.exceptions import ServiceUnavailable
+from outbox.relay.daemon import Abandoned
 from outbox.settings import RelaySettings
 
 #: A read that gets no record and does not reach the end for this long has failed.
@@ -76,16 +78,20 @@ class TailReader(Protocol):
 
 
 class Stall:
-    """Raises :class:`ServiceUnavailable` when a read makes no progress for too long."""
+    """Raises :class:`ServiceUnavailable` when a read makes no progress for too long, and
+    :class:`Abandoned` once the relay is told to abandon its work (checked every poll)."""
 
-    def __init__(self, bootstrap: str) -> None:
+    def __init__(self, bootstrap: str, abandon: threading.Event) -> None:
         self._bootstrap = bootstrap
+        self._abandon = abandon
         self._deadline = time.monotonic() + STALL_SECONDS
 
     def progressed(self) -> None:
         self._deadline = time.monotonic() + STALL_SECONDS
 
     def check(self) -> None:
+        if self._abandon.is_set():
+            raise Abandoned
         if time.monotonic() > self._deadline:
             raise ServiceUnavailable(f"Kafka at {self._bootstrap} did not serve a partition's "
                                      f"tail for {STALL_SECONDS:.0f}s")
@@ -94,8 +100,10 @@ class Stall:
 class KafkaPythonTailReader:
     """Tails read with a kafka-python consumer of their own."""
 
-    def __init__(self, settings: RelaySettings) -> None:
+    def __init__(self, settings: RelaySettings, abandon: threading.Event | None = None
+                 ) -> None:
         self._bootstrap = settings.kafka_bootstrap
+        self._abandon = abandon or threading.Event()
         self._config: dict[str, Any] = {
             "bootstrap_servers": settings.kafka_bootstrap.split(","),
             "client_id": f"outbox-recovery-{settings.worker_id}",
@@ -133,7 +141,7 @@ class KafkaPythonTailReader:
                     consumer.seek_to_beginning(tp)
                 else:
                     consumer.seek(tp, start)
-            stall = Stall(self._bootstrap)
+            stall = Stall(self._bootstrap, self._abandon)
             while not all((hw := consumer.highwater(tp)) is not None
                           and consumer.position(tp) >= hw for tp in tps):
                 if tail.records >= limit:
@@ -152,10 +160,12 @@ class KafkaPythonTailReader:
             consumer.close()
 
 
-def make_tail_reader(settings: RelaySettings) -> TailReader:
-    """The tail reader of the transport ``settings.kafka_client`` names."""
+def make_tail_reader(settings: RelaySettings, abandon: threading.Event | None = None
+                     ) -> TailReader:
+    """The tail reader of the transport ``settings.kafka_client`` names; ``abandon`` set ends
+    a read (:class:`Stall`)."""
     if settings.kafka_client == "confluent":
         from outbox.relay.confluent import ConfluentTailReader
 
-        return ConfluentTailReader(settings)
-    return KafkaPythonTailReader(settings)
+        return ConfluentTailReader(settings, abandon)
+    return KafkaPythonTailReader(settings, abandon)

@@ -6,6 +6,7 @@ import signal
 import time
 from collections import Counter
 
+import pytest
 from sqlalchemy import Engine, text
 
 from outbox import Outbox, store
@@ -53,14 +54,18 @@ def test_relay_killed_mid_batch_then_restarted_loses_nothing(
     assert tuple(op_counts) == (total, total), "one op record per message"
 
 
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
 def test_sigterm_stops_the_relay_cleanly_and_hands_back_its_shards(
-    engine: Engine, outbox: Outbox, topic: str, schema: str, settings: Settings
+    engine: Engine, outbox: Outbox, topic: str, schema: str, settings: Settings,
+    signum: signal.Signals,
 ) -> None:
+    """SIGHUP (the relay's terminal or ssh session gone) ended it at once, exit 129, without
+    a line or a handover: the next owner waited for the leases and read the tails."""
     relay = start_outbox(settings, "relay")
     try:
         publish_orders(engine, outbox, topic, [("k", 1)])
         wait_delivered(engine, schema, 1)
-        relay.send_signal(signal.SIGTERM)
+        relay.send_signal(signum)
         output, _ = relay.communicate(timeout=30)
     finally:
         relay.kill()
@@ -71,6 +76,23 @@ def test_sigterm_stops_the_relay_cleanly_and_hands_back_its_shards(
             f"SELECT count(*) FROM {schema}.relay_lease WHERE owner IS NOT NULL")).scalar_one()
         members = conn.execute(text(f"SELECT count(*) FROM {schema}.relay_member")).scalar_one()
     assert (owned, members) == (0, 0)
+
+
+def test_a_relay_stopped_while_it_waits_for_kafka_at_start_exits_0(
+    settings: Settings
+) -> None:
+    """Stopped while no broker answered yet, the relay went on waiting out its connect
+    timeout and then exited 2 with a configuration error's line."""
+    relay = start_outbox(settings, "relay", OUTBOX_KAFKA_BOOTSTRAP="127.0.0.1:1",
+                         OUTBOX_KAFKA_CONNECT_TIMEOUT_MS="4000")
+    try:
+        time.sleep(1.5)
+        relay.send_signal(signal.SIGTERM)
+        output, _ = relay.communicate(timeout=30)
+    finally:
+        relay.kill()
+    assert relay.returncode == 0, output
+    assert "stopped before Kafka answered" in output, output
 
 
 def test_a_notify_flood_costs_the_relay_a_bounded_number_of_fetches(
