@@ -91,6 +91,7 @@ def upgrade(url: str, schema: str, revision: str = "head",
     """Also safe to call from an application's own Alembic env.py. At head, also creates the
     partitions the next message ids need (the relay's retention keeps doing so)."""
     def migrating(conn: Connection) -> None:
+        _refuse_newer(schema, store.schema_version(conn, schema))
         config = alembic_config(url, schema, conn)
         config.attributes["partition_size"] = partition_size
         command.upgrade(config, revision)
@@ -195,11 +196,25 @@ def _lock_holders(url: str, schema: str) -> list[str]:
         return store.lock_holders(conn, schema)
 
 
+@cache
+def _scripts() -> ScriptDirectory:
+    return ScriptDirectory.from_config(alembic_config("postgresql://localhost/unused", "outbox"))
+
+
 def head() -> str:
-    config = alembic_config("postgresql://localhost/unused", "outbox")
-    revision = ScriptDirectory.from_config(config).get_current_head()
+    revision = _scripts().get_current_head()
     assert revision is not None
     return revision
+
+
+def _refuse_newer(schema: str, version: str | None) -> None:
+    """A schema a newer outbox upgraded: ``outbox db upgrade`` of this one cannot help."""
+    if version is not None and version not in {script.revision
+                                               for script in _scripts().walk_revisions()}:
+        raise SchemaNotMigrated(
+            f"outbox schema {schema!r} is at revision {version}, newer than this outbox "
+            f"(its newest is {head()}): run the outbox version that upgraded it, or downgrade "
+            "the schema with that version first")
 
 
 def current(url: str, schema: str) -> str | None:
@@ -213,6 +228,7 @@ def current(url: str, schema: str) -> str | None:
 def require_current(conn: Connection, schema: str) -> None:
     """Fail with a clear line when the schema is missing or behind the code."""
     version = store.schema_version(conn, schema)
+    _refuse_newer(schema, version)
     if version != head():
         state = "not migrated" if version is None else f"at revision {version}, not {head()}"
         raise SchemaNotMigrated(

@@ -799,6 +799,28 @@ def test_publishing_to_a_schema_older_than_the_code_says_which_command_to_run(
         drop_schema(engine, name)
 
 
+def test_a_schema_newer_than_the_code_says_so_and_not_to_upgrade(
+    engine: Engine, settings: Settings
+) -> None:
+    """A rolling upgrade: the new release migrated, an old relay restarts. It said "run
+    `outbox db upgrade` first", and `outbox db upgrade` then failed with Alembic's "Can't
+    locate revision identified by '9999'"."""
+    name = f"m_{uuid.uuid4().hex[:12]}"
+    migrate.upgrade(settings.database_url, name)
+    try:
+        with engine.begin() as conn:
+            conn.execute(text(f"UPDATE {name}.outbox_alembic_version SET version_num = '9999'"))
+        newer = settings.model_copy(update={"schema_name": name})
+        for command in (["relay"], ["status"], ["db", "upgrade"]):
+            ran = run_outbox(newer, *command)
+            assert (ran.returncode, ran.stderr.strip()) == (2, (
+                f"outbox: error: outbox schema {name!r} is at revision 9999, newer than this "
+                f"outbox (its newest is {migrate.head()}): run the outbox version that upgraded "
+                "it, or downgrade the schema with that version first")), command
+    finally:
+        drop_schema(engine, name)
+
+
 def test_an_upgrade_waiting_for_a_lock_does_not_queue_the_outbox_s_readers_behind_it(
     services: devservices.Services, engine: Engine, caplog: pytest.LogCaptureFixture,
 ) -> None:
