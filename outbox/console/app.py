@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import secrets
 import signal
+import socket
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from outbox.console.overview import (
     read,
 )
 from outbox.encoding import ascii_digits
+from outbox.exceptions import ConfigurationError
 from outbox.migrate import require_current
 from outbox.settings import Settings
 
@@ -187,6 +189,25 @@ def serve(settings: Settings, overdue_seconds: float) -> None:
     # handlers it found: a stop asked for is then a clean exit (status 0), as for the relay.
     for stop in (signal.SIGINT, signal.SIGTERM):
         signal.signal(stop, lambda _sig, _frame: None)
-    uvicorn.run(create_app(settings, overdue_seconds), host=settings.console_host,
-                port=settings.console_port, log_level=settings.log_level.lower(),
-                server_header=False)
+    listening = _listen(settings.console_host, settings.console_port)
+    config = uvicorn.Config(create_app(settings, overdue_seconds), host=settings.console_host,
+                            port=settings.console_port, log_level=settings.log_level.lower(),
+                            server_header=False)
+    host, port = listening.getsockname()[:2]
+    log.info("serving the console on http://%s:%d", f"[{host}]" if ":" in host else host, port)
+    uvicorn.Server(config).run(sockets=[listening])
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The console's socket, bound before uvicorn starts: a port in use or not ours is one
+    configuration error's line (uvicorn logged six lines and exited 3)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listening = socket.socket(family, socket.SOCK_STREAM)
+    listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listening.bind((host, port))
+    except OSError as exc:
+        listening.close()
+        raise ConfigurationError(f"cannot serve the console on {host}:{port}: "
+                                 f"{exc.strerror or exc}; choose another --port") from None
+    return listening

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import re
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -35,6 +36,7 @@ from tests.conftest import (
     wait_until,
 )
 from tests.integration import test_reconcile
+from tests.integration.test_cli_errors import assert_one_line_error
 from tests.processes import outbox_env, run_outbox, start_outbox
 
 #: The suite's one local SparkSession (test_reconcile.py's fixture).
@@ -62,7 +64,7 @@ def running_console(settings: Settings, *args: str, logs: list[str] | None = Non
     if logs is not None:
         logs.append(output)
     assert process.returncode == 0, output
-    assert f"Uvicorn running on {url}" in output, "binds the loopback address by default"
+    assert f"serving the console on {url}" in output, "binds the loopback address by default"
 
 
 def _healthy(url: str) -> bool:
@@ -244,6 +246,15 @@ def test_actions_need_a_token_and_the_console_needs_its_extra(settings: Settings
     assert line.startswith("outbox: error: console needs the console extra")
     assert line.endswith("pip install 'transactional-outbox[console]'")
     assert ConsoleSettings().console_host == "127.0.0.1"
+
+
+def test_a_console_port_in_use_is_one_line_and_exit_2(settings: Settings) -> None:
+    """uvicorn bound the port only once started: six lines, one an ERROR, and exit 3."""
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        ran = run_outbox(settings, "console", "--port", str(port))
+    assert_one_line_error(ran, f"outbox: error: cannot serve the console on 127.0.0.1:{port}: "
+                          "Address already in use; choose another --port")
 
 
 def test_the_console_role_reads_and_resumes_and_nothing_more(
