@@ -16,10 +16,14 @@ from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Protocol
 
+from prometheus_client import Gauge
 from sqlalchemy import Engine
 from tenacity import RetryCallState, Retrying, retry_if_exception
 
 from outbox.exceptions import describe, setup_error
+
+#: While an outage lasts, it is said again this often (with its latest reason).
+REMIND_SECONDS = 300.0
 
 
 class Abandoned(Exception):
@@ -39,11 +43,16 @@ class Lifecycle:
 
     def __init__(self, name: str, log: logging.Logger, *,
                  paused: str = "paused: {reason}; retrying with backoff",
-                 resumed: str = "working again after {seconds:.1f}s") -> None:
+                 resumed: str = "working again after {seconds:.1f}s",
+                 gauge: Gauge | None = None) -> None:
         self.name = name
         self.log = log
         self._paused = paused
         self._resumed = resumed
+        #: 1 while work stalls (an outage), for a probe or an alert
+        self._gauge = gauge
+        self._outage_kind = ""  #: the type of the reason last said
+        self._said_at = 0.0  #: monotonic time the outage was last said
         #: Finish the work in hand, then stop.
         self.stopping = threading.Event()
         #: Stop at once; work in hand is left for the next owner.
@@ -101,19 +110,33 @@ class Lifecycle:
         self.outage(state.outcome.exception() if state.outcome else None)
 
     def outage(self, reason: BaseException | str | None, since: float | None = None) -> None:
-        """Say once that work stalls, and why."""
+        """Say once that work stalls, and why; again when the reason changes kind (the
+        database back, Kafka away now), and every ``REMIND_SECONDS`` while it lasts."""
+        now = time.monotonic()
+        kind = type(reason).__name__
         with self._lock:
-            if self._outage_since is not None:
+            began = self._outage_since
+            if began is not None and kind == self._outage_kind \
+                    and now - self._said_at < REMIND_SECONDS:
                 return
-            self._outage_since = since or time.monotonic()
+            if began is None:
+                self._outage_since = since or now
+            self._outage_kind, self._said_at = kind, now
+        if self._gauge is not None:
+            self._gauge.set(1)
         text = reason if isinstance(reason, str) else describe(reason)
-        self.log.warning("%s %s", self.name, self._paused.format(reason=text))
+        if began is None:
+            self.log.warning("%s %s", self.name, self._paused.format(reason=text))
+        else:
+            self.log.warning("%s still paused after %.0fs: %s", self.name, now - began, text)
 
     def recovered(self) -> None:
         """Say once that work goes on again, after how long."""
         with self._lock:
             since, self._outage_since = self._outage_since, None
             self._failures = 0
+        if self._gauge is not None:
+            self._gauge.set(0)
         if since is not None:
             self.log.warning("%s %s", self.name,
                              self._resumed.format(seconds=time.monotonic() - since))

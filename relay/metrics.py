@@ -93,6 +93,8 @@ RECOVERED = Counter(
     "Messages found already in Kafka by a tail read and recorded instead of sent again",
 )
 OWNED_SHARDS = Gauge("outbox_relay_owned_shards", "Shards whose lease this relay holds")
+PAUSED = Gauge("outbox_relay_paused",
+               "1 while the relay cannot deliver (PostgreSQL or Kafka away, its log says why)")
 BACKLOG = Gauge(
     "outbox_messages", "Undelivered messages by state (pending is like rocketmq_half_messages)",
     ["state"],

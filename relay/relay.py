@@ -119,7 +119,8 @@ class Relay:
         self.schema = settings.schema_name
         self.worker_id = settings.worker_id
         self.lifecycle = Lifecycle(f"relay {self.worker_id}", log,
-                                   resumed="delivering again after {seconds:.1f}s")
+                                   resumed="delivering again after {seconds:.1f}s",
+                                   gauge=metrics.PAUSED)
         self.delivered = 0
         self._transport = transport
         self._engine: Engine = store.engine(

@@ -58,6 +58,7 @@ STUCK = Gauge(
     "Checks still running past the checker timeout (a Python checker cannot be stopped)",
     ["producer_group"],
 )
+PAUSED = Gauge("outbox_sweeper_paused", "1 while the sweeper cannot reach PostgreSQL")
 UNCHECKED = Gauge(
     "outbox_unchecked_messages",
     "Due UNKNOWN messages of producer groups this sweeper has no checker for",
@@ -164,7 +165,7 @@ class Sweeper:
         self.lifecycle = Lifecycle(
             f"sweeper {settings.worker_id}", log,
             paused="cannot reach PostgreSQL ({reason}); retrying with backoff",
-            resumed="reaches PostgreSQL again after {seconds:.1f}s")
+            resumed="reaches PostgreSQL again after {seconds:.1f}s", gauge=PAUSED)
         self._stopped: Future[None] = Future()  # completed by stop(): wakes the loop's wait
         self._lock = threading.Lock()
         self._reported: set[str] = set()

@@ -291,6 +291,38 @@ def test_an_outage_ended_while_idle_is_said_and_the_next_is_said_again(
         wait_delivered(iso.engine, "outbox", 2, timeout=60)
 
 
+def paused_gauge() -> float | None:
+    return REGISTRY.get_sample_value("outbox_relay_paused")
+
+
+def test_an_outage_whose_cause_changes_says_so_and_a_gauge_shows_it(
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    """A database blip, and Kafka away before the relay got going again: the log named the
+    database alone (the relay then waited on Kafka for as long, silent), and nothing showed
+    the relay paused (its /metrics and shard gauge stayed as if it delivered)."""
+    caplog.set_level(logging.WARNING, logger="outbox.relay")
+    with isolated_services() as iso, running_relay(iso.settings):
+        publish_orders(iso.engine, iso.outbox, iso.topic, [("k", 0)])
+        wait_delivered(iso.engine, "outbox", 1)
+        assert paused_gauge() == 0
+        iso.proxy.cut()
+        with iso.engine.connect() as conn:
+            conn.execute(text(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE pid <> "
+                "pg_backend_pid() AND backend_type = 'client backend' AND datname = "
+                "current_database()"))
+        publish_orders(iso.engine, iso.outbox, iso.topic, [("k", 1)])
+        wait_until(lambda: "still paused after" in caplog.text, 60, "the new cause to be said")
+        assert paused_gauge() == 1
+        lines = [r.getMessage() for r in caplog.records if "paused" in r.getMessage()]
+        assert "OperationalError" in lines[0] and " paused: " in lines[0], lines
+        assert "still paused after" in lines[1] and "Kafka" in lines[1], lines
+        iso.proxy.restore()
+        wait_delivered(iso.engine, "outbox", 2, timeout=60)
+        wait_until(lambda: paused_gauge() == 0, 30, "the gauge to say it delivers")
+
+
 def test_a_relay_that_cannot_renew_its_leases_reports_no_shards() -> None:
     """With its database gone the relay delivers nothing, but its gauge kept the shards it
     last held: OutboxShardsUncovered (fewer than 64 shards owned) could not fire."""
