@@ -124,6 +124,8 @@ def execute(bind: SyncBind, statement: TextClause, params: dict[str, Any]) -> Ro
         _require_sqlalchemy_transaction(in_transaction, connection)
         driver = _psycopg_of(connection)
         if driver is not None:
+            if isinstance(target, Session) and target.autoflush:
+                target.flush()  # as Session.execute would: writes go in the order written
             return _run_on_driver(driver, statement, params)
         return list(target.execute(statement, params))
     if isinstance(target, OwnTransaction):

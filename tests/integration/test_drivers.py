@@ -18,7 +18,14 @@ from sqlalchemy.ext.asyncio import (
     async_sessionmaker,
     create_async_engine,
 )
-from sqlalchemy.orm import Session, scoped_session, sessionmaker
+from sqlalchemy.orm import (
+    DeclarativeBase,
+    Mapped,
+    Session,
+    mapped_column,
+    scoped_session,
+    sessionmaker,
+)
 from sqlalchemy.pool import NullPool
 
 from outbox import Message, NotInTransaction, Outbox, Resolution, SchemaNotMigrated
@@ -180,3 +187,49 @@ def test_an_unmigrated_schema_says_which_command_to_run(stack: Stack, settings: 
 
     with pytest.raises(SchemaNotMigrated, match="outbox db upgrade"):
         stack.run(async_ if stack.is_async else sync)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Order(Base):
+    __tablename__ = "driver_orders"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    state: Mapped[str]
+
+
+def test_publish_flushes_the_session_s_changes_first_with_every_driver(
+    stack: Stack, outbox: Outbox, engine: Engine
+) -> None:
+    """Session.execute flushes what the session holds first; on psycopg 3 the publish went to
+    the driver without it, so the business rows were written at commit, after the key's lock:
+    code that locks rows then keys, as the docs advise, deadlocked with itself."""
+    with engine.begin() as conn:
+        Base.metadata.create_all(conn)
+        conn.execute(text("TRUNCATE driver_orders"))
+        conn.execute(text("INSERT INTO driver_orders VALUES (1, 'new')"))
+    read = "SELECT state FROM driver_orders WHERE id = 1"
+
+    def sync(engine: Engine) -> str:
+        with Session(engine) as session, session.begin():
+            order = session.get(Order, 1)
+            assert order is not None
+            order.state = "paid"
+            outbox.publish(session, "orders", {"n": 1}, key="c")
+            return str(session.connection().exec_driver_sql(read).scalar_one())
+
+    async def async_(engine: AsyncEngine) -> str:
+        async with AsyncSession(engine) as session, session.begin():
+            order = await session.get(Order, 1)
+            assert order is not None
+            order.state = "paid"
+            await outbox.publish(session, "orders", {"n": 1}, key="c")
+            conn = await session.connection()
+            return str((await conn.exec_driver_sql(read)).scalar_one())
+
+    try:
+        assert stack.run(async_ if stack.is_async else sync) == "paid"
+    finally:
+        with engine.begin() as conn:
+            Base.metadata.drop_all(conn)
