@@ -115,17 +115,28 @@ ORDER BY 2;
 
 -- name: promote_due
 -- Delayed rows whose time has come become PENDING; returns how many, and the seconds until
--- the next one is due (NULL when none is waiting).
-WITH promoted AS (
-    UPDATE {schema}.pending SET status = 'PENDING'
+-- the next one is due (NULL when none is waiting). A due row another transaction holds (the
+-- application deciding it, in a transaction still open) is skipped, not waited for: the
+-- relay's loop would stall with it. It is looked at again in a second.
+WITH due AS (
+    SELECT message_id FROM {schema}.pending
     WHERE status = 'DELAYED' AND deliver_after <= now()
       AND shard = ANY(CAST(:shards AS smallint[]))
-    RETURNING message_id
+    FOR UPDATE SKIP LOCKED
+), promoted AS (
+    UPDATE {schema}.pending AS p SET status = 'PENDING'
+    FROM due WHERE p.message_id = due.message_id
+    RETURNING p.message_id
 )
 SELECT (SELECT count(*) FROM promoted) AS promoted,
-       (SELECT extract(epoch FROM min(deliver_after) - now()) FROM {schema}.pending
-        WHERE status = 'DELAYED' AND deliver_after > now()
-          AND shard = ANY(CAST(:shards AS smallint[]))) AS next_due_in;
+       CASE WHEN EXISTS (SELECT FROM {schema}.pending AS p
+                         WHERE p.status = 'DELAYED' AND p.deliver_after <= now()
+                           AND p.shard = ANY(CAST(:shards AS smallint[]))
+                           AND p.message_id NOT IN (SELECT message_id FROM promoted))
+            THEN 1.0
+            ELSE (SELECT extract(epoch FROM min(deliver_after) - now()) FROM {schema}.pending
+                  WHERE status = 'DELAYED' AND deliver_after > now()
+                    AND shard = ANY(CAST(:shards AS smallint[]))) END AS next_due_in;
 
 -- name: mark_delivered
 -- Close a delivered batch in one statement: the pending rows are deleted (the message rows

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -26,7 +27,7 @@ from outbox import (
 from outbox.dev.topics import read_topic
 from outbox.relay.relay import Relay
 from outbox.settings import Settings, sqlalchemy_url
-from tests.conftest import publish_orders, running_relay, wait_delivered
+from tests.conftest import publish_orders, running_relay, wait_delivered, wait_until
 
 
 class PaymentTimeout(Exception):
@@ -323,3 +324,72 @@ def test_async_two_phase_shares_the_sync_behaviour(
     wait_delivered(engine, schema, 2)
     assert delivered_ids(settings, topic) == committed
     assert {message_row(engine, schema, i).status for i in rolled_back} == {"ROLLED_BACK"}
+
+
+def waiting_on_a_lock(engine: Engine) -> bool:
+    with engine.connect() as conn:
+        return bool(conn.execute(text(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+            "AND datname = current_database()")).scalar_one())
+
+
+@pytest.mark.parametrize(("second", "refused"), [("commit", True), ("rollback", False)])
+def test_a_decision_that_waited_for_a_rollback_answers_what_it_found(
+    engine: Engine, outbox: Outbox, schema: str, second: str, refused: bool
+) -> None:
+    """A decision waiting behind another transaction's ROLLBACK (which deletes the pending row)
+    read the op records with its snapshot from before the wait: a COMMIT returned as if it
+    had committed (the message never to be delivered), a second ROLLBACK raised
+    DecisionConflict naming COMMIT."""
+    message_id = prepare(engine, outbox, "orders", {"n": 1})
+    outcome: list[str] = []
+
+    def decide() -> None:
+        try:
+            getattr(outbox, second)(engine, message_id)
+            outcome.append("done")
+        except DecisionConflict as exc:
+            outcome.append(str(exc))
+
+    waiting = threading.Thread(target=decide)
+    with Session(engine) as first, first.begin():
+        outbox.rollback(first, message_id)
+        waiting.start()
+        wait_until(lambda: waiting_on_a_lock(engine), 10, "the second decision to wait")
+    waiting.join(10)
+    assert len(outcome) == 1 and outcome[0].startswith(
+        f"message {message_id} is already resolved ROLLBACK") if refused else outcome == ["done"]
+    assert message_row(engine, schema, message_id).status == "ROLLED_BACK"
+
+
+def test_a_decision_left_open_on_a_decided_message_stalls_no_delivery(
+    engine: Engine, outbox: Outbox, schema: str, topic: str, settings: Settings
+) -> None:
+    """Deciding again the same way changes nothing, yet it locked the row until the
+    application's transaction ended: the relay sent the message, then waited to record it,
+    with every batch after it (no timeout; a relay killed meanwhile had sent them unrecorded)."""
+    decided = prepare(engine, outbox, topic, {"n": 0}, key="a")
+    outbox.commit(engine, decided)
+    with Session(engine) as application, application.begin():
+        outbox.commit(application, decided)  # again, in a transaction left open
+        others = publish_orders(engine, outbox, topic, [(f"k{n}", n) for n in range(1, 20)])
+        with running_relay(settings):
+            wait_delivered(engine, schema, 1 + len(others), timeout=30)
+    assert sorted(delivered_ids(settings, topic)) == [decided, *others]
+
+
+def test_a_delayed_message_decided_in_an_open_transaction_stalls_no_other_delivery(
+    engine: Engine, outbox: Outbox, schema: str, topic: str, settings: Settings
+) -> None:
+    """The relay's promotion of due delayed rows waited for the row lock of a decision in a
+    transaction still open, and with it the relay's whole loop: no shard delivered."""
+    delayed = prepare(engine, outbox, topic, {"n": 0}, key="a",
+                      deliver_after=timedelta(seconds=1))
+    with running_relay(settings):
+        with Session(engine) as application, application.begin():
+            outbox.commit(application, delayed)
+            time.sleep(1.5)  # due now, its row locked by the open decision
+            others = publish_orders(engine, outbox, topic, [(f"k{n}", n) for n in range(1, 20)])
+            wait_delivered(engine, schema, len(others), timeout=30)
+        wait_delivered(engine, schema, 1 + len(others), timeout=30)
+    assert sorted(delivered_ids(settings, topic)) == [delayed, *others]
