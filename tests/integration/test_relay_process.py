@@ -78,15 +78,23 @@ def test_sigterm_stops_the_relay_cleanly_and_hands_back_its_shards(
     assert (owned, members) == (0, 0)
 
 
+def holds_its_worker_id(engine: Engine) -> bool:
+    """A relay process got as far as claiming its worker id (its signal handlers are set)."""
+    with engine.connect() as conn:
+        return bool(conn.execute(text(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = :class"),
+            {"class": store.WORKER_LOCK_CLASS}).scalar_one())
+
+
 def test_a_relay_stopped_while_it_waits_for_kafka_at_start_exits_0(
-    settings: Settings
+    engine: Engine, settings: Settings
 ) -> None:
     """Stopped while no broker answered yet, the relay went on waiting out its connect
     timeout and then exited 2 with a configuration error's line."""
     relay = start_outbox(settings, "relay", OUTBOX_KAFKA_BOOTSTRAP="127.0.0.1:1",
-                         OUTBOX_KAFKA_CONNECT_TIMEOUT_MS="4000")
+                         OUTBOX_KAFKA_CONNECT_TIMEOUT_MS="8000")
     try:
-        time.sleep(1.5)
+        wait_until(lambda: holds_its_worker_id(engine), 30, "the relay to claim its worker id")
         relay.send_signal(signal.SIGTERM)
         output, _ = relay.communicate(timeout=30)
     finally:
