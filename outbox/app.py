@@ -38,6 +38,7 @@ from outbox.exceptions import (
     NotInTransaction,
     SchemaNotMigrated,
     sqlstate,
+    upgrade_command,
 )
 from outbox.message import Message, PrepareOptions, PublishOptions, TransactionResult
 from outbox.schema import Resolution
@@ -465,7 +466,7 @@ def _unmigrated(schema: str) -> Iterator[None]:
         missing = MISSING_OBJECTS.get(sqlstate(exc) or "")
         if missing is not None:
             raise SchemaNotMigrated(
-                f"outbox schema {schema!r} {missing[1]}: run `outbox db upgrade` "
+                f"outbox schema {schema!r} {missing[1]}: run `{upgrade_command(schema)}` "
                 "(or outbox.migrate.upgrade) against this database first"
             ) from exc
         raise

@@ -103,6 +103,11 @@ def server_trouble(exc: BaseException) -> bool:
     return state.startswith(_OUTAGE_SQLSTATES)
 
 
+def upgrade_command(schema: str) -> str:
+    """The command that migrates ``schema``, as a user types it."""
+    return "outbox db upgrade" if schema == "outbox" else f"outbox --schema {schema} db upgrade"
+
+
 def setup_error(exc: BaseException) -> str | None:
     """One line for a database error that is a setup mistake, not an outage; else None."""
     what = _SETUP_SQLSTATES.get(sqlstate(exc) or "")

@@ -26,7 +26,7 @@ from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError
 
 from outbox import migrations, store
-from outbox.exceptions import MigrationBlocked, SchemaNotMigrated, sqlstate
+from outbox.exceptions import MigrationBlocked, SchemaNotMigrated, sqlstate, upgrade_command
 from outbox.schema import VERSION_TABLE
 from outbox.settings import PARTITION_SIZE, sqlalchemy_url, validate_identifier
 
@@ -232,5 +232,5 @@ def require_current(conn: Connection, schema: str) -> None:
     if version != head():
         state = "not migrated" if version is None else f"at revision {version}, not {head()}"
         raise SchemaNotMigrated(
-            f"outbox schema {schema!r} is {state}: run `outbox db upgrade` first"
+            f"outbox schema {schema!r} is {state}: run `{upgrade_command(schema)}` first"
         )

@@ -34,9 +34,10 @@ COMMANDS = pytest.mark.parametrize("command", [["relay"], ["reconcile", "--read-
 
 @COMMANDS
 def test_against_an_unmigrated_schema(settings: Settings, command: list[str]) -> None:
-    env = outbox_env(settings, OUTBOX_SCHEMA=f"absent_{uuid.uuid4().hex[:6]}")
-    result = run_outbox(None, *command, env=env)
-    assert_one_line_error(result, "is not migrated", "outbox db upgrade")
+    absent = f"absent_{uuid.uuid4().hex[:6]}"
+    result = run_outbox(None, *command, env=outbox_env(settings, OUTBOX_SCHEMA=absent))
+    # the command that migrates this schema, not the default one
+    assert_one_line_error(result, "is not migrated", f"`outbox --schema {absent} db upgrade`")
 
 
 @COMMANDS

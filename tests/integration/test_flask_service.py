@@ -66,7 +66,8 @@ def test_db_session_two_phase_and_errors(app: object, engine: Engine, settings: 
             outbox.commit(db.session, first)
             outbox.rollback(db.session, second)
         missing = Outbox(settings=settings, schema=f"missing_{uuid.uuid4().hex[:8]}")
-        with pytest.raises(SchemaNotMigrated, match="outbox db upgrade"), db.session.begin():
+        with pytest.raises(SchemaNotMigrated, match=r"outbox --schema missing_\w+ db upgrade"), \
+                db.session.begin():
             missing.publish(db.session, "orders", {"n": 1})
     assert count_status(engine, schema, "ROLLED_BACK") == 1
     assert count_status(engine, schema, "PENDING") == 1

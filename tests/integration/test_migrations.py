@@ -793,7 +793,7 @@ def test_publishing_to_a_schema_older_than_the_code_says_which_command_to_run(
     migrate.upgrade(services.database_url, name, "0013")
     try:
         with pytest.raises(SchemaNotMigrated, match="older than this version of outbox: run "
-                                                    "`outbox db upgrade`"), engine.begin() as conn:
+                           f"`outbox --schema {name} db upgrade`"), engine.begin() as conn:
             Outbox(schema=name).publish(conn, "t", {"n": 1})
     finally:
         drop_schema(engine, name)

@@ -97,16 +97,18 @@ def test_async_connection_commit_rollback_and_two_phase(
 
 
 def test_an_unmigrated_schema_says_which_command_to_run(settings: Settings) -> None:
-    outbox = Outbox(settings=settings, schema=f"missing_{uuid.uuid4().hex[:8]}")
+    missing = f"missing_{uuid.uuid4().hex[:8]}"
+    outbox = Outbox(settings=settings, schema=missing)
+    command = f"outbox --schema {missing} db upgrade"
     with psycopg.connect(settings.database_url) as conn, \
-            pytest.raises(SchemaNotMigrated, match="outbox db upgrade"):
+            pytest.raises(SchemaNotMigrated, match=command):
         outbox.publish(conn, "orders", {"n": 1})
 
     async def scenario() -> None:
         async with await psycopg.AsyncConnection.connect(settings.database_url) as conn:
             await outbox.publish(conn, "orders", {"n": 1})
 
-    with pytest.raises(SchemaNotMigrated, match="outbox db upgrade"):
+    with pytest.raises(SchemaNotMigrated, match=command):
         asyncio.run(scenario())
 
 

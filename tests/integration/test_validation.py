@@ -117,6 +117,6 @@ def test_publish_into_an_unmigrated_schema_says_how_to_fix_it(engine: Engine,
 
     unmigrated = Outbox(settings=settings, schema="never_migrated")
     with Session(engine) as session, session.begin(), pytest.raises(
-            SchemaNotMigrated, match="run `outbox db upgrade`"):
+            SchemaNotMigrated, match="run `outbox --schema never_migrated db upgrade`"):
         unmigrated.publish(session, "t", {"a": 1})
 
