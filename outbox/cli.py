@@ -563,7 +563,7 @@ def reconcile(shared: Shared, kafka_bootstrap: str | None, since: datetime | Non
     settings = settings.model_copy(update={
         "reconcile_thresholds": {**settings.reconcile_thresholds, **thresholds}})
     setup_logging(settings.log_level)
-    job.preflight(settings)
+    job.preflight(settings, since=since, until=until)
     with job.session(settings) as spark:
         try:
             result = job.run(spark, settings, since=since, until=until)

@@ -31,7 +31,7 @@ from typing import Any
 from kafka.errors import KafkaTimeoutError
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
-from sqlalchemy import Engine, NullPool
+from sqlalchemy import Engine, NullPool, func, select
 
 from outbox import store
 from outbox.exceptions import ConfigurationError
@@ -106,18 +106,20 @@ def session(settings: ReconcileSettings) -> Iterator[SparkSession]:
             spark.stop()
 
 
-def preflight(settings: ReconcileSettings) -> None:
+def preflight(settings: ReconcileSettings, *, since: datetime | None = None,
+              until: datetime | None = None) -> None:
     """What a run needs, checked before Spark starts (which takes seconds and prints its own
     lines): known findings in the thresholds, the database and its migrated schema, a
-    role that can hold the window back, an output folder it can write, and
-    with ``reconcile_read_topics`` a broker that lets it in (within
-    ``kafka_connect_timeout_ms``). ``run`` checks them all again."""
+    role that can hold the window back, a window given by hand that lies in the past, an
+    output folder it can write, and with ``reconcile_read_topics`` a broker that lets it in
+    (within ``kafka_connect_timeout_ms``). ``run`` checks them all again."""
     findings.thresholds(settings.reconcile_thresholds)
     engine = store.engine(settings.sqlalchemy_url, poolclass=NullPool)
     try:
         with engine.connect() as conn:
             require_current(conn, settings.schema_name)
             runs.require_hold_back(conn)
+            _require_past(since, until, conn.execute(select(func.now())).scalar_one())
     finally:
         engine.dispose()
     _output_root(settings)

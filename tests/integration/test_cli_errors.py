@@ -59,6 +59,18 @@ def test_wrong_broker_address(settings: Settings, command: list[str]) -> None:
     assert_one_line_error(result, "no Kafka broker answers at 127.0.0.1:")
 
 
+@pytest.mark.parametrize(("window", "said"), [
+    (["--since", "2026-11-02T00:00:00Z", "--until", "2026-11-01T00:00:00Z"], "is not before"),
+    (["--since", "2999-01-01T00:00:00Z"], "is after the database's clock"),
+])
+def test_a_reconciliation_window_that_cannot_be_is_refused_before_spark_starts(
+    settings: Settings, window: list[str], said: str
+) -> None:
+    """It was refused only once Spark had started, printing its own lines (10 s or more)."""
+    result = run_outbox(settings, "reconcile", *window)
+    assert_one_line_error(result, said)
+
+
 @pytest.mark.parametrize(
     ("variable", "value", "fragment"),
     [
