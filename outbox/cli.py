@@ -446,16 +446,18 @@ def discarded(shared: Shared, limit: int) -> None:
 
     settings = shared.settings(DatabaseSettings)
     with database(settings) as conn:
-        rows = store.discarded(conn, settings.schema_name, limit)
+        rows = store.discarded(conn, settings.schema_name, min(limit, MAX_MESSAGE_ID - 1) + 1)
     if not rows:
         click.echo("no discarded messages", err=True)
         return
+    more, rows = len(rows) > limit, rows[:limit]
     for row in rows:
         key = "-" if row.key is None else row.key.decode(errors="replace")
         when = f"{row.discarded_at:%Y-%m-%d %H:%M:%S%z}" if row.discarded_at else "?"
         click.echo(f"{row.id}\tgroup={row.producer_group}\ttopic={row.topic}\tkey={key}\t"
                    f"discarded {when}\t{row.detail or ''}")
-    click.echo(f"{len(rows)} discarded; `outbox resume ID ...` checks them again", err=True)
+    shown = f"the oldest {len(rows)} of more (--limit)" if more else str(len(rows))
+    click.echo(f"{shown} discarded; `outbox resume ID ...` checks them again", err=True)
 
 
 @main.command()

@@ -577,14 +577,19 @@ def test_discarded_messages_are_listed(
     engine: Engine, orders: Outbox, fast: Settings, schema: str
 ) -> None:
     message_id = prepare(engine, orders, "payments", key="customer-7")
+    later = prepare(engine, orders, "payments", key="customer-8")
     with sweeping(fast, {GROUP: answering(None)}, check_max=1):
         wait_status(engine, schema, message_id, "DISCARDED")
+        wait_status(engine, schema, later, "DISCARDED")
 
-    listed = run_outbox(fast, "discarded")
+    listed = run_outbox(fast, "discarded", "--limit", "1")
     assert listed.returncode == 0, listed.stderr
     line = listed.stdout.strip()
     assert line.startswith(f"{message_id}\tgroup=orders\ttopic=payments\tkey=customer-7\t")
     assert line.endswith("1 inconclusive check-backs, the last: checker answered UNKNOWN")
+    # the summary said "1 discarded" of the two
+    assert listed.stderr.startswith("the oldest 1 of more (--limit) discarded"), listed.stderr
+    assert run_outbox(fast, "discarded").stderr.startswith("2 discarded; ")
 
 
 def test_resume_rearms_the_check_backs_of_a_discarded_message(
