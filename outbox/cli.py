@@ -224,8 +224,7 @@ def relay(shared: Shared, kafka_bootstrap: str | None, batch_size: int | None,
           poll_interval: float | None, lease_seconds: float | None, metrics_port: int | None,
           log_level: str | None) -> None:
     """Deliver committed messages to Kafka until SIGTERM or Ctrl-C."""
-    from outbox.relay import metrics
-    from outbox.relay.daemon import run_until_signalled
+    from outbox.relay.daemon import run_until_signalled, serve_metrics
     from outbox.relay.relay import Relay
 
     settings = shared.settings(
@@ -236,7 +235,7 @@ def relay(shared: Shared, kafka_bootstrap: str | None, batch_size: int | None,
     setup_logging(settings.log_level)
     daemon = Relay(settings)
     if settings.relay_metrics_port is not None:
-        metrics.serve(settings.relay_metrics_port)
+        serve_metrics(settings.relay_metrics_port, logging.getLogger("outbox.relay"))
     run_until_signalled(daemon)
 
 
@@ -402,7 +401,7 @@ def sweep(shared: Shared, app_path: str | None, check_interval: float | None,
 
     Checkers come from --app (Python) and OUTBOX_SQL_CHECKERS (SQL queries, as JSON).
     """
-    from outbox.relay.daemon import run_until_signalled
+    from outbox.relay.daemon import run_until_signalled, serve_metrics
     from outbox.relay.sweeper import Sweeper, load_app
 
     settings = shared.settings(
@@ -413,9 +412,7 @@ def sweep(shared: Shared, app_path: str | None, check_interval: float | None,
     setup_logging(settings.log_level)
     daemon = Sweeper(settings, load_app(app_path).checkers if app_path else {})
     if settings.sweep_metrics_port is not None:
-        from outbox.relay import metrics
-
-        metrics.serve(settings.sweep_metrics_port)
+        serve_metrics(settings.sweep_metrics_port, logging.getLogger("outbox.sweeper"))
     try:
         run_until_signalled(daemon)
     except Exception as exc:

@@ -16,11 +16,11 @@ from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Protocol
 
-from prometheus_client import Gauge
+from prometheus_client import Gauge, start_http_server
 from sqlalchemy import Engine
 from tenacity import RetryCallState, Retrying, retry_if_exception
 
-from outbox.exceptions import describe, setup_error
+from outbox.exceptions import ConfigurationError, describe, setup_error
 
 #: While an outage lasts, it is said again this often (with its latest reason).
 REMIND_SECONDS = 300.0
@@ -173,3 +173,18 @@ def run_until_signalled(daemon: Daemon) -> None:
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # HUP: a terminal gone
         signal.signal(signum, on_signal)
     daemon.run()
+
+
+def serve_metrics(port: int, log: logging.Logger, address: str = "0.0.0.0") -> int:
+    """Serve /metrics (the series of the modules this process imported: a sweeper's are its
+    own), and say where (port 0 is one the system picks); a port in use or not ours to bind
+    is a configuration error."""
+    try:
+        server, _thread = start_http_server(port, addr=address)
+    except OSError as exc:
+        raise ConfigurationError(
+            f"cannot serve metrics on {address}:{port}: {exc.strerror or exc}; "
+            "choose another --metrics-port") from None
+    served: int = server.server_port
+    log.info("serving metrics on http://%s:%d/metrics", address, served)
+    return served

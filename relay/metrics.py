@@ -17,7 +17,6 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
-    start_http_server,
 )
 from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
@@ -26,7 +25,6 @@ from sqlalchemy import Connection
 from sqlalchemy.exc import OperationalError
 
 from outbox import store
-from outbox.exceptions import ConfigurationError
 
 log = logging.getLogger("outbox.relay")
 
@@ -171,17 +169,3 @@ class BacklogGauges:
             self._cut_off = True
         finally:
             self.due = started + (self._clock() - started) * BACKLOG_COUNT_SHARE
-
-
-def serve(port: int, address: str = "0.0.0.0") -> int:
-    """Serve /metrics, and say where (port 0 is one the system picks); a port in use or not
-    ours to bind is a configuration error."""
-    try:
-        server, _thread = start_http_server(port, addr=address)
-    except OSError as exc:
-        raise ConfigurationError(
-            f"cannot serve metrics on {address}:{port}: {exc.strerror or exc}; "
-            "choose another --metrics-port") from None
-    served: int = server.server_port
-    log.info("serving metrics on http://%s:%d/metrics", address, served)
-    return served

@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import logging
 import re
+import signal
 import time
 import urllib.request
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from prometheus_client import generate_latest, start_http_server
@@ -17,8 +19,8 @@ from sqlalchemy.orm import Session
 from outbox import Outbox
 from outbox.dev import services as devservices
 from outbox.settings import Settings
-from tests.conftest import publish_orders, running_relay, wait_delivered
-from tests.processes import run_outbox
+from tests.conftest import publish_orders, running_relay, wait_delivered, wait_until
+from tests.processes import run_outbox, start_outbox
 
 
 def test_status_reports_each_state_per_topic(
@@ -91,6 +93,26 @@ def test_relay_metrics_are_served_for_prometheus(
     assert "outbox_relay_batch_size_bucket" in body
     assert "outbox_relay_owned_shards" in body
     assert 'outbox_messages{state="pending"}' in body
+
+
+def test_a_sweeper_serves_its_own_metrics_and_not_the_relay_s(settings: Settings) -> None:
+    """`outbox sweep --metrics-port` served the relay's series too (owned shards 0, oldest
+    pending 0: a sweeper is no relay), and logged its address as the relay."""
+    port = devservices.free_port()
+    sweeper = start_outbox(settings, "sweep", "--metrics-port", str(port),
+                           OUTBOX_SQL_CHECKERS='{"orders": "SELECT NULL"}')
+    try:
+        wait_until(lambda: "serving metrics" in Path(sweeper.log).read_text(), 60,
+                   "the sweeper's metrics")
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+            body = response.read().decode()
+    finally:
+        sweeper.send_signal(signal.SIGTERM)
+        output, _ = sweeper.communicate(timeout=30)
+    assert "outbox_sweeper_paused 0.0" in body
+    assert [line for line in body.splitlines() if line.startswith(
+        ("outbox_relay_", "outbox_delivery_", "outbox_oldest_pending"))] == []
+    assert f"INFO outbox.sweeper: serving metrics on http://0.0.0.0:{port}/metrics" in output
 
 
 def test_backlog_gauges_count_pending_rows_and_the_oldest_ones_wait(

@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from outbox.relay import metrics
+from outbox.relay.daemon import serve_metrics
 from outbox.relay.metrics import LATENCY, BatchHistogram
 
 BOUNDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -55,7 +55,7 @@ def test_metrics_on_port_0_are_served_where_the_log_says(caplog: pytest.LogCaptu
                                                          ) -> None:
     """OUTBOX_RELAY_METRICS_PORT=0 served on a port the system picked and no line named."""
     with caplog.at_level(logging.INFO, "outbox.relay"):
-        port = metrics.serve(0, "127.0.0.1")
+        port = serve_metrics(0, logging.getLogger("outbox.relay"), "127.0.0.1")
     assert f"serving metrics on http://127.0.0.1:{port}/metrics" in caplog.text
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
         assert b"outbox_relay_owned_shards" in reply.read()
