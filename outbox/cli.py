@@ -329,12 +329,29 @@ def up(state_file: Path, durable: bool) -> None:
     from outbox.dev import services as devservices
 
     if state_file.exists():
-        raise click.ClickException(
-            f"services already recorded in {state_file}: run `outbox dev down` first")
+        raise ConfigurationError(
+            f"services already recorded in {state_file}: `outbox dev env` prints their "
+            "settings again, `outbox dev down` stops them")
     services = devservices.start(durable=durable, keep=True)
     services.save(state_file)
     click.echo(f"# PostgreSQL on port {services.pg_port}, Kafka on port {services.kafka_port}; "
                f"files in {services.root}", err=True)
+    _exports(services)
+
+
+@dev.command()
+@click.option("--state-file", type=click.Path(path_type=Path), default=DEFAULT_STATE,
+              show_default=True)
+def env(state_file: Path) -> None:
+    """Print the OUTBOX_* settings of what `outbox dev up` started (for another shell)."""
+    from outbox.dev import services as devservices
+
+    if not state_file.exists():
+        raise ConfigurationError(f"nothing recorded in {state_file}: run `outbox dev up`")
+    _exports(devservices.Services.load(state_file))
+
+
+def _exports(services: Any) -> None:
     for name, value in services.env().items():
         click.echo(f"export {name}={value}")
 

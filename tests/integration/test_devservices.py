@@ -32,12 +32,18 @@ def test_dev_up_prints_settings_and_dev_down_stops_everything(tmp_path: Path) ->
         producer = KafkaProducer(bootstrap_servers=exported["OUTBOX_KAFKA_BOOTSTRAP"])
         producer.send("dev-check", b"x").get(timeout=10)
         producer.close()
-        assert run_outbox(None, "dev", "up", "--state-file", str(state)).returncode != 0
+        again = run_outbox(None, "dev", "up", "--state-file", str(state))
+        assert (again.returncode, again.stderr.strip()) == (2, (
+            f"outbox: error: services already recorded in {state}: `outbox dev env` prints "
+            "their settings again, `outbox dev down` stops them"))
+        shown = run_outbox(None, "dev", "env", "--state-file", str(state))
+        assert (shown.returncode, shown.stdout) == (0, up.stdout), "for another shell"
         assert services.root not in devservices.reap_orphans(), "kept until dev down"
     finally:
         down = run_outbox(None, "dev", "down", "--state-file", str(state))
     assert down.returncode == 0, down.stderr
     assert not state.exists()
+    assert run_outbox(None, "dev", "env", "--state-file", str(state)).returncode == 2
     assert not os.path.exists(services.root)
     assert not alive(services.tansu_pid), "the broker process is gone"
 
