@@ -51,7 +51,7 @@ class Lifecycle:
         self._resumed = resumed
         #: 1 while work stalls (an outage), for a probe or an alert
         self._gauge = gauge
-        self._outage_kind = ""  #: the type of the reason last said
+        self._kinds_said: set[str] = set()  #: the types of the reasons said, this outage
         self._said_at = 0.0  #: monotonic time the outage was last said
         #: Finish the work in hand, then stop.
         self.stopping = threading.Event()
@@ -110,18 +110,21 @@ class Lifecycle:
         self.outage(state.outcome.exception() if state.outcome else None)
 
     def outage(self, reason: BaseException | str | None, since: float | None = None) -> None:
-        """Say once that work stalls, and why; again when the reason changes kind (the
-        database back, Kafka away now), and every ``REMIND_SECONDS`` while it lasts."""
+        """Say once that work stalls, and why; again for a kind of reason not said yet in
+        this outage (the database back, Kafka away now: not each time a pass alternates
+        between two), and every ``REMIND_SECONDS`` while it lasts."""
         now = time.monotonic()
         kind = type(reason).__name__
         with self._lock:
             began = self._outage_since
-            if began is not None and kind == self._outage_kind \
+            if began is not None and kind in self._kinds_said \
                     and now - self._said_at < REMIND_SECONDS:
                 return
             if began is None:
                 self._outage_since = since or now
-            self._outage_kind, self._said_at = kind, now
+                self._kinds_said = set()
+            self._kinds_said.add(kind)
+            self._said_at = now
         if self._gauge is not None:
             self._gauge.set(1)
         text = reason if isinstance(reason, str) else describe(reason)

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from outbox.relay import daemon
 from outbox.relay.daemon import Lifecycle, run_until_signalled
 
 
@@ -69,3 +70,31 @@ def test_the_backoff_starts_short_again_after_the_daemon_recovered(
 
     lifecycle.serve(one_pass, (ConnectionError,), max_wait=5)
     assert waits == pytest.approx([0.2, 0.4, 0.8, 1.6, 3.2, 5.0, 0.2, 0.4])
+
+
+def test_an_outage_is_said_once_per_kind_of_cause_and_reminded(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pass that waits for Kafka's acks, then fails, then waits again alternates between
+    two kinds of cause: each is said once, not at every pass; the outage is said again after
+    REMIND_SECONDS, and a new outage starts afresh."""
+    clock = [1000.0]
+    monkeypatch.setattr(daemon.time, "monotonic", lambda: clock[0])
+    lifecycle = Lifecycle("relay r", logging.getLogger("outbox.test"))
+    with caplog.at_level(logging.WARNING, "outbox.test"):
+        for _ in range(3):
+            lifecycle.outage("Kafka has not acknowledged 3 messages for 5s")
+            lifecycle.outage(TimeoutError("no ack"))
+            clock[0] += 10
+        assert [r.getMessage() for r in caplog.records] == [
+            "relay r paused: Kafka has not acknowledged 3 messages for 5s; retrying with "
+            "backoff",
+            "relay r still paused after 0s: TimeoutError: no ack"]
+        clock[0] += daemon.REMIND_SECONDS
+        lifecycle.outage(TimeoutError("no ack"))
+        assert caplog.records[-1].getMessage() == "relay r still paused after 330s: " \
+            "TimeoutError: no ack"
+        lifecycle.recovered()
+        lifecycle.outage(TimeoutError("again"))
+        assert caplog.records[-1].getMessage() == ("relay r paused: TimeoutError: again; "
+                                                   "retrying with backoff")
