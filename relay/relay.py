@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import psycopg
@@ -448,9 +448,11 @@ class Relay:
                         landed.add(row.topic)
                     continue
                 if refuses_topic(delivery.error):
-                    topic = refused_topic(delivery.error, row.topic, flights, blamed)
+                    topic = refused_topic(delivery.error, row.topic, flights, blamed,
+                                          tried | set(self._holds.topics))
                     refused[topic] = describe(delivery.error)
-                    refusals.append(store.Failure(row.id, refused[topic], False))
+                    if row.topic not in tried:  # a held topic's rows keep their 'held: ' mark
+                        refusals.append(store.Failure(row.id, refused[topic], False))
                     continue
                 permanent = is_permanent(delivery.error)
                 if permanent and row.id not in flight.alone:
@@ -699,15 +701,17 @@ class Recorder(threading.Thread):
 
 
 def refused_topic(error: BaseException, topic: str, flights: list[InFlight],
-                  blamed: dict[int, str]) -> str:
+                  blamed: dict[int, str], held: Collection[str] = ()) -> str:
     """The topic a refusal is about. kafka-python's producer, stopped by one topic's
     refusal, fails the records of the other topics with that same error object: a
-    ``TopicAuthorizationFailedError`` names its topic; another error is blamed on the first
-    topic found failing with it (``blamed``, by the error's identity, in send order)."""
+    ``TopicAuthorizationFailedError`` names its topic (one of these flights', or a topic
+    held or tried again, whose refused records may have been settled in an earlier pass);
+    another error is blamed on the first topic found failing with it (``blamed``, by the
+    error's identity, in send order)."""
     named = error.args[0] if isinstance(error, TopicAuthorizationFailedError) and error.args \
         else None
-    if isinstance(named, str) and any(
-            row.topic == named for flight in flights for row in flight.rows):
+    if isinstance(named, str) and (named in held or any(
+            row.topic == named for flight in flights for row in flight.rows)):
         return named
     return blamed.setdefault(id(error), topic)
 

@@ -271,6 +271,9 @@ def test_a_refusal_that_names_another_topic_of_the_batch_is_that_topics() -> Non
     assert refused_topic(error, "denied", flights, {}) == "denied"
     elsewhere = kafka.errors.TopicAuthorizationFailedError("not-in-the-batch")
     assert refused_topic(elsewhere, "orders", flights, {}) == "orders"
+    # a held topic tried again, its refused records settled in an earlier pass
+    assert refused_topic(elsewhere, "orders", flights, {}, {"not-in-the-batch"}) == \
+        "not-in-the-batch"
     blamed: dict[int, str] = {}
     timestamp = kafka.errors.InvalidTimestampError("denied")  # a broker's message, not a topic
     assert refused_topic(timestamp, "denied", flights, blamed) == "denied"
