@@ -19,7 +19,14 @@ from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from outbox.encoding import MAX_MESSAGE_ID, ascii_digits
-from outbox.exceptions import ConfigurationError, OutboxError, first_line, setup_error
+from outbox.exceptions import (
+    LOCK_NOT_AVAILABLE,
+    ConfigurationError,
+    OutboxError,
+    first_line,
+    setup_error,
+    sqlstate,
+)
 from outbox.settings import (
     CONFIG_ENV,
     DatabaseSettings,
@@ -87,15 +94,32 @@ def error_line(ctx: click.Context, exc: Exception) -> str | None:
     return None
 
 
+#: How long a short command (status, resume, discarded) waits for a lock on the outbox's
+#: tables, held by an upgrade or an operator's LOCK TABLE, before it says who holds it.
+LOCK_WAIT_SECONDS = 5
+
+
 @contextlib.contextmanager
 def database(settings: DatabaseSettings) -> Iterator[Connection]:
-    """One connection for a short command, its engine disposed afterwards."""
+    """One connection for a short command, its engine disposed afterwards. Its wait for a
+    lock is bounded: a command that printed nothing for as long as an upgrade ran looked
+    hung."""
     from outbox import store
 
-    engine = store.engine(settings.sqlalchemy_url)
+    engine = store.engine(settings.sqlalchemy_url, settings={
+        **store.SESSION_SETTINGS, "lock_timeout": f"{LOCK_WAIT_SECONDS}s"})
     try:
         with engine.connect() as conn:
             yield conn
+    except DBAPIError as exc:
+        if sqlstate(exc) != LOCK_NOT_AVAILABLE:
+            raise
+        with engine.connect() as conn:
+            holders = "; ".join(store.lock_holders(conn, settings.schema_name))
+        raise OutboxError(f"waited {LOCK_WAIT_SECONDS}s for a lock on schema "
+                          f"{settings.schema_name}'s tables, held by "
+                          f"{holders or 'a transaction now ended'}: try again when it "
+                          "ends") from exc
     finally:
         engine.dispose()
 

@@ -87,9 +87,11 @@ def sqlstate(exc: BaseException) -> str | None:
     return None
 
 
+#: A statement gave up waiting for a lock (``lock_timeout``).
+LOCK_NOT_AVAILABLE = "55P03"
 #: SQLSTATEs (and classes) of a server that cannot run any statement now: connection
 #: trouble, insufficient resources, a shutdown, a conflict with another session.
-_OUTAGE_SQLSTATES = ("08", "53", "57P", "40", "55P03")
+_OUTAGE_SQLSTATES = ("08", "53", "57P", "40", LOCK_NOT_AVAILABLE)
 
 
 def server_trouble(exc: BaseException) -> bool:

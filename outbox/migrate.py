@@ -26,7 +26,13 @@ from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError
 
 from outbox import migrations, store
-from outbox.exceptions import MigrationBlocked, SchemaNotMigrated, sqlstate, upgrade_command
+from outbox.exceptions import (
+    LOCK_NOT_AVAILABLE,
+    MigrationBlocked,
+    SchemaNotMigrated,
+    sqlstate,
+    upgrade_command,
+)
 from outbox.schema import VERSION_TABLE
 from outbox.settings import PARTITION_SIZE, sqlalchemy_url, validate_identifier
 
@@ -38,7 +44,6 @@ LOCK_TIMEOUT = "2s"
 LOCK_PATIENCE_SECONDS = 300.0
 FIRST_RETRY_SECONDS = 1.0
 LAST_RETRY_SECONDS = 30.0
-LOCK_NOT_AVAILABLE = "55P03"
 
 
 @cache

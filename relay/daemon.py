@@ -125,8 +125,8 @@ class Lifecycle:
                 self._kinds_said = set()
             self._kinds_said.add(kind)
             self._said_at = now
-        if self._gauge is not None:
-            self._gauge.set(1)
+            if self._gauge is not None:  # under the lock: a recovery between cannot undo it
+                self._gauge.set(1)
         text = reason if isinstance(reason, str) else describe(reason)
         if began is None:
             self.log.warning("%s %s", self.name, self._paused.format(reason=text))
@@ -138,8 +138,8 @@ class Lifecycle:
         with self._lock:
             since, self._outage_since = self._outage_since, None
             self._failures = 0
-        if self._gauge is not None:
-            self._gauge.set(0)
+            if since is not None and self._gauge is not None:
+                self._gauge.set(0)
         if since is not None:
             self.log.warning("%s %s", self.name,
                              self._resumed.format(seconds=time.monotonic() - since))

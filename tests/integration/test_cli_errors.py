@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import time
 import uuid
 
 import pytest
+from sqlalchemy import Engine, text
 
+from outbox.cli import LOCK_WAIT_SECONDS
 from outbox.dev import services as devservices
 from outbox.settings import Settings
 from tests.processes import outbox_env, run_outbox
@@ -134,3 +137,22 @@ def test_a_reconciliation_misconfigured_says_so_before_spark_starts(
     were read: one line, and nothing else."""
     result = run_outbox(None, "reconcile", *args, env=outbox_env(settings, **variables))
     assert_one_line_error(result, *fragments)
+
+
+@pytest.mark.parametrize("command", [["status"], ["discarded"], ["resume", "--all"]])
+def test_a_short_command_behind_a_table_lock_says_who_holds_it(
+    settings: Settings, engine: Engine, command: list[str]
+) -> None:
+    """An upgrade (or an operator's LOCK TABLE) holding the queue: a short command waits
+    LOCK_WAIT_SECONDS, not for as long as the lock is held, and names the holder."""
+    with engine.connect() as holder, holder.begin():
+        holder.execute(text("SET LOCAL application_name = 'a long upgrade'"))
+        holder.execute(text(f"LOCK TABLE {settings.schema_name}.pending "
+                            "IN ACCESS EXCLUSIVE MODE"))
+        started = time.monotonic()
+        result = run_outbox(settings, *command)
+        waited = time.monotonic() - started
+    assert_one_line_error(result, f"waited {LOCK_WAIT_SECONDS}s for a lock on schema "
+                          f"{settings.schema_name}'s tables, held by pid",
+                          "application 'a long upgrade'", "LOCK TABLE")
+    assert waited < 60
