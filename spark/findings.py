@@ -349,12 +349,16 @@ def key_order_broken(facts: DataFrame, *, topics_read: bool,
     """Within a (topic, key), positions must grow with message id, all in one partition.
 
     Positions are the first copy in Kafka when the topics are read, else the op records';
-    later duplicates do not count (consumers deduplicate them on outbox-id). ``anchors``,
+    later duplicates do not count (consumers deduplicate them on outbox-id). A message
+    resumed by an operator (parked or discarded first) left its key's order, as documented
+    (guarantees.md): it is sent after the later messages of its key, and is left out.
+    ``anchors``,
     the last message of each key placed before this run, is where each key's check starts,
     so a reorder across two windows is found (and named by the message placed out of order).
     """
     at = F.col("copy_at") if topics_read else F.col("op_at")
-    placed = facts.where(F.col("key").isNotNull() & at.isNotNull()).select(
+    placed = facts.where(F.col("key").isNotNull() & at.isNotNull()
+                         & (F.col("resumed_ops") == 0)).select(
         "id", "topic", "key", at.alias("at"), F.lit(False).alias("anchor"))
     by_key = Window.partitionBy("topic", "key").orderBy("id", "anchor")
     if anchors is not None:

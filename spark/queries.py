@@ -168,7 +168,7 @@ def carried_facts(schema: str, window: Window, ids: list[int]) -> str:
 def _facts(schema: str, messages: sa.ColumnElement[bool], ops_of: sa.ColumnElement[bool]
            ) -> str:
     """Prepare rows (no payloads), each with its state and its op records summed up: how
-    many, how many DELIVERED, the first DELIVERED position.
+    many, how many DELIVERED and RESUMED, the first DELIVERED position.
 
     A row's state is its pending row while it has one, else its op records say how it
     ended (DELIVERED, or ROLLED_BACK); a row with neither is UNACCOUNTED, which no path of
@@ -186,6 +186,7 @@ def _facts(schema: str, messages: sa.ColumnElement[bool], ops_of: sa.ColumnEleme
             sa.func.count().label("op_records"),
             sa.func.count().filter(delivered).label("delivered_ops"),
             sa.func.count().filter(rolled_back).label("rolled_back_ops"),
+            sa.func.count().filter(o.c.action == Action.RESUMED.value).label("resumed_ops"),
             sa.func.min(_position(o.c.kafka_partition, o.c.kafka_offset)).filter(delivered)
             .label("op_at"),
             sa.func.min(o.c.created_at).filter(delivered).label("delivered_at"),
@@ -212,6 +213,7 @@ def _facts(schema: str, messages: sa.ColumnElement[bool], ops_of: sa.ColumnEleme
             m.c.created_at, ops.c.delivered_at,
             sa.func.coalesce(ops.c.op_records, 0).label("op_records"),
             sa.func.coalesce(ops.c.delivered_ops, 0).label("delivered_ops"),
+            sa.func.coalesce(ops.c.resumed_ops, 0).label("resumed_ops"),
             ops.c.op_at,
         )
         .select_from(m.outerjoin(p, p.c.message_id == m.c.id)
