@@ -30,7 +30,13 @@ from confluent_kafka import (
 from outbox.exceptions import ConfigurationError, ServiceUnavailable
 from outbox.relay.producer import PRODUCER_DEFAULTS, request_timeout_ms
 from outbox.relay.tails import Stall, Tail
-from outbox.relay.transport import PRODUCER_STATE_ERRORS, Delivery, Headers, Report
+from outbox.relay.transport import (
+    PIPELINE_DEPTH,
+    PRODUCER_STATE_ERRORS,
+    Delivery,
+    Headers,
+    Report,
+)
 from outbox.settings import RelaySettings
 
 log = logging.getLogger("outbox.relay.librdkafka")
@@ -97,9 +103,24 @@ def librdkafka_config(settings: RelaySettings) -> dict[str, Any]:
         "batch.size": min(PRODUCER_DEFAULTS["batch_size"], settings.kafka_max_request_size),
         "message.max.bytes": settings.kafka_max_request_size,
         "message.timeout.ms": settings.kafka_delivery_timeout_ms,
+        **queue_room(settings),
         "request.timeout.ms": request_timeout_ms(settings),
         "logger": log,
         **settings.kafka_security("librdkafka"),
+    }
+
+
+def queue_room(settings: RelaySettings) -> dict[str, int]:
+    """Room in librdkafka's queue for every record the relay's pipeline may hold. A send
+    into a full queue waits for room, which a frozen broker frees only at the delivery
+    timeout, and no stop ends that wait; the defaults (100,000 records, 1 GiB) held less
+    than four batches of 25,001 records or of 257 MiB. A record's key and headers are
+    counted at 1 KiB."""
+    batch_bytes = max(settings.relay_batch_bytes, settings.kafka_max_request_size)
+    return {
+        "queue.buffering.max.messages": max(100_000, PIPELINE_DEPTH * settings.relay_batch_size),
+        "queue.buffering.max.kbytes": max(
+            1024 * 1024, PIPELINE_DEPTH * (batch_bytes // 1024 + settings.relay_batch_size)),
     }
 
 

@@ -41,6 +41,7 @@ from outbox.relay.leases import LeaseKeeper, Leases, WorkerIdentity
 from outbox.relay.recovery import Recovery
 from outbox.relay.retention import Pruner
 from outbox.relay.transport import (
+    PIPELINE_DEPTH,
     Delivery,
     Headers,
     Transport,
@@ -55,8 +56,6 @@ from outbox.settings import RelaySettings, mask_url
 log = logging.getLogger("outbox.relay")
 #: How long acks may lag before the relay says the broker seems unreachable.
 SLOW_ACK_SECONDS = 5.0
-#: Batches sent but not yet recorded: the database work of one overlaps the next ones' sends.
-PIPELINE_DEPTH = 4
 #: While it delivers without waiting, the relay reads its notifications this often: a relay
 #: that joins (or leaves) tells the others so, and a busy relay would otherwise hear it only
 #: at its next lease renewal, a third of a lease later.

@@ -39,6 +39,11 @@ from outbox.settings import RelaySettings
 Headers = Sequence[tuple[str, bytes]]
 
 
+#: Batches sent but not yet recorded: the database work of one overlaps the next ones' sends.
+#: A transport holds this many batches' records at most.
+PIPELINE_DEPTH = 4
+
+
 class UnknownOffset(KafkaError):  # type: ignore[misc]  # kafka-python is untyped
     """An acknowledgement without an offset. Both clients report a DUPLICATE_SEQUENCE_NUMBER
     answer so (the broker says it holds the record already); a broker that lost its log but

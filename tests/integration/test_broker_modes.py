@@ -34,7 +34,7 @@ from pyspark.sql import SparkSession
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
-from outbox import Outbox
+from outbox import Outbox, store
 from outbox.dev import services as devservices
 from outbox.dev.topics import create_topic, read_topic
 from outbox.settings import Settings
@@ -52,6 +52,7 @@ from tests.conftest import (
 )
 from tests.integration import test_reconcile
 from tests.integration.test_cli_errors import assert_one_line_error
+from tests.plans import queue
 from tests.processes import outbox_env, run_outbox, start_outbox
 from tests.tcp_proxy import TcpProxy
 
@@ -271,6 +272,42 @@ def test_a_relay_stopped_while_the_broker_is_frozen_ends_without_waiting_for_its
     assert second_signal or "did not finish within 2s of the stop (OUTBOX_RELAY_STOP_TIMEOUT)" \
         "; abandoning it" in output, output
     assert count_status(engine, schema, "PENDING") == 49
+
+
+@pytest.mark.parametrize("kafka_client", ["confluent"])
+def test_a_relay_with_more_in_flight_than_librdkafka_queues_by_default_stops_in_time(
+    engine: Engine, settings: Settings, schema: str, tmp_path: Path
+) -> None:
+    """Batches of 60,000: the relay's pipeline holds more records than librdkafka queues by
+    default (100,000). The second batch's sends waited for room in the queue, which a frozen
+    broker frees only at the delivery timeout, and no stop could end that wait."""
+    topic = "frozen-big-batches"
+    with broker(tmp_path) as tansu:
+        relay_settings = settings_for(settings, tansu.bootstrap)
+        create_topic(tansu.bootstrap, topic)
+        relay = start_outbox(relay_settings, "relay", OUTBOX_RELAY_BATCH_SIZE="60000",
+                             OUTBOX_RELAY_STOP_TIMEOUT="2",
+                             OUTBOX_KAFKA_DELIVERY_TIMEOUT_MS="120000")
+        try:
+            publish_orders(engine, Outbox(settings=relay_settings), topic, [("k", 0)])
+            wait_delivered(engine, schema, 1)
+            tansu.process.send_signal(signal.SIGSTOP)
+            queue(engine, schema, topic, 130_000)
+            wait_until(lambda: in_flight(engine, schema) >= 60_000, 60, "a first batch sent")
+            time.sleep(5)  # the second batch's 60,000 sends, past the default queue's room
+            relay.send_signal(signal.SIGTERM)
+            output, _ = relay.communicate(timeout=30)
+        finally:
+            relay.kill()
+            tansu.process.send_signal(signal.SIGCONT)
+    assert relay.returncode == 0, output
+    assert "did not finish within 2s of the stop" in output, output
+    assert count_status(engine, schema, "PENDING") == 130_000
+
+
+def in_flight(engine: Engine, schema: str) -> int:
+    with engine.connect() as conn:
+        return sum(row["in_flight"] for row in store.relays(conn, schema, 60))
 
 
 @both_transports
