@@ -42,6 +42,8 @@ from outbox.settings import (
 DEFAULT_STATE = Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state"),
                      "outbox", "dev-services.json")
 S = TypeVar("S", bound=DatabaseSettings)
+#: SQLSTATE of a write refused by a server in recovery (a standby).
+READ_ONLY_TRANSACTION = "25006"
 #: The shortest console token taken: one an operator can guess (or one space) is refused.
 MIN_TOKEN_LENGTH = 16
 
@@ -86,6 +88,11 @@ def error_line(ctx: click.Context, exc: Exception) -> str | None:
     if isinstance(exc, OperationalError):
         url = ctx.obj.used_url if isinstance(ctx.obj, Shared) else ""
         return f"outbox: error: cannot use PostgreSQL at {mask_url(url)}: {first_line(exc)}"
+    if isinstance(exc, DBAPIError) and sqlstate(exc) == READ_ONLY_TRANSACTION:
+        url = ctx.obj.used_url if isinstance(ctx.obj, Shared) else ""
+        return (f"outbox: error: PostgreSQL at {mask_url(url)} refused a write: it is "
+                "read-only (a standby, or default_transaction_read_only on the database or "
+                "role): point the URL at the primary (?target_session_attrs=read-write)")
     if isinstance(exc, DBAPIError):
         hint = setup_error(exc)
         return None if hint is None else f"outbox: error: {hint}"

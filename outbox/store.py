@@ -167,9 +167,33 @@ def paired_headers(names: list[str] | None, values: list[bytes] | None
 #:   outage, and its pass start again.
 #: * ``transaction_timeout`` (PostgreSQL 17) would end what ``statement_timeout`` cancels,
 #:   and the sessions with it; set only where the server knows it (:func:`settings_sql`).
+#:
+#: Nor the defaults that change what a statement means or how its answer reads:
+#:
+#: * ``DateStyle`` other than ISO: psycopg reads no other timestamps, and the sweeper's
+#:   claims, a takeover's tail read, ``outbox discarded`` and the console failed on them;
+#:   ``IntervalStyle`` likewise for intervals.
+#: * ``standard_conforming_strings = off``: the backslashes of the functions' patterns
+#:   (``partition_bounds``) became escapes, and every fetch, retention pass and upgrade
+#:   failed.
+#: * ``default_transaction_isolation`` above READ COMMITTED: the daemons took part in
+#:   serializable conflict checks, failed passes as outages, and made applications' own
+#:   transactions fail. (``default_transaction_read_only`` is kept: it is how a DBA freezes
+#:   a database's writes, and how a failover's standby reads until it is promoted.)
+#:
+#: The client encoding is a connection parameter (:data:`CONNECT_ARGS`): SQLAlchemy reads
+#: the server's version before any SET.
 TIMEOUT_SETTINGS = {"statement_timeout": "0", "idle_session_timeout": "0",
                     "idle_in_transaction_session_timeout": "0", "lock_timeout": "0",
-                    "transaction_timeout": "0"}
+                    "transaction_timeout": "0",
+                    "DateStyle": "ISO, MDY", "IntervalStyle": "postgres",
+                    "standard_conforming_strings": "on",
+                    "default_transaction_isolation": "read committed",
+                    "default_transaction_deferrable": "off"}
+#: Each connection of the outbox's own in UTF-8, whatever the role's ``client_encoding``:
+#: LATIN1 could not carry a header name an application wrote (the relay paused for ever on
+#: it), and SQL_ASCII made psycopg hand SQLAlchemy bytes for text at the first connect.
+CONNECT_ARGS = {"client_encoding": "UTF8"}
 SESSION_SETTINGS = {**TIMEOUT_SETTINGS, "jit": "off", "plan_cache_mode": "force_custom_plan"}
 DELIVERY_SETTINGS = {**SESSION_SETTINGS, "enable_sort": "off"}
 #: The relay's fetching connection: the fetch, planned once (see
@@ -214,7 +238,8 @@ def engine(url: str, *, settings: Mapping[str, str] = SESSION_SETTINGS, **option
 
     SETs after connecting rather than startup options, which connection poolers such as
     PgBouncer refuse."""
-    made = create_engine(url, **options)
+    connect_args = {**options.pop("connect_args", {}), **CONNECT_ARGS}
+    made = create_engine(url, connect_args=connect_args, **options)
     event.listen(made, "connect", partial(_session_settings, settings))
     return made
 
@@ -228,7 +253,7 @@ def connect(url: str, **options: Any) -> psycopg.Connection[Any]:
     SQLAlchemy URL) as the engines make theirs: a URL naming several hosts
     (``?host=h1:5432&host=h2:5432``) is not one libpq can read as text."""
     args, params = _DIALECT.create_connect_args(make_url(url))  # type: ignore[no-untyped-call]
-    return psycopg.connect(*args, **{**params, **options})
+    return psycopg.connect(*args, **{**params, **options, **CONNECT_ARGS})
 
 
 def _session_settings(settings: Mapping[str, str], dbapi_connection: Any, _record: Any) -> None:

@@ -156,3 +156,24 @@ def test_a_short_command_behind_a_table_lock_says_who_holds_it(
                           f"{settings.schema_name}'s tables, held by pid",
                           "application 'a long upgrade'", "LOCK TABLE")
     assert waited < 60
+
+
+def test_a_command_that_writes_to_a_read_only_database_says_so(
+    settings: Settings, engine: Engine
+) -> None:
+    """A role (or database) with default_transaction_read_only, as a DBA freezes writes: a
+    command that writes gets one line, not a traceback."""
+    login = f"frozen_{uuid.uuid4().hex[:8]}"
+    with engine.begin() as conn:
+        conn.execute(text(f"CREATE ROLE {login} LOGIN SUPERUSER PASSWORD 'pw'"))
+        conn.execute(text(f"ALTER ROLE {login} SET default_transaction_read_only = on"))
+    try:
+        url = settings.database_url.replace(
+            f"{devservices.DB_USER}:{devservices.DB_PASSWORD}@", f"{login}:pw@")
+        result = run_outbox(None, "resume", "--all",
+                            env=outbox_env(settings, OUTBOX_DATABASE_URL=url))
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text(f"DROP ROLE {login}"))
+    assert_one_line_error(result, "refused a write: it is read-only",
+                          "target_session_attrs=read-write")

@@ -597,6 +597,50 @@ def test_a_statement_timeout_on_the_role_cancels_none_of_the_daemons_statements(
     assert "paused" not in caplog.text and "cannot reach" not in caplog.text, caplog.text
 
 
+#: Role defaults that change what a statement means or how its answer reads, each of which
+#: stopped a daemon or a command (the sweeper's claims, the relay's fetch and takeover,
+#: retention, ``outbox discarded``) or made it fail passes as outages.
+HOSTILE_DEFAULTS = {"DateStyle": "SQL, DMY", "IntervalStyle": "sql_standard",
+                    "standard_conforming_strings": "off",
+                    "default_transaction_isolation": "serializable",
+                    "default_transaction_deferrable": "on", "client_encoding": "LATIN1"}
+
+
+def test_role_defaults_that_change_what_statements_mean_stop_none_of_the_outbox(
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    with isolated_services() as iso:
+        with iso.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            for name, value in HOSTILE_DEFAULTS.items():
+                conn.execute(text(f"ALTER ROLE CURRENT_USER SET {name} = '{value}'"))
+        iso.engine.dispose()
+        # the application's own sessions in UTF-8 (its own choice to make)
+        app = create_engine(iso.engine.url, connect_args={"client_encoding": "UTF8"})
+        fast = iso.settings.model_copy(update={
+            "transaction_timeout": 0.2, "check_interval": 0.1, "sweep_poll_interval": 0.1})
+        try:
+            publish_orders(app, iso.outbox, iso.topic, [(f"k{i % 3}", i) for i in range(30)])
+            with Session(app) as session, session.begin():
+                Outbox(settings=fast, producer_group="orders").prepare(
+                    session, iso.topic, {"order": 1}, headers={"язык": "да"})
+            with running_relay(iso.settings), \
+                    running(Sweeper(fast, {"orders": lambda message, conn: "COMMIT"}), "sweeper"):
+                wait_delivered(app, "outbox", 31)
+            for command in (["status"], ["discarded"], ["prune"], ["db", "upgrade"]):
+                result = run_outbox(iso.settings, *command)
+                assert result.returncode == 0, (command, result.stderr)
+                assert "Traceback" not in result.stderr, result.stderr
+            with running_relay(iso.settings):  # a takeover's read of the tails, by the ids
+                publish_orders(app, iso.outbox, iso.topic, [("k0", 30)])
+                wait_delivered(app, "outbox", 32)
+            records = read_topic(iso.services.kafka_bootstrap, iso.topic)
+        finally:
+            app.dispose()
+    assert sorted(r.message_id or 0 for r in records) == list(range(1, 33))
+    assert "paused" not in caplog.text and "cannot reach" not in caplog.text, caplog.text
+
+
 def test_a_checker_slower_than_the_roles_idle_in_transaction_timeout_is_heard(
     caplog: pytest.LogCaptureFixture
 ) -> None:
