@@ -64,6 +64,10 @@ class Shared:
         self.used_url = settings.database_url
         if require_database:
             settings.require("database_url")
+            from outbox.pooling import refuse_transaction_pooling
+
+            refuse_transaction_pooling(settings.sqlalchemy_url,
+                                       click.get_current_context().command_path)
         return settings
 
 

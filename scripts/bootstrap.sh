@@ -20,6 +20,8 @@ command -v chromium >/dev/null || need+=(chromium)
 command -v chromedriver >/dev/null || need+=(chromium-driver)
 # iptables silences chosen database connections (tests/blackhole.py).
 command -v iptables >/dev/null || need+=(iptables)
+# PgBouncer pools the test server in transaction and session mode (tests/pgbouncer.py).
+command -v pgbouncer >/dev/null || [ -x /usr/sbin/pgbouncer ] || need+=(pgbouncer)
 # openssl makes the throwaway CA and certificates of the TLS tests (tests/certificates.py).
 command -v openssl >/dev/null || need+=(openssl)
 if [ "${#need[@]}" -gt 0 ]; then
