@@ -53,7 +53,7 @@ from tests.conftest import (
 from tests.integration import test_reconcile
 from tests.integration.test_cli_errors import assert_one_line_error
 from tests.plans import queue
-from tests.processes import outbox_env, run_outbox, start_outbox
+from tests.processes import OutboxProcess, outbox_env, run_outbox, start_outbox
 from tests.tcp_proxy import TcpProxy
 
 #: The suite's one local SparkSession (test_reconcile.py's fixture).
@@ -244,28 +244,17 @@ def test_a_relay_stopped_while_the_broker_is_frozen_ends_without_waiting_for_its
     waited until the producer gave up: four minutes with the default delivery timeout, past
     any platform's grace period, which then killed the relay)."""
     topic = "frozen-orders"
-    with broker(tmp_path) as tansu:
-        relay_settings = settings_for(settings, tansu.bootstrap)
-        outbox = Outbox(settings=relay_settings)
-        create_topic(tansu.bootstrap, topic)
-        relay = start_outbox(relay_settings, "relay",
-                             OUTBOX_RELAY_STOP_TIMEOUT="60" if second_signal else "2",
-                             OUTBOX_KAFKA_DELIVERY_TIMEOUT_MS="120000")
-        try:
-            publish_orders(engine, outbox, topic, [("k", 0)])
-            wait_delivered(engine, schema, 1)
-            tansu.process.send_signal(signal.SIGSTOP)
-            publish_orders(engine, outbox, topic, [("k", i) for i in range(1, 50)])
-            time.sleep(2)  # the relay has sent a batch that the frozen broker never answers
+    with frozen_after_one(engine, settings, tmp_path, topic,
+                          OUTBOX_RELAY_STOP_TIMEOUT="60" if second_signal else "2") as (
+            relay, outbox):
+        publish_orders(engine, outbox, topic, [("k", i) for i in range(1, 50)])
+        time.sleep(2)  # the relay has sent a batch that the frozen broker never answers
+        relay.send_signal(signal.SIGTERM)
+        if second_signal:
+            time.sleep(1)
+            assert relay.poll() is None, "the first SIGTERM waits for the batch in flight"
             relay.send_signal(signal.SIGTERM)
-            if second_signal:
-                time.sleep(1)
-                assert relay.poll() is None, "the first SIGTERM waits for the batch in flight"
-                relay.send_signal(signal.SIGTERM)
-            output, _ = relay.communicate(timeout=20)
-        finally:
-            relay.kill()
-            tansu.process.send_signal(signal.SIGCONT)
+        output, _ = relay.communicate(timeout=20)
     assert relay.returncode == 0, output
     assert "Traceback" not in output, output
     assert "abandon" in output, output
@@ -282,27 +271,37 @@ def test_a_relay_with_more_in_flight_than_librdkafka_queues_by_default_stops_in_
     default (100,000). The second batch's sends waited for room in the queue, which a frozen
     broker frees only at the delivery timeout, and no stop could end that wait."""
     topic = "frozen-big-batches"
-    with broker(tmp_path) as tansu:
-        relay_settings = settings_for(settings, tansu.bootstrap)
-        create_topic(tansu.bootstrap, topic)
-        relay = start_outbox(relay_settings, "relay", OUTBOX_RELAY_BATCH_SIZE="60000",
-                             OUTBOX_RELAY_STOP_TIMEOUT="2",
-                             OUTBOX_KAFKA_DELIVERY_TIMEOUT_MS="120000")
-        try:
-            publish_orders(engine, Outbox(settings=relay_settings), topic, [("k", 0)])
-            wait_delivered(engine, schema, 1)
-            tansu.process.send_signal(signal.SIGSTOP)
-            queue(engine, schema, topic, 130_000)
-            wait_until(lambda: in_flight(engine, schema) >= 60_000, 60, "a first batch sent")
-            time.sleep(5)  # the second batch's 60,000 sends, past the default queue's room
-            relay.send_signal(signal.SIGTERM)
-            output, _ = relay.communicate(timeout=30)
-        finally:
-            relay.kill()
-            tansu.process.send_signal(signal.SIGCONT)
+    with frozen_after_one(engine, settings, tmp_path, topic, OUTBOX_RELAY_STOP_TIMEOUT="2",
+                          OUTBOX_RELAY_BATCH_SIZE="60000") as (relay, _):
+        queue(engine, schema, topic, 130_000)
+        wait_until(lambda: in_flight(engine, schema) >= 60_000, 60, "a first batch sent")
+        time.sleep(5)  # the second batch's 60,000 sends, past the default queue's room
+        relay.send_signal(signal.SIGTERM)
+        output, _ = relay.communicate(timeout=30)
     assert relay.returncode == 0, output
     assert "did not finish within 2s of the stop" in output, output
     assert count_status(engine, schema, "PENDING") == 130_000
+
+
+@contextlib.contextmanager
+def frozen_after_one(engine: Engine, settings: Settings, tmp_path: Path, topic: str,
+                     **env: str) -> Iterator[tuple[OutboxProcess, Outbox]]:
+    """A relay (``env``) on a broker of its own, frozen (SIGSTOP) once the relay delivered a
+    first message of ``topic``; the relay is killed and the broker thawed after the block."""
+    with broker(tmp_path) as tansu:
+        relay_settings = settings_for(settings, tansu.bootstrap)
+        outbox = Outbox(settings=relay_settings)
+        create_topic(tansu.bootstrap, topic)
+        relay = start_outbox(relay_settings, "relay", OUTBOX_KAFKA_DELIVERY_TIMEOUT_MS="120000",
+                             **env)
+        try:
+            publish_orders(engine, outbox, topic, [("k", 0)])
+            wait_delivered(engine, settings.schema_name, 1)
+            tansu.process.send_signal(signal.SIGSTOP)
+            yield relay, outbox
+        finally:
+            relay.kill()
+            tansu.process.send_signal(signal.SIGCONT)
 
 
 def in_flight(engine: Engine, schema: str) -> int:
