@@ -12,7 +12,8 @@ class InvalidMessage(OutboxError, ValueError):
 
 
 class NotInTransaction(OutboxError):
-    """``publish`` was called on a session or connection with no open transaction."""
+    """``publish``, ``prepare``, or a decision given a session or connection with no open
+    transaction (autocommit included), or ``publish``/``prepare`` given an Engine."""
 
 
 class ConfigurationError(OutboxError):
@@ -24,7 +25,8 @@ class CheckerRefused(ConfigurationError):
 
 
 class SchemaNotMigrated(OutboxError):
-    """The outbox tables are missing: ``outbox db upgrade`` has not been run."""
+    """The schema is missing, or not at the revision this code expects (older: run the
+    upgrade; newer: run newer code)."""
 
 
 class MigrationBlocked(OutboxError):
@@ -32,7 +34,8 @@ class MigrationBlocked(OutboxError):
 
 
 class ServiceUnavailable(OutboxError):
-    """PostgreSQL or Kafka cannot be reached with the configured address."""
+    """Kafka (or a service of ``outbox dev``) cannot be reached at the configured address;
+    an unreachable PostgreSQL surfaces as SQLAlchemy's ``OperationalError``."""
 
 
 class MessageNotFound(OutboxError, LookupError):
