@@ -180,6 +180,9 @@ def paired_headers(names: list[str] | None, values: list[bytes] | None
 #:   serializable conflict checks, failed passes as outages, and made applications' own
 #:   transactions fail. (``default_transaction_read_only`` is kept: it is how a DBA freezes
 #:   a database's writes, and how a failover's standby reads until it is promoted.)
+#: * ``search_path``: every object of the outbox's is named with its schema, but not the
+#:   built-in functions (``now()``, ``count()``); a schema put before ``pg_catalog`` could
+#:   answer for them (a ``now()`` of its own made the relay's leases expire in 2000).
 #:
 #: The client encoding is a connection parameter (:data:`CONNECT_ARGS`): SQLAlchemy reads
 #: the server's version before any SET.
@@ -189,7 +192,7 @@ TIMEOUT_SETTINGS = {"statement_timeout": "0", "idle_session_timeout": "0",
                     "DateStyle": "ISO, MDY", "IntervalStyle": "postgres",
                     "standard_conforming_strings": "on",
                     "default_transaction_isolation": "read committed",
-                    "default_transaction_deferrable": "off"}
+                    "default_transaction_deferrable": "off", "search_path": "pg_catalog"}
 #: Each connection of the outbox's own in UTF-8, whatever the role's ``client_encoding``:
 #: LATIN1 could not carry a header name an application wrote (the relay paused for ever on
 #: it), and SQL_ASCII made psycopg hand SQLAlchemy bytes for text at the first connect.

@@ -9,6 +9,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from prometheus_client import REGISTRY
@@ -603,7 +604,8 @@ def test_a_statement_timeout_on_the_role_cancels_none_of_the_daemons_statements(
 HOSTILE_DEFAULTS = {"DateStyle": "SQL, DMY", "IntervalStyle": "sql_standard",
                     "standard_conforming_strings": "off",
                     "default_transaction_isolation": "serializable",
-                    "default_transaction_deferrable": "on", "client_encoding": "LATIN1"}
+                    "default_transaction_deferrable": "on", "client_encoding": "LATIN1",
+                    "search_path": "shadow, pg_catalog, public"}
 
 
 def test_role_defaults_that_change_what_statements_mean_stop_none_of_the_outbox(
@@ -612,8 +614,12 @@ def test_role_defaults_that_change_what_statements_mean_stop_none_of_the_outbox(
     caplog.set_level(logging.WARNING)
     with isolated_services() as iso:
         with iso.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.execute(text(  # a clock of its own, ahead of the built-in one
+                "CREATE SCHEMA shadow; CREATE FUNCTION shadow.now() RETURNS timestamptz "
+                "LANGUAGE sql AS $$SELECT timestamptz '2000-01-01'$$"))
             for name, value in HOSTILE_DEFAULTS.items():
-                conn.execute(text(f"ALTER ROLE CURRENT_USER SET {name} = '{value}'"))
+                listed = value if name == "search_path" else f"'{value}'"
+                conn.execute(text(f"ALTER ROLE CURRENT_USER SET {name} = {listed}"))
         iso.engine.dispose()
         # the application's own sessions in UTF-8 (its own choice to make)
         app = create_engine(iso.engine.url, connect_args={"client_encoding": "UTF8"})
@@ -624,20 +630,22 @@ def test_role_defaults_that_change_what_statements_mean_stop_none_of_the_outbox(
             with Session(app) as session, session.begin():
                 Outbox(settings=fast, producer_group="orders").prepare(
                     session, iso.topic, {"order": 1}, headers={"язык": "да"})
+                iso.outbox.publish(session, iso.topic, {"order": 2}, key="later",
+                                   deliver_at=datetime.now(UTC) + timedelta(seconds=1))
             with running_relay(iso.settings), \
                     running(Sweeper(fast, {"orders": lambda message, conn: "COMMIT"}), "sweeper"):
-                wait_delivered(app, "outbox", 31)
+                wait_delivered(app, "outbox", 32)
             for command in (["status"], ["discarded"], ["prune"], ["db", "upgrade"]):
                 result = run_outbox(iso.settings, *command)
                 assert result.returncode == 0, (command, result.stderr)
                 assert "Traceback" not in result.stderr, result.stderr
             with running_relay(iso.settings):  # a takeover's read of the tails, by the ids
                 publish_orders(app, iso.outbox, iso.topic, [("k0", 30)])
-                wait_delivered(app, "outbox", 32)
+                wait_delivered(app, "outbox", 33)
             records = read_topic(iso.services.kafka_bootstrap, iso.topic)
         finally:
             app.dispose()
-    assert sorted(r.message_id or 0 for r in records) == list(range(1, 33))
+    assert sorted(r.message_id or 0 for r in records) == list(range(1, 34))
     assert "paused" not in caplog.text and "cannot reach" not in caplog.text, caplog.text
 
 
