@@ -150,7 +150,8 @@ def paired_headers(names: list[str] | None, values: list[bytes] | None
     return list(zip(names, values, strict=True))
 
 
-#: What :func:`engine` sets on each new connection, and on the relay's hot ones: none of
+#: What every session of the outbox's own sets aside of its role's defaults (:func:`engine`
+#: on each new connection, the relay's wake-up connection, reconciliation's reads): none of
 #: the timeouts a DBA may set on a role. The outbox bounds its own (a check-back by
 #: ``checker_timeout``, the lock waits of migrations, retention and falling asleep).
 #:
@@ -180,24 +181,24 @@ def paired_headers(names: list[str] | None, values: list[bytes] | None
 #:   serializable conflict checks, failed passes as outages, and made applications' own
 #:   transactions fail. (``default_transaction_read_only`` is kept: it is how a DBA freezes
 #:   a database's writes, and how a failover's standby reads until it is promoted.)
-#: * ``search_path``: every object of the outbox's is named with its schema, but not the
-#:   built-in functions (``now()``, ``count()``); a schema put before ``pg_catalog`` could
-#:   answer for them (a ``now()`` of its own made the relay's leases expire in 2000).
+#:
+#: ``search_path`` is kept: the sweeper's checkers read the application's tables by their
+#: names alone.
 #:
 #: The client encoding is a connection parameter (:data:`CONNECT_ARGS`): SQLAlchemy reads
 #: the server's version before any SET.
-TIMEOUT_SETTINGS = {"statement_timeout": "0", "idle_session_timeout": "0",
+SET_ASIDE_SETTINGS = {"statement_timeout": "0", "idle_session_timeout": "0",
                     "idle_in_transaction_session_timeout": "0", "lock_timeout": "0",
                     "transaction_timeout": "0",
                     "DateStyle": "ISO, MDY", "IntervalStyle": "postgres",
                     "standard_conforming_strings": "on",
                     "default_transaction_isolation": "read committed",
-                    "default_transaction_deferrable": "off", "search_path": "pg_catalog"}
+                    "default_transaction_deferrable": "off"}
 #: Each connection of the outbox's own in UTF-8, whatever the role's ``client_encoding``:
 #: LATIN1 could not carry a header name an application wrote (the relay paused for ever on
 #: it), and SQL_ASCII made psycopg hand SQLAlchemy bytes for text at the first connect.
 CONNECT_ARGS = {"client_encoding": "UTF8"}
-SESSION_SETTINGS = {**TIMEOUT_SETTINGS, "jit": "off", "plan_cache_mode": "force_custom_plan"}
+SESSION_SETTINGS = {**SET_ASIDE_SETTINGS, "jit": "off", "plan_cache_mode": "force_custom_plan"}
 DELIVERY_SETTINGS = {**SESSION_SETTINGS, "enable_sort": "off"}
 #: The relay's fetching connection: the fetch, planned once (see
 #: :func:`fetch_deliverable`).

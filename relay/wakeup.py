@@ -48,7 +48,7 @@ class Wakeup:
         #: Whether the last :meth:`wait` found nothing that had arrived already.
         self.waited = False
         self._conn = store.connect(url, autocommit=True)
-        store.set_session(self._conn, {**store.TIMEOUT_SETTINGS,
+        store.set_session(self._conn, {**store.SET_ASIDE_SETTINGS,
                                        "lock_timeout": f"{FALL_ASLEEP_WAIT_MS}ms"})
         channel = sql.Identifier(store.notify_channel(schema))
         self._conn.execute(sql.SQL("LISTEN {}").format(channel))

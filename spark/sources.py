@@ -42,13 +42,14 @@ def session_init(tcp: Mapping[str, str]) -> str:
       jit_above_cost at a few hundred thousand rows: JIT then compiles (and at 5M messages
       inlines and optimises) each one, about 180 ms per orphan-check range, and runs no
       faster;
-    * none of the timeouts a DBA may set on the role (store.TIMEOUT_SETTINGS): a read takes
+    * none of the timeouts a DBA may set on the role (store.SET_ASIDE_SETTINGS, with the
+      defaults that change how answers read, as every session of the outbox's): a read takes
       as long as its rows, and between two fetches of rows its session is idle in its
       transaction while Spark works;
     * the server's side of the TCP timeouts (``tcp``, libpq's parameters): pgjdbc cannot set
       them on its socket, and the session of an executor that vanished would live on for
       the server's kernel's two hours, holding back vacuum with its snapshot."""
-    return store.settings_sql({**store.TIMEOUT_SETTINGS, "jit": "off",
+    return store.settings_sql({**store.SET_ASIDE_SETTINGS, "jit": "off",
                                **store.server_tcp_settings(tcp)})
 
 
