@@ -33,6 +33,10 @@ MANY_RANGES = 100
 RANGES_PER_WINDOW = 24
 #: Less history than this says too little about the rate: ranges keep ``partition_size``.
 MIN_SPAN_SECONDS = 60.0
+#: The first message id the sequence hands out: the range below it, which revision 0006
+#: makes on a fresh install, never held a message, and its drop is not reported (every new
+#: install's first pass said "dropped 1 partitions older than 72 h").
+FIRST_ID = 1
 
 
 @dataclass
@@ -107,7 +111,8 @@ def _drop_partitions(conn: Connection, settings: RelaySettings,
                                                    settings.retention_hours * 3600)
         if dropped is None:
             break
-        pruned.partitions.append(dropped)
+        if dropped.high > FIRST_ID:
+            pruned.partitions.append(dropped)
     return pruned
 
 

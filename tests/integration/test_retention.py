@@ -441,3 +441,15 @@ def test_a_message_moved_out_of_its_range_and_finished_late_keeps_its_history(
         conn.execute(text(f"UPDATE {schema}.op_record "
                           f"SET created_at = now() - interval '100 hours'"))
     assert "pruned 1 messages and 3 op records of the default partition" in prune(small)
+
+
+def test_a_fresh_install_s_first_pass_reports_no_dropped_partition(
+    settings: Settings, alembic_schema: str, engine: Engine
+) -> None:
+    """Revision 0006 makes a range below the first message id on a fresh install; retention
+    drops it, and said so: every new install's first pass logged "dropped 1 partitions older
+    than 72 h" beside messages seconds old."""
+    fresh = settings.model_copy(update={"schema_name": alembic_schema})
+    assert ranges(engine, alembic_schema)[0] == "message_p0"
+    assert "dropped 0 partitions older than 72 h" in prune(fresh)
+    assert ranges(engine, alembic_schema)[0] == "message_p1"
