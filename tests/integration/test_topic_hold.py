@@ -343,7 +343,9 @@ def test_records_rejected_beside_others_count_as_permanent_failures(
         wait_until(lambda: count_status(engine, schema, "PARKED") == 5, 60,
                    "the rejected records to be parked")
     assert failures("retriable") == before["retriable"]
-    assert failures("permanent") - before["permanent"] == 10  # beside the others, then alone
+    # each record's rejection beside others, then alone; kafka-python may send a record in a
+    # request of its own from the start (its batches follow its linger), counted once
+    assert 5 <= failures("permanent") - before["permanent"] <= 10
 
 
 def test_a_topic_deleted_under_the_relay_is_held_while_the_others_flow(
