@@ -56,6 +56,9 @@ class Shared:
     schema: str | None = None
     #: The database URL the command actually uses, for error lines (masked there).
     used_url: str = ""
+    #: The URL whose sessions were found to be the command's own (a command that loads its
+    #: settings twice, such as ``db upgrade``, looks once).
+    probed_url: str | None = None
 
     def settings(self, cls: type[S], *, require_database: bool = True, **overrides: Any) -> S:
         """``cls`` from the group's options, the command's own ``overrides``, then OUTBOX_*."""
@@ -64,10 +67,12 @@ class Shared:
         self.used_url = settings.database_url
         if require_database:
             settings.require("database_url")
-            from outbox.pooling import refuse_transaction_pooling
+            if settings.sqlalchemy_url != self.probed_url:
+                from outbox.pooling import refuse_transaction_pooling
 
-            refuse_transaction_pooling(settings.sqlalchemy_url,
-                                       click.get_current_context().command_path)
+                refuse_transaction_pooling(settings.sqlalchemy_url,
+                                           click.get_current_context().command_path)
+                self.probed_url = settings.sqlalchemy_url
         return settings
 
 
@@ -87,14 +92,13 @@ class OutboxGroup(click.Group):
 
 def error_line(ctx: click.Context, exc: Exception) -> str | None:
     """The one line for an error a user can fix; None for a bug (a traceback)."""
+    url = mask_url(ctx.obj.used_url if isinstance(ctx.obj, Shared) else "")
     if isinstance(exc, OutboxError):
         return f"outbox: error: {exc}"
     if isinstance(exc, OperationalError):
-        url = ctx.obj.used_url if isinstance(ctx.obj, Shared) else ""
-        return f"outbox: error: cannot use PostgreSQL at {mask_url(url)}: {first_line(exc)}"
+        return f"outbox: error: cannot use PostgreSQL at {url}: {first_line(exc)}"
     if isinstance(exc, DBAPIError) and sqlstate(exc) == READ_ONLY_TRANSACTION:
-        url = ctx.obj.used_url if isinstance(ctx.obj, Shared) else ""
-        return (f"outbox: error: PostgreSQL at {mask_url(url)} refused a write: it is "
+        return (f"outbox: error: PostgreSQL at {url} refused a write: it is "
                 "read-only (a standby, or default_transaction_read_only on the database or "
                 "role): point the URL at the primary (?target_session_attrs=read-write)")
     if isinstance(exc, DBAPIError):
@@ -126,11 +130,10 @@ def database(settings: DatabaseSettings) -> Iterator[Connection]:
         if sqlstate(exc) != LOCK_NOT_AVAILABLE:
             raise
         with engine.connect() as conn:
-            holders = "; ".join(store.lock_holders(conn, settings.schema_name))
+            holders = store.lock_holders(conn, settings.schema_name)
         raise OutboxError(f"waited {LOCK_WAIT_SECONDS}s for a lock on schema "
-                          f"{settings.schema_name}'s tables, held by "
-                          f"{holders or 'a transaction now ended'}: try again when it "
-                          "ends") from exc
+                          f"{settings.schema_name}'s tables, held by {holders}: try again "
+                          "when it ends") from exc
     finally:
         engine.dispose()
 

@@ -183,7 +183,7 @@ def _patiently(url: str, schema: str, migrating: Callable[[Connection], None]) -
         except DBAPIError as exc:
             if sqlstate(exc) != LOCK_NOT_AVAILABLE:
                 raise
-            holders = "; ".join(_lock_holders(url, schema)) or "a transaction now ended"
+            holders = _lock_holders(url, schema)
             if time.monotonic() + pause > deadline:
                 raise MigrationBlocked(
                     f"migrating schema {schema} gave up after {LOCK_PATIENCE_SECONDS:.0f}s of "
@@ -196,7 +196,7 @@ def _patiently(url: str, schema: str, migrating: Callable[[Connection], None]) -
             pause = min(pause * 2, LAST_RETRY_SECONDS)
 
 
-def _lock_holders(url: str, schema: str) -> list[str]:
+def _lock_holders(url: str, schema: str) -> str:
     with _connected(url) as conn:
         return store.lock_holders(conn, schema)
 

@@ -651,12 +651,14 @@ def lock_migrations(conn: Connection, schema: str, lock_timeout: str) -> None:
     conn.execute(query("lock_migrations", schema), params)
 
 
-def lock_holders(conn: Connection, schema: str) -> list[str]:
-    """The oldest transactions holding locks on ``schema``'s tables, one line each."""
+def lock_holders(conn: Connection, schema: str) -> str:
+    """The oldest transactions holding locks on ``schema``'s tables, in one line (for a
+    command that gave up waiting behind them)."""
     rows = conn.execute(query("lock_holders", schema), {"schema_name": schema})
-    return [f"pid {row.pid} (role {row.role}, application {row.application_name!r}, "
-            f"{row.state} in a transaction of {row.seconds or 0:.0f}s: {row.query!r})"
-            for row in rows]
+    return "; ".join(
+        f"pid {row.pid} (role {row.role}, application {row.application_name!r}, "
+        f"{row.state} in a transaction of {row.seconds or 0:.0f}s: {row.query!r})"
+        for row in rows) or "a transaction now ended"
 
 
 def claim_worker_id(conn: Connection, schema: str, worker_id: str) -> bool:
