@@ -56,9 +56,6 @@ class Shared:
     schema: str | None = None
     #: The database URL the command actually uses, for error lines (masked there).
     used_url: str = ""
-    #: The URL whose sessions were found to be the command's own (a command that loads its
-    #: settings twice, such as ``db upgrade``, looks once).
-    probed_url: str | None = None
 
     def settings(self, cls: type[S], *, require_database: bool = True, **overrides: Any) -> S:
         """``cls`` from the group's options, the command's own ``overrides``, then OUTBOX_*."""
@@ -67,12 +64,10 @@ class Shared:
         self.used_url = settings.database_url
         if require_database:
             settings.require("database_url")
-            if settings.sqlalchemy_url != self.probed_url:
-                from outbox.pooling import refuse_transaction_pooling
+            from outbox.pooling import refuse_transaction_pooling
 
-                refuse_transaction_pooling(settings.sqlalchemy_url,
-                                           click.get_current_context().command_path)
-                self.probed_url = settings.sqlalchemy_url
+            refuse_transaction_pooling(settings.sqlalchemy_url,
+                                       click.get_current_context().command_path)
         return settings
 
 

@@ -6,7 +6,9 @@ transaction mode (PgBouncer's ``pool_mode = transaction``) each transaction may 
 another client's server session: a relay's wake locks stayed on sessions it no longer had,
 it hung for good with its shards leased, a restarted one was refused as its own twin, and
 the CLI's settings reached applications' transactions. :func:`refuse_transaction_pooling`
-finds such a pooler before any of that, in a few milliseconds at start.
+finds such a pooler before any of that, in a few milliseconds at start: the CLI for every
+command, and :class:`~outbox.relay.relay.Relay` and :class:`~outbox.relay.sweeper.Sweeper`
+when they run (a process looks once per URL).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from outbox.settings import mask_url
 #: How long the probe waits for a server session that another of its connections may hold.
 PROBE_SECONDS = 2.0
 _PID = b"SELECT pg_catalog.pg_backend_pid()"
+#: The URLs this process found to give each connection a session of its own.
+_OWN_SESSIONS: set[str] = set()
 
 
 def refuse_transaction_pooling(url: str, who: str) -> None:
@@ -39,12 +43,16 @@ def refuse_transaction_pooling(url: str, who: str) -> None:
     session went back to the pool after its statement: B's transaction takes it (pools hand
     back the last one returned), and A then answers from another session, or waits for one.
     When the pool has no session for B either, or the server cannot be reached (the
-    command says so itself), nothing is concluded."""
+    command says so itself), nothing is concluded, and the next call looks again."""
+    if url in _OWN_SESSIONS:
+        return
     try:
-        held, first, again = _probe(url)
+        own = _own_sessions(url)
     except psycopg.Error:
         return
-    if held is not None and (held == first or again != first):
+    if own:
+        _OWN_SESSIONS.add(url)
+    elif own is False:
         raise ConfigurationError(
             f"{who} needs PostgreSQL sessions of its own, and {mask_url(url)} gives each "
             "transaction whichever server session is free (a pooler in transaction mode, "
@@ -52,18 +60,17 @@ def refuse_transaction_pooling(url: str, who: str) -> None:
             "pool in session mode (docs/operations.md, \"Connection poolers\")")
 
 
-def _probe(url: str) -> tuple[int | None, int, int | None]:
-    """(B's pid in its transaction, A's first pid, A's pid after B's BEGIN); B's None when
-    no pooler is between, or B got no server session."""
+def _own_sessions(url: str) -> bool | None:
+    """Whether each connection to ``url`` keeps a server session; None when B got none."""
     with store.connect(url, autocommit=True, prepare_threshold=None) as a:
         first = _pid(a.execute(_PID).fetchone())
         if a.info.backend_pid == first:
-            return None, first, None  # no pooler between
+            return True  # no pooler between
         with store.connect(url, autocommit=True, prepare_threshold=None) as b:
             held = _answer_within(b.pgconn, b"BEGIN; " + _PID, PROBE_SECONDS)
             if held is None:
-                return None, first, None  # no server session to spare
-            return held, first, _answer_within(a.pgconn, _PID, PROBE_SECONDS)
+                return None  # no server session to spare
+            return held != first and _answer_within(a.pgconn, _PID, PROBE_SECONDS) == first
 
 
 def _pid(row: Any) -> int:

@@ -34,6 +34,7 @@ from outbox import store
 from outbox.encoding import CONTENT_TYPE_HEADER, ID_HEADER
 from outbox.exceptions import ServiceUnavailable, describe
 from outbox.migrate import require_current
+from outbox.pooling import refuse_transaction_pooling
 from outbox.relay import metrics
 from outbox.relay.daemon import Abandoned, Lifecycle
 from outbox.relay.holds import PROBE_SECONDS, TopicHolds
@@ -173,6 +174,7 @@ class Relay:
         self.lifecycle.stop(abandon=True)
 
     def run(self) -> None:
+        refuse_transaction_pooling(self.settings.sqlalchemy_url, f"relay {self.worker_id}")
         with self._engine.connect() as conn:
             require_current(conn, self.schema)
         self._identity.hold()

@@ -39,6 +39,7 @@ from outbox.app import Outbox
 from outbox.checkers import Checker, SqlChecker, synchronous, to_resolution
 from outbox.exceptions import CheckerRefused, ConfigurationError, first_line, server_trouble
 from outbox.migrate import require_current
+from outbox.pooling import refuse_transaction_pooling
 from outbox.relay.daemon import Lifecycle
 from outbox.schema import Resolution, Status
 from outbox.settings import SweepSettings, mask_url
@@ -197,6 +198,8 @@ class Sweeper:
             self._stopped.set_result(None)
 
     def run(self) -> None:
+        refuse_transaction_pooling(self.settings.sqlalchemy_url,
+                                   f"sweeper {self.settings.worker_id}")
         with self._engine.connect() as conn:
             require_current(conn, self.schema)
             conn.rollback()

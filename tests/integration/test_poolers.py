@@ -4,6 +4,7 @@ mode; applications publish through either."""
 from __future__ import annotations
 
 import signal
+import threading
 from collections.abc import Iterator
 
 import psycopg
@@ -11,6 +12,10 @@ import pytest
 from sqlalchemy import Engine
 
 from outbox import Outbox
+from outbox.exceptions import ConfigurationError
+from outbox.relay.relay import Relay
+from outbox.relay.sweeper import Sweeper
+from outbox.schema import Resolution
 from outbox.settings import Settings
 from tests.conftest import publish_orders, wait_delivered
 from tests.integration.test_cli_errors import assert_one_line_error
@@ -34,6 +39,33 @@ def test_a_pooler_in_transaction_mode_is_refused_in_one_line(
                         env=outbox_env(settings, OUTBOX_DATABASE_URL=transaction_pool))
     assert_one_line_error(result, f"outbox {' '.join(command)} needs PostgreSQL sessions of "
                           "its own", "pool_mode = transaction", "session mode")
+
+
+@pytest.mark.parametrize("daemon", ["relay", "sweeper"])
+def test_a_daemon_run_from_python_refuses_a_pooler_in_transaction_mode(
+    settings: Settings, transaction_pool: str, daemon: str
+) -> None:
+    """api.md's "Running the daemons from Python" passes no CLI: such a relay hung for good."""
+    pooled = settings.model_copy(update={"database_url": transaction_pool})
+    made = Relay(pooled) if daemon == "relay" else Sweeper(
+        pooled, {"shop": lambda message: Resolution.COMMIT})
+    failures: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            made.run()
+        except BaseException as exc:  # any end is the answer looked for
+            failures.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(30)
+    if thread.is_alive():
+        made.stop(abandon=True)
+    assert not thread.is_alive(), f"the {daemon} still runs 30 s after it started"
+    assert len(failures) == 1 and isinstance(failures[0], ConfigurationError), failures
+    assert f"{daemon} {settings.worker_id} needs PostgreSQL sessions of its own" in str(
+        failures[0])
 
 
 def test_applications_publish_through_a_pooler_in_transaction_mode(
