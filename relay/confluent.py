@@ -242,10 +242,13 @@ class ConfluentTransport:
         return self._fatal
 
     def close(self, timeout: float) -> None:
+        if self._closing.is_set():  # closed already (a relay that stepped aside)
+            return
         if timeout > 0:
             self.producer.flush(timeout)
-        else:  # abandon: what is not yet sent stays pending in the database
-            self.producer.purge(in_queue=True, in_flight=False)
+        else:  # abandon: what is not acknowledged stays pending in the database, and is
+            # not sent again from here (as kafka-python's close(0) drops its sends in flight)
+            self.producer.purge(in_queue=True, in_flight=True)
         self._closing.set()
         self._reporter.join()
 

@@ -149,6 +149,13 @@ class Lifecycle:
         with self._lock:
             return self._outage_since is not None
 
+    @property
+    def outage_seconds(self) -> float:
+        """How long the outage has lasted; 0 when there is none."""
+        with self._lock:
+            since = self._outage_since
+        return 0.0 if since is None else time.monotonic() - since
+
 
 def run_until_signalled(daemon: Daemon) -> None:
     """Run ``daemon`` in this (main) thread, the process's own: the first SIGTERM, Ctrl-C or

@@ -46,6 +46,8 @@ class Leases:
         #: owned shards whose sends may be unrecorded: not fetched until their tail is read
         self._unsettled: frozenset[int] = frozenset()
         self._valid_until = 0.0
+        #: relays alive at the last heartbeat, this one included
+        self.live = 1
         #: set when this relay takes shards, has some to hand back, or has its lapsed leases
         #: back (the main loop, waiting for a notification, wakes on it too)
         self.changed = threading.Event()
@@ -81,8 +83,8 @@ class Leases:
         """Heartbeat, renew and claim in one transaction; note any surplus to shed."""
         started = time.monotonic()
         with conn.begin():
-            live = store.heartbeat(conn, self.schema, self.worker_id, self.lease_seconds,
-                                   in_flight)
+            live = self.live = store.heartbeat(conn, self.schema, self.worker_id,
+                                               self.lease_seconds, in_flight)
             mine = store.renew_leases(conn, self.schema, self.worker_id, self.lease_seconds)
             share = math.ceil(SHARDS / max(live, 1))
             claimed: dict[int, bool] = {}
@@ -221,6 +223,9 @@ class LeaseKeeper(threading.Thread):
         self._backlog = metrics.BacklogGauges(leases.schema, leases.lease_seconds / 6)
         self._halt = threading.Event()
         self._poke = threading.Event()
+        #: held for each tick: a step aside waits for the tick in progress
+        self._ticking = threading.Lock()
+        self._aside = False
         self._failing = False
         self.first_tick = threading.Event()
         #: A setup mistake (e.g. the role may not touch the lease tables): the relay stops.
@@ -234,13 +239,27 @@ class LeaseKeeper(threading.Thread):
         self._halt.set()
         self._poke.set()
 
+    def step_aside(self, conn: Connection) -> None:
+        """Hand every shard back on ``conn`` (the keeper's own is its loop's), and neither
+        heartbeat nor take shards until :meth:`rejoin`."""
+        with self._ticking:
+            self._aside = True
+            self._leases.leave(conn)
+
+    def rejoin(self) -> None:
+        with self._ticking:
+            self._aside = False
+        self.poke()
+
     def run(self) -> None:
         interval = self._leases.lease_seconds / 3
         while not self._halt.is_set():
             try:
                 with self._engine.connect() as conn:
                     while not self._halt.is_set():
-                        self._leases.tick(conn, self._in_flight())
+                        with self._ticking:
+                            if not self._aside:
+                                self._leases.tick(conn, self._in_flight())
                         self._backlog.observe(conn)
                         if self._failing:
                             log.info("relay %s: lease renewals work again", self._leases.worker_id)

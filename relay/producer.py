@@ -197,6 +197,8 @@ class KafkaPythonTransport:
         return manager is not None and bool(manager.has_fatal_error())
 
     def close(self, timeout: float) -> None:
+        if self.producer._closed:  # closed already (a relay that stepped aside)
+            return
         try:
             self.producer.flush(timeout)
         except KafkaTimeoutError:

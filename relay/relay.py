@@ -61,6 +61,9 @@ SLOW_ACK_SECONDS = 5.0
 #: that joins (or leaves) tells the others so, and a busy relay would otherwise hear it only
 #: at its next lease renewal, a third of a lease later.
 NOTES_WHILE_BUSY = 0.05
+#: Kafka failing this relay's passes for this many lease lengths, while other relays are
+#: live, makes it hand them its shards (:meth:`Relay._step_aside_if_cut_off`).
+STEP_ASIDE_LEASES = 3
 
 
 class BrokerTrouble(Exception):
@@ -146,6 +149,8 @@ class Relay:
         #: topics whose records awaiting acks were given up this pass (see
         #: _give_up_stuck_topics): the flights still holding their records are given up at once
         self._given_up: set[str] = set()
+        #: True while this relay holds no shards because Kafka fails it alone (maybe)
+        self._aside = False
 
     @property
     def owned_shards(self) -> frozenset[int]:
@@ -233,10 +238,39 @@ class Relay:
         """Passes until one fails, or returns; one a held topic's refusal ended (the
         producer stopped) is followed by the next at once."""
         while not self.stopping.is_set():
+            self._step_aside_if_cut_off()
+            transport = self._working_transport()
+            if self._aside:  # a new producer reached Kafka
+                self._aside = False
+                self._keeper.rejoin()
+                log.warning("relay %s: Kafka answers it again; it takes a share of the shards",
+                            self.worker_id)
             try:
-                return self._serve(self._working_transport())
+                return self._serve(transport)
             except TopicRefused:
                 pass
+
+    def _step_aside_if_cut_off(self) -> None:
+        """Kafka has failed this relay's passes for ``STEP_ASIDE_LEASES`` lease lengths, and
+        other relays are live: they may reach Kafka (the network between this relay and the
+        brokers cut, a firewall rule, a broken route), and its shards' messages would wait
+        for it alone. It hands them its shards, after closing its producer (none of its
+        sends lands from here on; their next owners read the tails first), and takes none
+        until a new producer reaches Kafka."""
+        failure = self._kafka_failure
+        if self._aside or self._transport is not None or failure is None \
+                or isinstance(failure, TopicRefused) or self._leases.live < 2 \
+                or self.lifecycle.outage_seconds < STEP_ASIDE_LEASES * self._leases.lease_seconds:
+            return
+        held = len(self._leases.active)
+        self._producer.close(timeout=0)
+        with self._engine.connect() as conn:
+            self._keeper.step_aside(conn)
+        self._aside = True
+        log.warning("relay %s: Kafka has failed its deliveries for %.0fs (%s) while %d other "
+                    "relays are live; handed them its %d shards, and takes a share again once "
+                    "Kafka answers it", self.worker_id, self.lifecycle.outage_seconds,
+                    describe(failure), self._leases.live - 1, held)
 
     def _working_transport(self) -> Transport:
         """The transport for the next pass: a new one if the last one's producer broke, or

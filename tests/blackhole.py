@@ -27,6 +27,15 @@ def unanswered_connects(port: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def cut_off(port: int, user: str) -> Iterator[None]:
+    """The packets ``user``'s processes send to ``port`` vanish, open connections and new
+    ones alike (a network cut between one host and a service); other users' pass."""
+    with _dropped([["OUTPUT", "-p", "tcp", "--dport", str(port), "-m", "owner",
+                    "--uid-owner", user, "-j", "DROP"]]):
+        yield
+
+
+@contextlib.contextmanager
 def _dropped(rules: list[list[str]]) -> Iterator[None]:
     added: list[list[str]] = []
     try:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import re
+import signal
+import sys
 import threading
 import time
 from collections import Counter
@@ -23,7 +25,7 @@ from outbox.encoding import SHARDS
 from outbox.relay.sweeper import Sweeper
 from outbox.relay.wakeup import Wakeup
 from outbox.settings import Settings
-from tests.blackhole import silenced, unanswered_connects
+from tests.blackhole import cut_off, silenced, unanswered_connects
 from tests.conftest import (
     both_transports,
     count_status,
@@ -35,7 +37,7 @@ from tests.conftest import (
     wait_until,
 )
 from tests.isolated import Isolated, isolated_services
-from tests.processes import run_outbox
+from tests.processes import OutboxProcess, outbox_env, run_outbox, start_outbox
 from tests.tcp_proxy import TcpProxy
 
 
@@ -117,6 +119,52 @@ def test_a_cut_longer_than_the_delivery_timeout_loses_nothing_and_parks_nothing(
     assert count_status(iso.engine, "outbox", "PARKED") == 0
     records = read_topic(iso.settings.kafka_bootstrap, iso.topic)
     assert {r.message_id for r in records} == set(first + during)
+    assert first_occurrences_in_order(records)
+
+
+def shards_of(engine: Engine, worker_id: str) -> int:
+    with engine.connect() as conn:
+        return int(conn.exec_driver_sql(
+            "SELECT count(*) FROM outbox.relay_lease WHERE owner = %s AND expires_at > now()",
+            (worker_id,)).scalar_one())
+
+
+@both_transports
+def test_a_relay_cut_off_from_kafka_hands_its_shards_to_a_relay_that_is_not(
+    isolated: Isolated
+) -> None:
+    """Its keys' messages waited for it alone, for as long as the cut lasted; its leases,
+    renewed on their own thread, kept its shards from the relay that could deliver them."""
+    iso = isolated
+    impatient = {"OUTBOX_KAFKA_DELIVERY_TIMEOUT_MS": "2000",
+                 "OUTBOX_KAFKA_CONNECT_TIMEOUT_MS": "1000"}
+    cut = OutboxProcess(  # as another user, whose packets alone the cut drops
+        ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", sys.executable,
+         "-m", "outbox", "relay"],
+        outbox_env(iso.settings, OUTBOX_WORKER_ID="cut", HOME="/tmp", **impatient))
+    other = start_outbox(iso.settings, "relay", OUTBOX_WORKER_ID="other", **impatient)
+    keys = [(f"k{i % 20}", i) for i in range(400)]
+    try:
+        wait_until(lambda: shards_of(iso.engine, "cut") == shards_of(iso.engine, "other")
+                   == SHARDS // 2, 60, "the relays to share the shards")
+        sent = publish_orders(iso.engine, iso.outbox, iso.topic, keys[:100])
+        wait_delivered(iso.engine, "outbox", 100)
+        with cut_off(iso.proxy.port, "nobody"):
+            sent += publish_orders(iso.engine, iso.outbox, iso.topic, keys[100:300])
+            wait_delivered(iso.engine, "outbox", 300, timeout=90)
+            assert shards_of(iso.engine, "cut") == 0
+        wait_until(lambda: shards_of(iso.engine, "cut") > 0, 60, "the relay to take shards again")
+        sent += publish_orders(iso.engine, iso.outbox, iso.topic, keys[300:])
+        wait_delivered(iso.engine, "outbox", 400, timeout=60)
+    finally:
+        for relay in (cut, other):
+            relay.send_signal(signal.SIGTERM)
+        outputs = [relay.communicate(timeout=60)[0] for relay in (cut, other)]
+    assert [cut.returncode, other.returncode] == [0, 0], outputs
+    assert "handed them its 32 shards" in outputs[0], outputs[0]
+    assert "Kafka answers it again" in outputs[0], outputs[0]
+    records = read_topic(iso.settings.kafka_bootstrap, iso.topic)
+    assert {r.message_id for r in records} == set(sent)
     assert first_occurrences_in_order(records)
 
 
