@@ -380,7 +380,10 @@ class Sweeper:
                 lost = driver is None or driver.closed or driver.broken  # the check's session
                 conn.invalidate()
                 if store.cut_off(exc):
-                    return Resolution.UNKNOWN, "TIMEOUT", _timed_out(self.settings.checker_timeout)
+                    if item.expired or time.monotonic() >= item.deadline:
+                        return (Resolution.UNKNOWN, "TIMEOUT",
+                                _timed_out(self.settings.checker_timeout))
+                    raise  # cancelled before its time (pg_cancel_backend): checked again
                 if isinstance(exc, DBAPIError) and server_trouble(exc):
                     if lost:  # not the message's fault: uncounted, checked again (_loop logs)
                         raise

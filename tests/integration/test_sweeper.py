@@ -755,6 +755,36 @@ def test_a_sql_checker_is_cut_off_at_the_checker_timeout(
     assert ops(engine, schema, message_id)[0][1].endswith("checker timed out after 0.3 s")
 
 
+def test_a_check_an_operator_cancels_is_not_counted_as_timed_out(
+    engine: Engine, orders: Outbox, fast: Settings, schema: str, roles: list[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``pg_cancel_backend`` (an operator, a watchdog) ends a check's statement as its
+    timeout would, with the same SQLSTATE: each cancel was logged as "timed out after 2 s"
+    and counted, and a message whose checker answers COMMIT was discarded."""
+    caplog.set_level(logging.INFO, logger="outbox.sweeper")
+    message_id = prepare(engine, orders)
+    cancelled = 0
+    with sweeping(fast, sql_checkers={GROUP: "SELECT 'COMMIT' FROM pg_sleep(0.5)"},
+                  check_max=2):
+        with engine.connect() as operator:
+            deadline = time.monotonic() + 30
+            while cancelled < 3 and time.monotonic() < deadline:
+                cancelled += int(operator.execute(text(
+                    "SELECT count(*) FILTER (WHERE pg_cancel_backend(pid)) FROM pg_stat_activity "
+                    "WHERE wait_event = 'PgSleep' AND application_name LIKE 'outbox-sweeper:%'")
+                ).scalar_one())
+                operator.commit()
+                time.sleep(0.05)
+        assert row(engine, schema, message_id).status != "DISCARDED", ops(
+            engine, schema, message_id)
+        assert cancelled >= 3
+        wait_until(lambda: row(engine, schema, message_id).resolution == "COMMIT", 30,
+                   "the checker's answer")
+    assert "timed out" not in caplog.text, caplog.text
+    assert "check-back failed, retried when its claim expires" in caplog.text
+
+
 def test_a_sql_checker_waiting_for_a_locked_table_is_cut_off_as_a_timeout(
     engine: Engine, orders: Outbox, fast: Settings, schema: str, payments: str,
     caplog: pytest.LogCaptureFixture,
