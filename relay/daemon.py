@@ -114,7 +114,7 @@ class Lifecycle:
         this outage (the database back, Kafka away now: not each time a pass alternates
         between two), and every ``REMIND_SECONDS`` while it lasts."""
         now = time.monotonic()
-        kind = type(reason).__name__
+        kind = _kind(reason)
         with self._lock:
             began = self._outage_since
             if began is not None and kind in self._kinds_said \
@@ -155,6 +155,14 @@ class Lifecycle:
         with self._lock:
             since = self._outage_since
         return 0.0 if since is None else time.monotonic() - since
+
+
+def _kind(reason: BaseException | str | None) -> str:
+    """An outage's kind of cause: its type, and its SQLSTATE if it has one (every database
+    error is an ``OperationalError``: a lost connection, then ``too many clients``, then a
+    full disk are three causes)."""
+    sqlstate = getattr(getattr(reason, "orig", reason), "sqlstate", None)
+    return f"{type(reason).__name__} {sqlstate or ''}"
 
 
 def run_until_signalled(daemon: Daemon) -> None:

@@ -7,7 +7,9 @@ import logging
 import signal
 from collections.abc import Iterator
 
+import psycopg
 import pytest
+from sqlalchemy.exc import OperationalError
 
 from outbox.relay import daemon
 from outbox.relay.daemon import Lifecycle, run_until_signalled
@@ -98,3 +100,19 @@ def test_an_outage_is_said_once_per_kind_of_cause_and_reminded(
         lifecycle.outage(TimeoutError("again"))
         assert caplog.records[-1].getMessage() == ("relay r paused: TimeoutError: again; "
                                                    "retrying with backoff")
+
+
+def test_database_errors_of_another_sqlstate_are_another_cause(
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every database error is an OperationalError: a relay whose sessions were ended, then
+    refused for want of connection slots, said only the first, for the whole outage."""
+    lost = psycopg.OperationalError("server closed the connection unexpectedly")
+    full = psycopg.errors.TooManyConnections("sorry, too many clients already")
+    lifecycle = Lifecycle("relay r", logging.getLogger("outbox.test"))
+    with caplog.at_level(logging.WARNING, "outbox.test"):
+        for orig in (lost, full, lost, full):
+            lifecycle.outage(OperationalError("SELECT 1", {}, orig))
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2, said
+    assert "too many clients" in said[1]
