@@ -505,9 +505,14 @@ def _driver_rows(conn: Connection, name: str, schema: str, params: dict[str, Any
 def _run(conn: Connection, sql: str, params: dict[str, Any], *, binary: bool) -> list[Any]:
     driver = conn.connection.driver_connection
     assert driver is not None
-    with driver.cursor(binary=binary) as cursor:
-        cursor.execute(sql, params)
-        rows: list[Any] = cursor.fetchall()
+    try:
+        with driver.cursor(binary=binary) as cursor:
+            cursor.execute(sql, params)
+            rows: list[Any] = cursor.fetchall()
+    except psycopg.Error:
+        if driver.broken or driver.closed:  # SQLAlchemy did not see it go: the pool would
+            conn.invalidate()  # roll it back on return and log a traceback for it
+        raise
     return rows
 
 

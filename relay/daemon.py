@@ -158,11 +158,11 @@ class Lifecycle:
 
 
 def _kind(reason: BaseException | str | None) -> str:
-    """An outage's kind of cause: its type, and its SQLSTATE if it has one (every database
-    error is an ``OperationalError``: a lost connection, then ``too many clients``, then a
-    full disk are three causes)."""
-    sqlstate = getattr(getattr(reason, "orig", reason), "sqlstate", None)
-    return f"{type(reason).__name__} {sqlstate or ''}"
+    """An outage's kind of cause: its SQLSTATE if it has one, else its type; the driver's
+    error's for SQLAlchemy's (every database error is an ``OperationalError`` there: a lost
+    connection, then ``too many clients``, then a full disk are three causes)."""
+    cause = getattr(reason, "orig", None) or reason
+    return getattr(cause, "sqlstate", None) or type(cause).__name__
 
 
 def run_until_signalled(daemon: Daemon) -> None:

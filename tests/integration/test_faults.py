@@ -211,6 +211,41 @@ def test_postgres_restart_is_survived(isolated: Isolated,
     assert "paused" in caplog.text or "cannot renew" in caplog.text
 
 
+def test_a_relay_whose_sessions_are_ended_again_and_again_logs_no_traceback(
+    isolated: Isolated
+) -> None:
+    """``pg_terminate_backend`` on the relay's fetching session, ten times: its batches are
+    read on the driver's cursor, so SQLAlchemy did not see its connection go, rolled it back
+    on its way to the pool and logged ``Exception during reset`` with two tracebacks."""
+    iso = isolated
+    url = make_url(iso.settings.database_url).update_query_dict(
+        {"application_name": "relay-under-test"})
+    relay = start_outbox(iso.settings, "relay",
+                         OUTBOX_DATABASE_URL=url.render_as_string(hide_password=False))
+    sent: list[int] = []
+    try:
+        with iso.engine.connect() as admin:
+            for round_ in range(10):
+                sent += publish_orders(iso.engine, iso.outbox, iso.topic,
+                                       [(f"k{i % 7}", i) for i in range(round_ * 50,
+                                                                         round_ * 50 + 50)])
+                time.sleep(0.5)
+                admin.execute(text(  # the session that reads a range of history
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE application_name = 'relay-under-test' "
+                    "AND strpos(query, 'once a batch was read from a range') > 0"))
+                admin.commit()
+        wait_delivered(iso.engine, "outbox", len(sent), timeout=90)
+    finally:
+        relay.send_signal(signal.SIGTERM)
+        output, _ = relay.communicate(timeout=60)
+    assert relay.returncode == 0, output
+    assert "Traceback" not in output and "Exception during reset" not in output, output
+    records = read_topic(iso.settings.kafka_bootstrap, iso.topic)
+    assert {r.message_id for r in records} == set(sent)
+    assert first_occurrences_in_order(records)
+
+
 @both_transports
 def test_permanently_rejected_message_is_parked_and_other_keys_flow(
     engine: Engine, settings: Settings, schema: str, topic: str
