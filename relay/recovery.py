@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import defaultdict
 from datetime import UTC, datetime, timedelta
 
 from kafka.partitioner.default import murmur2
@@ -43,6 +42,8 @@ log = logging.getLogger("outbox.relay")
 #: Windows of op records searched, each further back, for a partition's last recorded offset.
 LOOKBACK = (timedelta(seconds=10), timedelta(minutes=10), timedelta(days=1))
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+#: Shards whose pending messages' keys one statement groups (:meth:`Recovery._affected`).
+SHARDS_PER_READ = 4
 
 
 def partition_of(key: bytes, partitions: int) -> int:
@@ -95,20 +96,32 @@ class Recovery:
     def _affected(self, conn: Connection, reader: TailReader, shards: frozenset[int]
                   ) -> dict[str, tuple[set[int], datetime]]:
         """Per topic: the partitions the shards' pending messages can be on, and the earliest
-        moment one of them can have been sent."""
-        keys: dict[str, list[tuple[bytes | None, datetime]]] = defaultdict(list)
-        with conn.begin():
-            for topic, key, sent_after in store.unrecorded_candidates(conn, self.schema,
-                                                                      sorted(shards)):
-                keys[topic].append((key, sent_after))
+        moment one of them can have been sent.
+
+        Read ``SHARDS_PER_READ`` shards at a time, each read folded in at once: one
+        statement grouping a long backlog's keys spilled to disk, past a role's
+        ``temp_file_limit`` (53400, retried for ever: the relay delivered nothing, and
+        neither did the next one), and kept a tuple per key in the relay."""
+        counts: dict[str, int] = {}  # partitions per topic
         affected: dict[str, tuple[set[int], datetime]] = {}
-        for topic, candidates in keys.items():
-            count = reader.partitions(topic)
-            if count == 0:
-                continue  # no such topic: nothing can have landed
-            partitions = set(range(count)) if any(key is None for key, _ in candidates) \
-                else {partition_of(key, count) for key, _ in candidates if key is not None}
-            affected[topic] = (partitions, min(sent for _, sent in candidates))
+        ordered = sorted(shards)
+        for start in range(0, len(ordered), SHARDS_PER_READ):
+            with conn.begin():
+                candidates = store.unrecorded_candidates(
+                    conn, self.schema, ordered[start:start + SHARDS_PER_READ])
+            for topic, key, sent_after in candidates:
+                count = counts.get(topic)
+                if count is None:
+                    count = counts[topic] = reader.partitions(topic)
+                if count == 0:
+                    continue  # no such topic: nothing can have landed
+                partitions, earliest = affected.setdefault(topic, (set(), sent_after))
+                if key is None:
+                    partitions.update(range(count))
+                else:
+                    partitions.add(partition_of(key, count))
+                if sent_after < earliest:
+                    affected[topic] = (partitions, sent_after)
         return affected
 
     def _starts(self, conn: Connection, topic: str, partitions: set[int], before: datetime

@@ -650,6 +650,41 @@ def test_a_server_that_ends_idle_sessions_leaves_the_relays_alone(
         assert "paused" not in caplog.text, caplog.text
 
 
+def test_a_takeover_of_a_long_backlog_of_distinct_keys_fits_a_roles_temp_file_limit(
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    """A takeover groups the unsettled shards' pending messages by key. In one statement, a
+    backlog of 60,000 keys spilled to disk past the role's ``temp_file_limit`` (53400): the
+    read failed at every retry, as an outage, and the relay delivered nothing."""
+    caplog.set_level(logging.WARNING, logger="outbox.relay")
+    with isolated_services() as iso:
+        with iso.engine.begin() as conn:
+            conn.execute(text(f"""
+                WITH written AS (
+                    INSERT INTO outbox.message (topic, key, payload, content_type, shard)
+                    SELECT '{iso.topic}', convert_to('k' || i, 'UTF8'), 'x', 'text/plain',
+                           i % {SHARDS}
+                    FROM generate_series(1, 60000) AS i
+                    RETURNING id, topic, key, shard, created_at)
+                INSERT INTO outbox.pending
+                    (message_id, shard, topic, key, producer_group, status, resolution,
+                     created_at)
+                SELECT id, shard, topic, key, 'default', 'PENDING', 'COMMIT', created_at
+                FROM written"""))
+            conn.execute(text("UPDATE outbox.relay_lease SET clean = false"))  # a lost relay's
+            conn.execute(text("ALTER ROLE CURRENT_USER SET work_mem = '1MB'"))
+            conn.execute(text("ALTER ROLE CURRENT_USER SET temp_file_limit = '1MB'"))
+        iso.engine.dispose()
+        observer = create_engine(iso.engine.url, connect_args={  # the test's own count
+            "options": "-c temp_file_limit=-1 -c work_mem=64MB"})
+        try:
+            with running_relay(iso.settings):
+                wait_delivered(observer, "outbox", 60_000, timeout=120)
+        finally:
+            observer.dispose()
+        assert "temp_file_limit" not in caplog.text, caplog.text
+
+
 def test_a_statement_timeout_on_the_role_cancels_none_of_the_daemons_statements(
     caplog: pytest.LogCaptureFixture
 ) -> None:
