@@ -246,6 +246,11 @@ class LeaseKeeper(threading.Thread):
             self._aside = True
             self._leases.leave(conn)
 
+    @property
+    def aside(self) -> bool:
+        """Between :meth:`step_aside` and :meth:`rejoin`."""
+        return self._aside
+
     def rejoin(self) -> None:
         with self._ticking:
             self._aside = False

@@ -103,7 +103,8 @@ class Recovery:
         ``temp_file_limit`` (53400, retried for ever: the relay delivered nothing, and
         neither did the next one), and kept a tuple per key in the relay."""
         counts: dict[str, int] = {}  # partitions per topic
-        affected: dict[str, tuple[set[int], datetime]] = {}
+        partitions: dict[str, set[int]] = {}
+        earliest: dict[str, datetime] = {}
         ordered = sorted(shards)
         for start in range(0, len(ordered), SHARDS_PER_READ):
             with conn.begin():
@@ -115,14 +116,10 @@ class Recovery:
                     count = counts[topic] = reader.partitions(topic)
                 if count == 0:
                     continue  # no such topic: nothing can have landed
-                partitions, earliest = affected.setdefault(topic, (set(), sent_after))
-                if key is None:
-                    partitions.update(range(count))
-                else:
-                    partitions.add(partition_of(key, count))
-                if sent_after < earliest:
-                    affected[topic] = (partitions, sent_after)
-        return affected
+                partitions.setdefault(topic, set()).update(
+                    range(count) if key is None else (partition_of(key, count),))
+                earliest[topic] = min(earliest.get(topic, sent_after), sent_after)
+        return {topic: (found, earliest[topic]) for topic, found in partitions.items()}
 
     def _starts(self, conn: Connection, topic: str, partitions: set[int], before: datetime
                 ) -> dict[int, int | None]:

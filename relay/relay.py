@@ -149,8 +149,6 @@ class Relay:
         #: topics whose records awaiting acks were given up this pass (see
         #: _give_up_stuck_topics): the flights still holding their records are given up at once
         self._given_up: set[str] = set()
-        #: True while this relay holds no shards because Kafka fails it alone (maybe)
-        self._aside = False
 
     @property
     def owned_shards(self) -> frozenset[int]:
@@ -240,8 +238,7 @@ class Relay:
         while not self.stopping.is_set():
             self._step_aside_if_cut_off()
             transport = self._working_transport()
-            if self._aside:  # a new producer reached Kafka
-                self._aside = False
+            if self._keeper.aside:  # a new producer reached Kafka
                 self._keeper.rejoin()
                 log.warning("relay %s: Kafka answers it again; it takes a share of the shards",
                             self.worker_id)
@@ -258,7 +255,7 @@ class Relay:
         sends lands from here on; their next owners read the tails first), and takes none
         until a new producer reaches Kafka."""
         failure = self._kafka_failure
-        if self._aside or self._transport is not None or failure is None \
+        if self._keeper.aside or self._transport is not None or failure is None \
                 or isinstance(failure, TopicRefused) or self._leases.live < 2 \
                 or self.lifecycle.outage_seconds < STEP_ASIDE_LEASES * self._leases.lease_seconds:
             return
@@ -266,7 +263,6 @@ class Relay:
         self._producer.close(timeout=0)
         with self._engine.connect() as conn:
             self._keeper.step_aside(conn)
-        self._aside = True
         log.warning("relay %s: Kafka has failed its deliveries for %.0fs (%s) while %d other "
                     "relays are live; handed them its %d shards, and takes a share again once "
                     "Kafka answers it", self.worker_id, self.lifecycle.outage_seconds,
