@@ -75,6 +75,11 @@ class TopicRefused(BrokerTrouble):
     goes on with the other topics at once, no outage."""
 
 
+class TriedRefused(TopicRefused):
+    """As TopicRefused, the refused topic being one held and tried again (relay/holds.py):
+    refused again as expected, so the new producer is not worth a line of the log."""
+
+
 class TopicGone(TopicRefused):
     """Kafka answered for the topics of a batch waiting for its acks and no longer knows some
     of them (deleted): their records would be retried for the whole delivery timeout, every
@@ -277,7 +282,7 @@ class Relay:
         if self._transport is not None or not (failure or self._producer.broken()):
             return self._producer
         fresh = make_transport(self.settings)  # no broker yet: the next pass tries again
-        if self.lifecycle.in_outage:  # said once already: no line per retry
+        if self.lifecycle.in_outage or isinstance(failure, TriedRefused):  # no line per retry
             log.debug("relay %s: started a new Kafka producer after %s", self.worker_id,
                       describe(failure) if failure else "it stopped")
         elif failure is None or (self._producer.broken()
@@ -534,10 +539,16 @@ class Relay:
                               if delivery is not None and delivery.error is not None})
             raise BrokerTrouble(f"{len(transient)} messages not acknowledged, e.g. message "
                                 f"{transient[0].id}: {transient[0].error}")
-        if (failures or refusals) and flights[0].transport.broken():
-            first = (failures or refusals)[0]
-            stopped = f"Kafka's producer stopped after rejecting message {first.id}: {first.error}"
-            raise BrokerTrouble(stopped) if failures else TopicRefused(stopped)
+        if (failures or refused) and flights[0].transport.broken():
+            # a tried topic refused again stops the producer too, though none of its rows
+            # is a failure: each record would fail in it from then on, that topic's as well
+            if failures or refusals:
+                first = (failures or refusals)[0]
+                stopped = (f"Kafka's producer stopped after rejecting message {first.id}: "
+                           f"{first.error}")
+                raise BrokerTrouble(stopped) if failures else TopicRefused(stopped)
+            raise TriedRefused("Kafka's producer stopped after Kafka refused the records of "
+                               f"held topics tried again: {', '.join(sorted(refused))}")
 
     def _await_acks(self, flight: InFlight) -> None:
         """Waits for the flight's acks. A producer settles every record within its delivery

@@ -28,6 +28,7 @@ import socket
 import struct
 import threading
 import uuid
+from collections import Counter
 from typing import Any
 
 from kafka.protocol.metadata import MetadataRequest, MetadataResponse
@@ -52,6 +53,8 @@ class KafkaProxy(TcpProxy):
     def __init__(self, target_port: int, held: set[str] | None = None) -> None:
         self._held = set(held or ())
         self._refused: dict[str, int] = {}
+        #: produce requests answered with a refusal, per topic
+        self.refusals: Counter[str] = Counter()
         super().__init__(target_port)
 
     @property
@@ -130,6 +133,8 @@ class KafkaProxy(TcpProxy):
             produce = ProduceRequest.decode(body, version=version, header=True)
             hidden = {t.name: ([p.index for p in t.partition_data], refused[t.name])
                       for t in produce.topic_data if t.name in refused}
+            with self._lock:
+                self.refusals.update(hidden)
             if hidden:
                 produce.topic_data = [t for t in produce.topic_data if t.name not in hidden]
                 if not produce.topic_data:

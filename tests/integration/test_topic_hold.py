@@ -286,6 +286,31 @@ def test_a_topic_kafka_refuses_is_held_not_parked_then_delivered_in_key_order(
     assert "parked" not in caplog.text
 
 
+def test_a_refused_topic_tried_alone_and_refused_again_is_delivered_once_kafka_takes_it(
+    engine: Engine, outbox: Outbox, schema: str, proxy: KafkaProxy, held_settings: Settings,
+    services: devservices.Services, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """kafka-python's producer stops for good once Kafka refuses a record. A held topic tried
+    again on its own and refused again left the relay on that stopped producer (only another
+    topic's records failing ended the pass): once Kafka took the topic again, each try still
+    failed at once in the producer, and its messages waited for another topic's traffic."""
+    caplog.set_level(logging.INFO, logger="outbox.relay")
+    denied = f"denied-{uuid.uuid4().hex[:8]}"
+    create_topic(services.kafka_bootstrap, denied, partitions=3)
+    proxy.refuse(denied, TOPIC_AUTHORIZATION_FAILED)
+    denied_ids = publish_orders(engine, outbox, denied, HELD)
+    with running_relay(held_settings.model_copy(update={"relay_max_attempts": 1})):
+        wait_until(lambda: "Kafka refuses its records" in caplog.text, 30, "the topic held")
+        refused = proxy.refusals[denied]
+        wait_until(lambda: proxy.refusals[denied] > refused, 30, "a try refused again")
+        time.sleep(0.5)  # the refusal reaches the producer
+        proxy.accept(denied)
+        wait_delivered(engine, schema, len(HELD), timeout=30)
+    records = read_topic(services.kafka_bootstrap, denied)
+    assert Counter(r.message_id for r in records) == Counter(denied_ids), "each once"
+    assert "parked" not in caplog.text
+
+
 def test_a_producer_kafka_refuses_everywhere_is_an_outage_not_parked_messages(
     engine: Engine, outbox: Outbox, schema: str, topic: str, proxy: KafkaProxy,
     held_settings: Settings, caplog: pytest.LogCaptureFixture,
