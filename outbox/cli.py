@@ -297,8 +297,11 @@ def status(shared: Shared, as_json: bool) -> None:
     click.echo(f"schema {settings.schema_name}: {len(relays)} relays alive, "
                f"{in_flight} messages in flight")
     for relay_row in relays:
+        paused = ("" if relay_row["paused_seconds"] is None else
+                  f", paused for {float(relay_row['paused_seconds']):.0f}s: "
+                  f"{relay_row['paused_reason']}")
         click.echo(f"  relay {relay_row['worker_id']}: {relay_row['shards']} shards, "
-                   f"{relay_row['in_flight']} in flight")
+                   f"{relay_row['in_flight']} in flight{paused}")
     _print_topics(topics)
     for held in (t for t in topics if t["held"]):
         until = ("Kafka knows the topic (create it; "

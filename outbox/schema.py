@@ -200,6 +200,9 @@ relay_member = Table(
     Column("worker_id", Text, primary_key=True),
     Column("seen_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Column("in_flight", Integer, nullable=False, server_default="0"),
+    #: while the relay cannot deliver (PostgreSQL or Kafka away): since when, and why
+    Column("paused_since", DateTime(timezone=True)),
+    Column("paused_reason", Text),
 )
 
 

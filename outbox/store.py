@@ -680,10 +680,14 @@ def end_lost_sessions(conn: Connection, schema: str, session_name: str) -> int:
 
 
 def heartbeat(
-    conn: Connection, schema: str, worker_id: str, lease_seconds: float, in_flight: int = 0
+    conn: Connection, schema: str, worker_id: str, lease_seconds: float, in_flight: int = 0,
+    paused: tuple[float, str] | None = None,
 ) -> int:
-    """Announce this relay and return how many relays are alive; a newcomer tells the others."""
-    params = {"worker_id": worker_id, "lease_seconds": lease_seconds, "in_flight": in_flight}
+    """Announce this relay (``paused``: for how many seconds, and why) and return how many
+    relays are alive; a newcomer tells the others."""
+    seconds, reason = paused or (None, None)
+    params = {"worker_id": worker_id, "lease_seconds": lease_seconds, "in_flight": in_flight,
+              "paused_seconds": seconds, "paused_reason": as_text(reason) if reason else None}
     if conn.execute(query("heartbeat", schema), params).scalar_one():
         conn.execute(query("notify_rebalance", schema), {"channel": notify_channel(schema)})
     return int(conn.execute(query("live_relays", schema), params).scalar_one())

@@ -59,6 +59,7 @@ class Lifecycle:
         self.abandon = threading.Event()
         self._lock = threading.Lock()
         self._outage_since: float | None = None
+        self._reason = ""  #: the outage's cause last said
         self._failures = 0  #: failed passes since work last went on
 
     def stop(self, *, abandon: bool = False) -> None:
@@ -115,19 +116,20 @@ class Lifecycle:
         between two), and every ``REMIND_SECONDS`` while it lasts."""
         now = time.monotonic()
         kind = _kind(reason)
+        text = reason if isinstance(reason, str) else describe(reason)
         with self._lock:
             began = self._outage_since
-            if began is not None and kind in self._kinds_said \
-                    and now - self._said_at < REMIND_SECONDS:
-                return
             if began is None:
                 self._outage_since = since or now
                 self._kinds_said = set()
+            self._reason = text
+            if began is not None and kind in self._kinds_said \
+                    and now - self._said_at < REMIND_SECONDS:
+                return
             self._kinds_said.add(kind)
             self._said_at = now
             if self._gauge is not None:  # under the lock: a recovery between cannot undo it
                 self._gauge.set(1)
-        text = reason if isinstance(reason, str) else describe(reason)
         if began is None:
             self.log.warning("%s %s", self.name, self._paused.format(reason=text))
         else:
@@ -148,6 +150,13 @@ class Lifecycle:
     def in_outage(self) -> bool:
         with self._lock:
             return self._outage_since is not None
+
+    @property
+    def paused(self) -> tuple[float, str] | None:
+        """While work stalls: for how many seconds, and its latest cause (None otherwise)."""
+        with self._lock:
+            since, reason = self._outage_since, self._reason
+        return None if since is None else (time.monotonic() - since, reason)
 
     @property
     def outage_seconds(self) -> float:

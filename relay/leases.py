@@ -79,12 +79,13 @@ class Leases:
         with self._lock:
             return self._owned - self._surplus - self._unsettled
 
-    def tick(self, conn: Connection, in_flight: int = 0) -> None:
+    def tick(self, conn: Connection, in_flight: int = 0,
+             paused: tuple[float, str] | None = None) -> None:
         """Heartbeat, renew and claim in one transaction; note any surplus to shed."""
         started = time.monotonic()
         with conn.begin():
             live = self.live = store.heartbeat(conn, self.schema, self.worker_id,
-                                               self.lease_seconds, in_flight)
+                                               self.lease_seconds, in_flight, paused)
             mine = store.renew_leases(conn, self.schema, self.worker_id, self.lease_seconds)
             share = math.ceil(SHARDS / max(live, 1))
             claimed: dict[int, bool] = {}
@@ -213,12 +214,14 @@ class LeaseKeeper(threading.Thread):
     """Keeps the leases (and the pending-messages gauge) fresh on its own connection."""
 
     def __init__(self, settings: RelaySettings, leases: Leases,
-                 in_flight: Callable[[], int] = lambda: 0) -> None:
+                 in_flight: Callable[[], int] = lambda: 0,
+                 paused: Callable[[], tuple[float, str] | None] = lambda: None) -> None:
         super().__init__(name=f"leases-{leases.worker_id}", daemon=True)
         self._engine = store.engine(settings.sqlalchemy_url, pool_size=1, max_overflow=0,
                                     pool_pre_ping=True)
         self._leases = leases
         self._in_flight = in_flight
+        self._paused = paused
         #: a count cut off at half the renewal interval delays a renewal by that at most
         self._backlog = metrics.BacklogGauges(leases.schema, leases.lease_seconds / 6)
         self._halt = threading.Event()
@@ -264,7 +267,7 @@ class LeaseKeeper(threading.Thread):
                     while not self._halt.is_set():
                         with self._ticking:
                             if not self._aside:
-                                self._leases.tick(conn, self._in_flight())
+                                self._leases.tick(conn, self._in_flight(), self._paused())
                         self._backlog.observe(conn)
                         if self._failing:
                             log.info("relay %s: lease renewals work again", self._leases.worker_id)

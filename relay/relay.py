@@ -140,7 +140,8 @@ class Relay:
             settings.sqlalchemy_url, settings=store.FETCHING_SETTINGS, pool_size=1,
             max_overflow=0, pool_pre_ping=True)
         self._leases = Leases(self.schema, self.worker_id, settings.relay_lease_seconds)
-        self._keeper = LeaseKeeper(settings, self._leases, in_flight=self.in_flight)
+        self._keeper = LeaseKeeper(settings, self._leases, in_flight=self.in_flight,
+                                   paused=lambda: self.lifecycle.paused)
         self._identity = WorkerIdentity(settings)
         self._recovery = Recovery(settings, self.lifecycle.abandon)
         self._stop_timer: threading.Timer | None = None

@@ -291,15 +291,20 @@ FROM unnest(CAST(:shards AS integer[])) AS shard;
 SELECT pg_advisory_unlock_all();
 
 -- name: heartbeat
--- A relay says it is alive (and how many messages it has in flight), and forgets relays
--- silent for ten lease lengths. Returns whether it just joined.
+-- A relay says it is alive, how many messages it has in flight and whether it is paused
+-- (:paused_seconds NULL when not), and forgets relays silent for ten lease lengths. Returns
+-- whether it just joined.
 WITH gone AS (
     DELETE FROM {schema}.relay_member
     WHERE seen_at < now() - make_interval(secs => :lease_seconds * 10)
 )
-INSERT INTO {schema}.relay_member (worker_id, seen_at, in_flight)
-VALUES (:worker_id, now(), :in_flight)
-ON CONFLICT (worker_id) DO UPDATE SET seen_at = now(), in_flight = EXCLUDED.in_flight
+INSERT INTO {schema}.relay_member (worker_id, seen_at, in_flight, paused_since, paused_reason)
+VALUES (:worker_id, now(), :in_flight,
+        now() - make_interval(secs => CAST(:paused_seconds AS double precision)),
+        :paused_reason)
+ON CONFLICT (worker_id) DO UPDATE
+SET seen_at = now(), in_flight = EXCLUDED.in_flight,
+    paused_since = EXCLUDED.paused_since, paused_reason = EXCLUDED.paused_reason
 RETURNING xmax = 0 AS joined;
 
 -- name: notify_rebalance
@@ -429,8 +434,10 @@ FROM counts AS c FULL JOIN recent AS r ON r.topic = c.topic
 ORDER BY 1;
 
 -- name: relays
--- The live relays, their shards and the messages they have in flight.
+-- The live relays, their shards, the messages they have in flight and, while one is paused,
+-- for how long and why.
 SELECT r.worker_id, r.in_flight, extract(epoch FROM now() - r.seen_at) AS seen_seconds_ago,
+       extract(epoch FROM now() - r.paused_since) AS paused_seconds, r.paused_reason,
        (SELECT count(*) FROM {schema}.relay_lease AS l
         WHERE l.owner = r.worker_id AND l.expires_at > now()) AS shards
 FROM {schema}.relay_member AS r

@@ -20,7 +20,7 @@ from pyspark.sql import SparkSession
 from sqlalchemy import Engine, make_url, text
 from sqlalchemy.orm import Session
 
-from outbox import Outbox
+from outbox import Outbox, store
 from outbox.console.overview import PREVIEW_BYTES, Deliveries
 from outbox.dev import services as devservices
 from outbox.settings import ConsoleSettings, Settings
@@ -136,6 +136,27 @@ def test_the_page_shows_the_databases_backlog(
                             "discarded": 0}
     assert states == {"PENDING": 4, "DELAYED": 1, "PARKED": 2}  # one PENDING is the UNKNOWN
     assert f'<tr data-topic="{topic}">' in page
+
+
+def test_a_paused_relay_is_shown_with_how_long_and_why(
+    engine: Engine, settings: Settings, schema: str
+) -> None:
+    """As its heartbeat says it (relay/leases.py); the reason, a broker's text, as text."""
+    with engine.begin() as conn:
+        store.heartbeat(conn, schema, "relay-a", 10)
+        store.heartbeat(conn, schema, "relay-b", 10,
+                        paused=(42.0, "BrokerTrouble: <b>no brokers</b> available"))
+
+    with running_console(settings) as url:
+        page = httpx.get(url).text
+
+    rows = {worker: re.search(rf'<tr data-relay="{worker}">.*?</tr>', page, re.S)
+            for worker in ("relay-a", "relay-b")}
+    assert rows["relay-a"] is not None and rows["relay-b"] is not None, page
+    assert "badge" not in rows["relay-a"].group(0)
+    paused = rows["relay-b"].group(0)
+    assert re.search(r'<span class="badge bad">4[2-9] s</span> BrokerTrouble: '
+                     r"&lt;b&gt;no brokers&lt;/b&gt; available", paused), paused
 
 
 def test_payloads_and_keys_render_as_text(settings: Settings, parked: list[int]) -> None:

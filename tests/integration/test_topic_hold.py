@@ -7,6 +7,7 @@ producer without the topic's Write ACL): held, not parked, until Kafka takes the
 from __future__ import annotations
 
 import logging
+import re
 import signal
 import subprocess
 import time
@@ -18,7 +19,7 @@ import pytest
 from prometheus_client import REGISTRY
 from sqlalchemy import Engine, text
 
-from outbox import Outbox
+from outbox import Outbox, store
 from outbox.dev import services as devservices
 from outbox.dev.topics import create_topic, read_topic
 from outbox.settings import Settings
@@ -315,17 +316,32 @@ def test_a_producer_kafka_refuses_everywhere_is_an_outage_not_parked_messages(
     engine: Engine, outbox: Outbox, schema: str, topic: str, proxy: KafkaProxy,
     held_settings: Settings, caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """CLUSTER_AUTHORIZATION_FAILED (no IdempotentWrite grant) says nothing of the records."""
+    """CLUSTER_AUTHORIZATION_FAILED (no IdempotentWrite grant) says nothing of the records.
+    `outbox status` says the relay is paused, and why, while it lasts."""
     proxy.refuse(topic, CLUSTER_AUTHORIZATION_FAILED)
     publish_orders(engine, outbox, topic, GOOD[:20])
     impatient = held_settings.model_copy(update={"relay_max_attempts": 1})
-    with running_relay(impatient):
+    with running_relay(impatient) as relay:
         wait_until(lambda: "paused" in caplog.text, 30, "the outage to be logged")
-        time.sleep(2)
+        wait_until(lambda: relay_paused(engine, schema), 10, "the heartbeat to say it")
+        shown = run_outbox(held_settings, "status")
+        assert re.search(rf"relay {relay.worker_id}: \d+ shards, \d+ in flight, paused for "
+                         r"\d+s: .*ClusterAuthorizationFailed", shown.stdout), shown.stdout
         assert count_status(engine, schema, "PARKED") == 0
         proxy.accept(topic)
         wait_delivered(engine, schema, 20, timeout=60)
+        wait_until(lambda: not relay_paused(engine, schema), 10, "the heartbeat to say so")
+        shown = run_outbox(held_settings, "status")
+        assert f"relay {relay.worker_id}: " in shown.stdout, shown.stdout
+        assert "paused" not in shown.stdout, shown.stdout
     assert "ClusterAuthorizationFailed" in caplog.text
+
+
+def relay_paused(engine: Engine, schema: str) -> bool:
+    """Whether the one live relay's last heartbeat said it is paused."""
+    with engine.connect() as conn:
+        (relay,) = store.relays(conn, schema, 10)
+    return relay["paused_seconds"] is not None and bool(relay["paused_reason"])
 
 
 def test_a_broker_s_unknown_server_error_parks_nothing(
