@@ -304,9 +304,11 @@ def status(shared: Shared, as_json: bool) -> None:
                    f"{relay_row['in_flight']} in flight{paused}")
     _print_topics(topics)
     for held in (t for t in topics if t["held"]):
-        until = ("Kafka knows the topic (create it; "
-                 if held["held_reason"].startswith("Kafka has no metadata")
-                 else f"Kafka accepts them ({held['held_reason']}; ")
+        reason = held["held_reason"]
+        until = ("Kafka knows the topic (create it; " if reason.startswith("Kafka has no metadata")
+                 else f"Kafka describes the topic to the relay ({reason}; "
+                 if reason.startswith("Kafka will not describe")
+                 else f"Kafka accepts them ({reason}; ")
         click.echo(f"topic {held['topic']} held: {held['held']} messages wait until {until}"
                    "OUTBOX_TOPIC_HOLD_PARK_AFTER parks them)")
     for group in check_backs:

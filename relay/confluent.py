@@ -166,6 +166,7 @@ class ConfluentTransport:
         except KafkaException:
             raise settings.kafka_unreachable() from None
         self._closing = threading.Event()
+        self.denied: frozenset[str] = frozenset()
         #: a fatal error, or one about the producer's own id (PRODUCER_STATE_ERRORS): this
         #: producer sends nothing more
         self._fatal = False
@@ -221,7 +222,7 @@ class ConfluentTransport:
     def available(self, topics: Collection[str], timeout: float) -> set[str]:
         """One metadata request per topic (the relay asks only about topics it has not
         seen yet, and about held ones with back-off)."""
-        found = set()
+        found, denied = set(), set()
         for topic in topics:
             try:
                 listed = self.producer.list_topics(topic, timeout=timeout).topics.get(topic)
@@ -230,6 +231,10 @@ class ConfluentTransport:
                                          f"{timeout:g}s: {exc.args[0].str()}") from None
             if listed is not None and listed.error is None and listed.partitions:
                 found.add(topic)
+            elif listed is not None and listed.error is not None \
+                    and listed.error.code() == KafkaError.TOPIC_AUTHORIZATION_FAILED:
+                denied.add(topic)
+        self.denied = self.denied - set(topics) | denied
         return found
 
     def flush(self, timeout: float) -> None:

@@ -64,6 +64,8 @@ class Hold:
     retry_at: float = 0.0
     parked: int = 0
     refused: bool = False  #: Kafka refuses its records (else: Kafka has no metadata for it)
+    denied: bool = False  #: Kafka would not describe it to the relay (no Describe ACL)
+    began: str = ""  #: when the hold began, as its reason says (UTC)
     stuck: bool = False  #: refused, in that Kafka retries them while it takes other topics'
 
 
@@ -162,6 +164,8 @@ class TopicHolds:
             if self._park_after is not None and held_for >= self._park_after:
                 self._park(conn, shards, topic, hold, held_for)
             elif not hold.refused:
+                if hold.denied != (topic in self.transport.denied):
+                    self._explain(topic, hold)
                 self._mark(conn, shards, topic, hold)
             if hold.refused:
                 self._try(topic)  # refused again, it backs off further (_heed_answers)
@@ -237,17 +241,28 @@ class TopicHolds:
                  TRIAL_SECONDS)
 
     def _hold(self, conn: Connection, shards: Collection[int], topic: str) -> None:
-        started = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
-        hold = Hold(since=time.monotonic(), reason=(
-            f"held: Kafka has no metadata for topic {topic} (not created, or auto-creation "
-            f"off) since {started}"))
+        hold = Hold(since=time.monotonic(), reason="",
+                    began=datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC"))
         hold.retry_at = hold.since + hold.retry_in
         self._held[topic] = hold
+        self._explain(topic, hold)
         self._mark(conn, shards, topic, hold)
         metrics.TOPIC_HELD.labels(topic).set(1)
-        log.warning("topic %s: Kafka has no metadata for it (does it exist?); holding its "
-                    "messages, other topics keep flowing; %s", topic,
-                    self._bound("held until it appears"))
+
+    def _explain(self, topic: str, hold: Hold) -> None:
+        """Say why Kafka has no metadata for a held topic (again when that changes)."""
+        hold.denied, started = topic in self.transport.denied, hold.began
+        if hold.denied:
+            what = ("Kafka will not describe it to the relay (TOPIC_AUTHORIZATION_FAILED: grant "
+                    "the relay's principal Describe and Write on it)")
+            hold.reason = (f"held: Kafka will not describe topic {topic} to the relay "
+                           f"(TOPIC_AUTHORIZATION_FAILED: no Describe ACL?) since {started}")
+        else:
+            what = "Kafka has no metadata for it (does it exist?)"
+            hold.reason = (f"held: Kafka has no metadata for topic {topic} (not created, or "
+                           f"auto-creation off) since {started}")
+        log.warning("topic %s: %s; holding its messages, other topics keep flowing; %s", topic,
+                    what, self._bound("held until it appears"))
 
     def _bound(self, otherwise: str) -> str:
         return (f"parked after {self._park_after:g}s (OUTBOX_TOPIC_HOLD_PARK_AFTER)"
@@ -268,7 +283,9 @@ class TopicHolds:
               held_for: float) -> None:
         what, mend = (("not acknowledged by Kafka", "mend its partitions") if hold.stuck
                       else ("refused by Kafka", "grant the relay's principal what it lacks")
-                      if hold.refused else ("unknown to Kafka", "create the topic"))
+                      if hold.refused else ("not described by Kafka to the relay",
+                                            "grant the relay's principal Describe on it")
+                      if hold.denied else ("unknown to Kafka", "create the topic"))
         reason = (f"topic {topic} {what} for {held_for:.0f}s "
                   f"(OUTBOX_TOPIC_HOLD_PARK_AFTER={self._park_after:g}): {mend}, "
                   "then `outbox resume --all`")

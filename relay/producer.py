@@ -126,6 +126,7 @@ class KafkaPythonTransport:
         #: one look-up at a time: the main loop's and the recorder's (relay.py) would drop
         #: each other's topics from the metadata
         self._asking = threading.Lock()
+        self.denied: frozenset[str] = frozenset()
 
     def send(self, topic: str, key: bytes | None, value: bytes, headers: Headers) -> Delivery:
         """Sends a record of a topic :meth:`available` found; one whose metadata the
@@ -182,6 +183,7 @@ class KafkaPythonTransport:
         self.producer._sender.wakeup()
         answered.wait(timeout)
         found = {topic for topic in asked if metadata.partitions_for_topic(topic) is not None}
+        self.denied = self.denied - asked | (asked & metadata.unauthorized_topics) - found
         for topic in asked - found:
             metadata._topics.discard(topic)
         if found < asked and metadata._last_successful_refresh_ms == before:

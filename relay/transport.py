@@ -102,6 +102,10 @@ def unknown_offset(partition: int) -> UnknownOffset:
 
 
 class Transport(Protocol):
+    #: of the topics :meth:`available` found unknown, those Kafka would not describe to the
+    #: relay's principal (TOPIC_AUTHORIZATION_FAILED: no Describe ACL), rather than not have
+    denied: frozenset[str]
+
     def send(self, topic: str, key: bytes | None, value: bytes, headers: Headers) -> Delivery:
         """Hand one record over; a record refused before sending (too large, ...) comes back
         already failed."""

@@ -8,9 +8,11 @@ This proxy forwards every request and response unchanged except:
 
 * Metadata (api key 3): held topics are taken out of the request (the broker never hears of
   them, so it does not create them) and put back into the response with
-  UNKNOWN_TOPIC_OR_PARTITION, exactly what Apache Kafka answers; the brokers listed are
-  rewritten to the proxy, so clients keep talking through it. :meth:`KafkaProxy.release`
-  makes a held topic appear (the broker then creates it on demand).
+  UNKNOWN_TOPIC_OR_PARTITION, exactly what Apache Kafka answers (or, after
+  :meth:`KafkaProxy.deny_describe`, TOPIC_AUTHORIZATION_FAILED: what it answers a principal
+  without the topic's Describe ACL); the brokers listed are rewritten to the proxy, so clients
+  keep talking through it. :meth:`KafkaProxy.release` makes a held topic appear (the broker
+  then creates it on demand).
 * Produce (api key 0): records of a *refused* topic are not forwarded but answered with an
   error: by default NOT_ENOUGH_REPLICAS, a retriable one, so the producer retries them until
   its delivery timeout while the other topics' records of the same request land; or the one
@@ -51,7 +53,8 @@ Asked = dict[int, tuple[int, int, dict[str, tuple[list[int], int]]]]
 
 class KafkaProxy(TcpProxy):
     def __init__(self, target_port: int, held: set[str] | None = None) -> None:
-        self._held = set(held or ())
+        #: held topics, and the error Metadata answers for each
+        self._held = dict.fromkeys(held or (), UNKNOWN_TOPIC_OR_PARTITION)
         self._refused: dict[str, int] = {}
         #: produce requests answered with a refusal, per topic
         self.refusals: Counter[str] = Counter()
@@ -64,7 +67,7 @@ class KafkaProxy(TcpProxy):
     def release(self, topic: str) -> None:
         """The topic exists from now on (the broker creates it when asked for it)."""
         with self._lock:
-            self._held.discard(topic)
+            self._held.pop(topic, None)
 
     def refuse(self, topic: str, error_code: int = NOT_ENOUGH_REPLICAS) -> None:
         """Answer the topic's produce requests with ``error_code`` from now on."""
@@ -75,7 +78,7 @@ class KafkaProxy(TcpProxy):
         """The topic is gone, as after ``kafka-topics --delete``: Metadata does not know it and
         Produce is answered UNKNOWN_TOPIC_OR_PARTITION (undo with release and accept)."""
         with self._lock:
-            self._held.add(topic)
+            self._held[topic] = UNKNOWN_TOPIC_OR_PARTITION
             self._refused[topic] = UNKNOWN_TOPIC_OR_PARTITION
 
     def accept(self, topic: str) -> None:
@@ -83,9 +86,14 @@ class KafkaProxy(TcpProxy):
         with self._lock:
             self._refused.pop(topic, None)
 
-    def held(self) -> frozenset[str]:
+    def deny_describe(self, topic: str) -> None:
+        """Metadata answers the topic TOPIC_AUTHORIZATION_FAILED (undo with release)."""
         with self._lock:
-            return frozenset(self._held)
+            self._held[topic] = TOPIC_AUTHORIZATION_FAILED
+
+    def held(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._held)
 
     def _serve(self, client: socket.socket, upstream: socket.socket) -> None:
         asked: Asked = {}
@@ -123,7 +131,8 @@ class KafkaProxy(TcpProxy):
         if api_key == METADATA:
             request = MetadataRequest.decode(body, version=version, header=True)
             if request.topics:
-                hidden = {t.name: ([], 0) for t in request.topics if t.name in self.held()}
+                held = self.held()
+                hidden = {t.name: ([], held[t.name]) for t in request.topics if t.name in held}
                 if hidden:
                     request.topics = [t for t in request.topics if t.name not in hidden]
                     body = bytes(request.encode(header=True))
@@ -152,16 +161,15 @@ class KafkaProxy(TcpProxy):
             return bytes(produced.encode(header=True, framed=True)), None
         if api_key != METADATA:
             return _framed(body), None
-        held = frozenset(hidden)
         response = MetadataResponse.decode(body, version=version, header=True)
         for broker in response.brokers:
             broker.host, broker.port = "127.0.0.1", self.port
-        unlisted = held | self.held()  # an all-topics request must not list a held topic
+        unlisted = hidden.keys() | self.held().keys()  # an all-topics request lists none
         response.topics = [t for t in response.topics if t.name not in unlisted] + [
             MetadataResponse.MetadataResponseTopic(
-                error_code=UNKNOWN_TOPIC_OR_PARTITION, name=name, topic_id=uuid.UUID(int=0),
+                error_code=error_code, name=name, topic_id=uuid.UUID(int=0),
                 is_internal=False, partitions=[], version=version)
-            for name in sorted(held)]
+            for name, (_, error_code) in sorted(hidden.items())]
         return bytes(response.encode(header=True, framed=True)), None
 
 

@@ -122,6 +122,35 @@ def test_a_missing_topic_is_held_while_other_topics_flow_then_delivered_in_key_o
     assert len([line for line in lines if "holding" in line]) == 1, lines
 
 
+def test_a_topic_kafka_will_not_describe_is_held_as_such_not_as_missing(
+    engine: Engine, outbox: Outbox, schema: str, proxy: KafkaProxy, held_settings: Settings,
+    services: devservices.Services, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Kafka answers a principal without the topic's Describe ACL TOPIC_AUTHORIZATION_FAILED,
+    not UNKNOWN_TOPIC_OR_PARTITION: the hold says so (it said "does it exist?", which sends
+    an operator looking for a topic that is there)."""
+    caplog.set_level(logging.INFO, logger="outbox.relay")
+    hidden = f"hidden-{uuid.uuid4().hex[:8]}"
+    create_topic(services.kafka_bootstrap, hidden, partitions=3)
+    proxy.deny_describe(hidden)
+    hidden_ids = publish_orders(engine, outbox, hidden, HELD)
+    with running_relay(held_settings):
+        wait_until(lambda: held_marks(engine, schema, hidden) == len(HELD), 30, "the hold")
+        shown = run_outbox(held_settings, "status")
+        assert f"topic {hidden} held: {len(HELD)} messages wait until Kafka describes the " \
+               f"topic to the relay (Kafka will not describe topic {hidden} to the relay " \
+               "(TOPIC_AUTHORIZATION_FAILED" in shown.stdout, shown.stdout
+        proxy.release(hidden)
+        wait_delivered(engine, schema, len(HELD), timeout=60)
+    records = read_topic(services.kafka_bootstrap, hidden)
+    assert sorted(r.message_id for r in records) == hidden_ids
+    lines = [r.getMessage() for r in caplog.records if hidden in r.getMessage()]
+    assert [line for line in lines if "holding" in line] == [
+        f"topic {hidden}: Kafka will not describe it to the relay (TOPIC_AUTHORIZATION_FAILED: "
+        "grant the relay's principal Describe and Write on it); holding its messages, other "
+        "topics keep flowing; held until it appears"], lines
+
+
 def test_a_held_topic_is_parked_after_the_bound_with_its_reason(
     engine: Engine, outbox: Outbox, schema: str, topic: str, missing: str,
     held_settings: Settings,
