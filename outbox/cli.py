@@ -599,7 +599,8 @@ def reconcile(shared: Shared, kafka_bootstrap: str | None, since: datetime | Non
     Runs a Spark job over the messages created since the last run (or --since/--until),
     prints a short report and writes Parquet details under --output-dir. Exit code 0: no
     finding over its threshold; 1: at least one is; 2: a usage or configuration error;
-    3: another run of the schema is in progress, this one did nothing.
+    3: another run of the schema is in progress, this one did nothing; 4: the job failed as
+    it ran (Kafka or the database went away), nothing was recorded.
     """
     try:
         from outbox.spark import reconcile as job
@@ -624,5 +625,12 @@ def reconcile(shared: Shared, kafka_bootstrap: str | None, since: datetime | Non
         except RunInProgress as exc:
             click.echo(f"outbox: {exc}", err=True)
             sys.exit(3)
+        except Exception as exc:
+            cause = job.job_failure(exc)
+            if cause is None:
+                raise
+            click.echo("outbox: error: the reconciliation job failed as it ran (nothing was "
+                       f"recorded; the next run reads the same window): {cause}", err=True)
+            sys.exit(4)
     click.echo(result.report, nl=False)
     sys.exit(result.exit_code)

@@ -672,6 +672,13 @@ def claim_worker_id(conn: Connection, schema: str, worker_id: str) -> bool:
     return bool(conn.execute(query("claim_worker_id", schema), params).scalar_one())
 
 
+def release_worker_id(conn: Connection, schema: str, worker_id: str) -> None:
+    """Let go of the worker id :func:`claim_worker_id` took on ``conn``, at once (a closed
+    connection's backend lets go a moment later: a relay started right after was refused)."""
+    params = {"lock_class": WORKER_LOCK_CLASS, "schema_name": schema, "worker_id": worker_id}
+    conn.execute(query("release_worker_id", schema), params)
+
+
 def end_lost_sessions(conn: Connection, schema: str, session_name: str) -> int:
     """End this process's other sessions named ``session_name`` (a connection lost without
     the server hearing of it lives on, holding its locks); how many there were."""

@@ -275,11 +275,11 @@ class ConfluentTransport:
 class ConfluentTailReader:
     """Tails read with a librdkafka consumer of their own (relay/tails.py)."""
 
-    def __init__(self, settings: RelaySettings, abandon: threading.Event | None = None
-                 ) -> None:
+    def __init__(self, settings: RelaySettings, stop: threading.Event | None = None) -> None:
         self._bootstrap = settings.kafka_bootstrap
-        self._abandon = abandon or threading.Event()
+        self._stop = stop or threading.Event()
         self._config = consumer_config(settings)
+        self._lookups: Consumer | None = None
         #: how long a metadata request may go unanswered (kafka-python's reader: its
         #: bootstrap_timeout_ms); then the takeover is retried as an outage
         self._answer_within = settings.kafka_connect_timeout_ms / 1000
@@ -290,14 +290,21 @@ class ConfluentTailReader:
         except KafkaException as exc:
             raise ConfigurationError(f"invalid Kafka settings for librdkafka: {exc}") from None
 
+    def close(self) -> None:
+        if self._lookups is not None:
+            self._lookups.close()
+            self._lookups = None
+
     def partitions(self, topic: str) -> int:
-        consumer = self._consumer()
+        """On the reader's look-up consumer, made at its first look-up."""
+        if self._lookups is None:
+            self._lookups = self._consumer()
         try:
-            found = consumer.list_topics(topic, timeout=self._answer_within).topics.get(topic)
+            found = self._lookups.list_topics(topic, timeout=self._answer_within
+                                              ).topics.get(topic)
         except KafkaException as exc:
+            self.close()
             raise ServiceUnavailable(f"no metadata for topic {topic} ({exc})") from None
-        finally:
-            consumer.close()
         return 0 if found is None or found.error is not None else len(found.partitions)
 
     def read(self, topic: str, starts: dict[int, int | None], limit: int) -> Tail:
@@ -307,7 +314,7 @@ class ConfluentTailReader:
             consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING if start is None
                                             else start) for p, start in starts.items()])
             ended: set[int] = set()
-            stall = Stall(self._bootstrap, self._abandon)
+            stall = Stall(self._bootstrap, self._stop)
             while len(ended) < len(starts):
                 if tail.records >= limit:
                     tail.complete = False

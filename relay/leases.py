@@ -204,7 +204,12 @@ class WorkerIdentity:
         return True
 
     def release(self) -> None:
+        """Let go of the id before closing its session (whose backend exits a moment later:
+        a relay started at once would be refused as a twin)."""
         if self._conn is not None:
+            with contextlib.suppress(DBAPIError):
+                store.release_worker_id(self._conn, self._settings.schema_name,
+                                        self._settings.worker_id)
             with contextlib.suppress(DBAPIError):
                 self._conn.close()
             self._conn = None

@@ -35,7 +35,7 @@ from sqlalchemy import Connection
 from outbox import store
 from outbox.relay import metrics
 from outbox.relay.leases import Leases
-from outbox.relay.tails import Tail, TailReader, make_tail_reader
+from outbox.relay.tails import Stopped, Tail, TailReader, make_tail_reader
 from outbox.settings import RelaySettings
 
 log = logging.getLogger("outbox.relay")
@@ -44,6 +44,8 @@ LOOKBACK = (timedelta(seconds=10), timedelta(minutes=10), timedelta(days=1))
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 #: Shards whose pending messages' keys one statement groups (:meth:`Recovery._affected`).
 SHARDS_PER_READ = 4
+#: A settling reading the tails of this many topics or more says so as it starts.
+MANY_TOPICS = 100
 
 
 def partition_of(key: bytes, partitions: int) -> int:
@@ -54,11 +56,11 @@ def partition_of(key: bytes, partitions: int) -> int:
 class Recovery:
     """Settles this relay's unsettled shards (see the module's docstring)."""
 
-    def __init__(self, settings: RelaySettings, abandon: threading.Event | None = None
+    def __init__(self, settings: RelaySettings, stop: threading.Event | None = None
                  ) -> None:
         self.settings = settings
-        #: set: a tail read in progress ends (Abandoned), the shards stay unsettled
-        self.abandon = abandon or threading.Event()
+        #: set (the relay stops): a settling in progress ends, the shards stay unsettled
+        self.stop = stop or threading.Event()
         self.schema = settings.schema_name
         self.actor = f"{settings.worker_id} (recovered)"
 
@@ -69,9 +71,33 @@ class Recovery:
         if not shards:
             return
         started = time.monotonic()
-        reader = make_tail_reader(self.settings, self.abandon)
+        reader = make_tail_reader(self.settings, self.stop)
+        try:
+            tail = self._read(conn, reader, shards)
+        except Stopped:
+            log.info("relay %s stopped while it settled %d shards; they stay unsettled for "
+                     "their next owner", self.settings.worker_id, len(shards))
+            return
+        finally:
+            reader.close()
+        recovered = self._record(conn, tail, shards)
+        leases.settled(conn, shards)
+        metrics.TAIL_RECORDS.inc(tail.records)
+        metrics.RECOVERED.inc(recovered)
+        log.info("relay %s settled %d shards in %.2fs: read %d records of partition tails, "
+                 "%d messages were already in Kafka and are recorded now",
+                 self.settings.worker_id, len(shards), time.monotonic() - started,
+                 tail.records, recovered)
+
+    def _read(self, conn: Connection, reader: TailReader, shards: frozenset[int]) -> Tail:
+        """What the tails of the topics of the shards' pending messages hold."""
         tail = Tail()
-        for topic, (partitions, sent_after) in self._affected(conn, reader, shards).items():
+        affected = self._affected(conn, reader, shards)
+        if len(affected) >= MANY_TOPICS:
+            log.info("relay %s: settling %d shards, reading the tails of %d topics",
+                     self.settings.worker_id, len(shards), len(affected))
+        for topic, (partitions, sent_after) in affected.items():
+            self._heed_stop()
             starts = self._starts(conn, topic, partitions, sent_after)
             part = reader.read(topic, starts, self.settings.relay_tail_max_records - tail.records)
             tail.records += part.records
@@ -84,14 +110,11 @@ class Recovery:
                             "possible)", self.settings.worker_id,
                             self.settings.relay_tail_max_records, topic)
                 break
-        recovered = self._record(conn, tail, shards)
-        leases.settled(conn, shards)
-        metrics.TAIL_RECORDS.inc(tail.records)
-        metrics.RECOVERED.inc(recovered)
-        log.info("relay %s settled %d shards in %.2fs: read %d records of partition tails, "
-                 "%d messages were already in Kafka and are recorded now",
-                 self.settings.worker_id, len(shards), time.monotonic() - started,
-                 tail.records, recovered)
+        return tail
+
+    def _heed_stop(self) -> None:
+        if self.stop.is_set():
+            raise Stopped
 
     def _affected(self, conn: Connection, reader: TailReader, shards: frozenset[int]
                   ) -> dict[str, tuple[set[int], datetime]]:
@@ -107,12 +130,14 @@ class Recovery:
         earliest: dict[str, datetime] = {}
         ordered = sorted(shards)
         for start in range(0, len(ordered), SHARDS_PER_READ):
+            self._heed_stop()
             with conn.begin():
                 candidates = store.unrecorded_candidates(
                     conn, self.schema, ordered[start:start + SHARDS_PER_READ])
             for topic, key, sent_after in candidates:
                 count = counts.get(topic)
                 if count is None:
+                    self._heed_stop()
                     count = counts[topic] = reader.partitions(topic)
                 if count == 0:
                     continue  # no such topic: nothing can have landed

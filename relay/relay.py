@@ -143,7 +143,7 @@ class Relay:
         self._keeper = LeaseKeeper(settings, self._leases, in_flight=self.in_flight,
                                    paused=lambda: self.lifecycle.paused)
         self._identity = WorkerIdentity(settings)
-        self._recovery = Recovery(settings, self.lifecycle.abandon)
+        self._recovery = Recovery(settings, self.lifecycle.stopping)
         self._stop_timer: threading.Timer | None = None
         self._recorder: Recorder | None = None
         #: what ended the last pass, if Kafka did: the next pass starts a new producer

@@ -3,8 +3,13 @@
 A tail ends at the high-watermark taken from the fetch responses of a consumer made for this
 read (never a stale one, and never ListOffsets "latest", which some Kafka-compatible brokers
 answer wrongly): every record Kafka acknowledged before the read began is below it. The
-consumer is assigned its partitions (no consumer group). kafka-python's reader is here,
-librdkafka's in relay/confluent.py; :func:`make_tail_reader` picks the transport's.
+consumer is assigned its partitions (no consumer group). A reader looks the topics' partition
+counts up on one consumer of its own, made at its first look-up, which
+:meth:`TailReader.close` closes: a consumer per look-up cost a bootstrap each (a metadata
+request for every topic of the cluster), and with the read's own, a takeover over 5,000
+topics took half an hour.
+kafka-python's reader is here, librdkafka's in relay/confluent.py; :func:`make_tail_reader`
+picks the transport's.
 """
 
 from __future__ import annotations
@@ -21,7 +26,6 @@ from kafka.errors import KafkaError
 
 from outbox.encoding import ID_HEADER, header_message_id
 from outbox.exceptions import ServiceUnavailable
-from outbox.relay.daemon import Abandoned
 from outbox.settings import RelaySettings
 
 #: A read that gets no record and does not reach the end for this long has failed.
@@ -76,22 +80,31 @@ class TailReader(Protocol):
         high-watermark, at most ``limit`` records in all."""
         ...
 
+    def close(self) -> None:
+        """Close the reader's consumer, if it made one."""
+        ...
+
+
+class Stopped(Exception):
+    """The relay was told to stop while it read a tail: the read ends, and the shards being
+    settled stay unsettled for their next owner."""
+
 
 class Stall:
     """Raises :class:`ServiceUnavailable` when a read makes no progress for too long, and
-    :class:`Abandoned` once the relay is told to abandon its work (checked every poll)."""
+    :class:`Stopped` once the relay is told to stop (checked every poll)."""
 
-    def __init__(self, bootstrap: str, abandon: threading.Event) -> None:
+    def __init__(self, bootstrap: str, stop: threading.Event) -> None:
         self._bootstrap = bootstrap
-        self._abandon = abandon
+        self._stop = stop
         self._deadline = time.monotonic() + STALL_SECONDS
 
     def progressed(self) -> None:
         self._deadline = time.monotonic() + STALL_SECONDS
 
     def check(self) -> None:
-        if self._abandon.is_set():
-            raise Abandoned
+        if self._stop.is_set():
+            raise Stopped
         if time.monotonic() > self._deadline:
             raise ServiceUnavailable(f"Kafka at {self._bootstrap} did not serve a partition's "
                                      f"tail for {STALL_SECONDS:.0f}s")
@@ -100,10 +113,10 @@ class Stall:
 class KafkaPythonTailReader:
     """Tails read with a kafka-python consumer of their own."""
 
-    def __init__(self, settings: RelaySettings, abandon: threading.Event | None = None
-                 ) -> None:
+    def __init__(self, settings: RelaySettings, stop: threading.Event | None = None) -> None:
         self._bootstrap = settings.kafka_bootstrap
-        self._abandon = abandon or threading.Event()
+        self._stop = stop or threading.Event()
+        self._lookups: KafkaConsumer | None = None
         self._config: dict[str, Any] = {
             "bootstrap_servers": settings.kafka_bootstrap.split(","),
             "client_id": f"outbox-recovery-{settings.worker_id}",
@@ -121,14 +134,21 @@ class KafkaPythonTailReader:
             raise ServiceUnavailable(f"no Kafka broker answers at {self._bootstrap} ({exc})"
                                      ) from None
 
+    def close(self) -> None:
+        if self._lookups is not None:
+            self._lookups.close()
+            self._lookups = None
+
     def partitions(self, topic: str) -> int:
-        consumer = self._consumer()
+        """From the look-up consumer's metadata of every topic, asked for once (again only
+        for a topic it did not list)."""
+        if self._lookups is None:
+            self._lookups = self._consumer()
         try:
-            return len(consumer.partitions_for_topic(topic) or ())
+            return len(self._lookups.partitions_for_topic(topic) or ())
         except KafkaError as exc:
+            self.close()
             raise ServiceUnavailable(f"no metadata for topic {topic} ({exc})") from None
-        finally:
-            consumer.close()
 
     def read(self, topic: str, starts: dict[int, int | None], limit: int) -> Tail:
         tail = Tail()
@@ -141,7 +161,7 @@ class KafkaPythonTailReader:
                     consumer.seek_to_beginning(tp)
                 else:
                     consumer.seek(tp, start)
-            stall = Stall(self._bootstrap, self._abandon)
+            stall = Stall(self._bootstrap, self._stop)
             while not all((hw := consumer.highwater(tp)) is not None
                           and consumer.position(tp) >= hw for tp in tps):
                 if tail.records >= limit:
@@ -160,12 +180,12 @@ class KafkaPythonTailReader:
             consumer.close()
 
 
-def make_tail_reader(settings: RelaySettings, abandon: threading.Event | None = None
+def make_tail_reader(settings: RelaySettings, stop: threading.Event | None = None
                      ) -> TailReader:
-    """The tail reader of the transport ``settings.kafka_client`` names; ``abandon`` set ends
+    """The tail reader of the transport ``settings.kafka_client`` names; ``stop`` set ends
     a read (:class:`Stall`)."""
     if settings.kafka_client == "confluent":
         from outbox.relay.confluent import ConfluentTailReader
 
-        return ConfluentTailReader(settings, abandon)
-    return KafkaPythonTailReader(settings, abandon)
+        return ConfluentTailReader(settings, stop)
+    return KafkaPythonTailReader(settings, stop)

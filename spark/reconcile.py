@@ -19,6 +19,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import sys
 import tempfile
 import time
@@ -29,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from kafka.errors import KafkaTimeoutError
+from py4j.protocol import Py4JJavaError
+from pyspark.errors import PythonException
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from sqlalchemy import Engine, NullPool, func, select
@@ -75,6 +78,8 @@ def local_session(settings: ReconcileSettings) -> SparkSession:
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     builder = SparkSession.builder.appName("outbox-reconcile").config(
         "spark.sql.session.timeZone", "UTC")
+    if not sys.stderr.isatty():  # its progress bars, drawn with carriage returns, ran into
+        builder = builder.config("spark.ui.showConsoleProgress", "false")  # the log's lines
     if master:
         builder = builder.master(master)
     if not submitted:
@@ -92,6 +97,21 @@ def local_session(settings: ReconcileSettings) -> SparkSession:
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("WARN")
     return spark
+
+
+#: An error line of a Python or Java traceback: ``package.Name(Error|Exception...): text``.
+_ERROR_LINE = re.compile(r"^(?:[\w$]+\.)*\w*(?:Error|Exception|Timeout\w*): .+")
+
+
+def job_failure(exc: BaseException) -> str | None:
+    """The innermost error line of a Spark job that failed as it ran (an executor lost Kafka,
+    or the database's JDBC read failed: an outage, not a bug), or None for any other error.
+    Its tracebacks ran to 400 lines, with the exit code of a run that found too much."""
+    if not isinstance(exc, PythonException | Py4JJavaError):
+        return None
+    lines = [line.strip() for line in str(exc).splitlines()]
+    errors = [line for line in lines if _ERROR_LINE.match(line)]
+    return errors[-1] if errors else next((line for line in lines if line), type(exc).__name__)
 
 
 @contextlib.contextmanager
@@ -119,7 +139,10 @@ def preflight(settings: ReconcileSettings, *, since: datetime | None = None,
         with engine.connect() as conn:
             require_current(conn, settings.schema_name)
             runs.require_hold_back(conn)
-            _require_past(since, until, conn.execute(select(func.now())).scalar_one())
+            runs.require_recording(conn, settings.schema_name)
+            # the last run's end is read under the run lock (run), not here: a run holding
+            # its table would keep this one from saying it is in progress
+            _require_past(since, until, conn.execute(select(func.now())).scalar_one(), None)
     finally:
         engine.dispose()
     _output_root(settings)
@@ -163,10 +186,11 @@ def _run(spark: SparkSession, settings: ReconcileSettings, engine: Engine,
         with engine.connect() as conn:
             require_current(conn, schema)
             runs.require_hold_back(conn)
+            runs.require_recording(conn, schema)
             clock = queries.window_end(conn, until, settings.reconcile_sla_seconds)
             mark = queries.watermark(conn, schema)
             conn.rollback()
-        _require_past(since, until, clock.now)
+        _require_past(since, until, clock.now, mark.until)
         window, source = _window(since, mark, clock)
         timings: dict[str, float] = {}
         with _phase(timings, "read tables"):
@@ -298,10 +322,17 @@ def _findings_summary(counts: dict[str, int], samples: dict[str, list[int]],
     ]
 
 
-def _require_past(since: datetime | None, until: datetime | None, now: datetime) -> None:
-    """A window given by hand lies in the past, and starts before it ends. A run's end is
-    where the next run starts: one reaching into the future would leave every later run
-    nothing to audit until then."""
+def _require_past(since: datetime | None, until: datetime | None, now: datetime,
+                  last_until: datetime | None) -> None:
+    """A window given by hand lies in the past, starts before it ends, and not after the
+    last run's end. A run's end is where the next run starts: one reaching into the future
+    would leave every later run nothing to audit until then, and one starting after the
+    last run's end would leave the time between to no run at all."""
+    if since is not None and last_until is not None and since > last_until:
+        raise ConfigurationError(
+            f"--since {_iso(since)} is after the last run's end ({_iso(last_until)}): the "
+            "messages of the time between would never be reconciled (the next run starts "
+            "where this one ends); start at the last run's end or before")
     for name, value in (("--since", since), ("--until", until)):
         if value is not None and value > now:
             raise ConfigurationError(

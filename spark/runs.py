@@ -94,6 +94,18 @@ def one_at_a_time(engine: Engine, schema: str) -> Iterator[None]:
             conn.commit()
 
 
+def require_recording(conn: Connection, schema: str) -> None:
+    """Refuse a role that may not record its run: found only at the run's end, after the
+    whole job, with its report unprinted."""
+    role, may = conn.execute(select(
+        literal_column("current_user"),
+        func.has_table_privilege(f"{schema}.reconcile_run", "INSERT"))).one()
+    if not may:
+        raise ConfigurationError(
+            f"role {role} may not record a run in {schema}.reconcile_run (INSERT): run as a "
+            "member of the <schema>_reconcile role (`outbox db upgrade --create-roles`)")
+
+
 def require_hold_back(conn: Connection) -> None:
     """Refuse a role that cannot hold the window end back.
 

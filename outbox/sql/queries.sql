@@ -267,6 +267,9 @@ LIMIT 3;
 -- refused; a dead one's lock goes with its connection (kill -9 included).
 SELECT pg_try_advisory_lock(:lock_class, hashtext(:schema_name || '/' || :worker_id));
 
+-- name: release_worker_id
+SELECT pg_advisory_unlock(:lock_class, hashtext(:schema_name || '/' || :worker_id));
+
 -- name: end_lost_sessions
 -- The sessions a relay opened under its worker-id lock connection's name (unique to the
 -- process) other than this one. A connection lost without the server hearing of it (a silent

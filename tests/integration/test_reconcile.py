@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import json
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -19,7 +20,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 from kafka import KafkaProducer
+from pyspark.errors import PythonException
 from pyspark.sql import SparkSession
+from pyspark.sql import functions as F
 from sqlalchemy import Engine, make_url, text
 from sqlalchemy.orm import Session
 
@@ -547,7 +550,8 @@ def test_a_window_given_by_hand_lies_in_the_past(
     tmp_path: Path
 ) -> None:
     """A run's end is where the next starts: `--until` a day ahead recorded a run ending
-    then, and every run after it found "nothing new" until that day."""
+    then, and every run after it found "nothing new" until that day. `--since` after the last
+    run's end left the time between to no run: CLEAN, and those messages never looked at."""
     settings = reconcile_settings(services, schema, tmp_path).model_copy(
         update={"reconcile_read_topics": False})
     now = datetime.now(UTC)
@@ -559,7 +563,41 @@ def test_a_window_given_by_hand_lies_in_the_past(
             job.run(spark, settings, since=since, until=until)
     with engine.connect() as conn:
         assert conn.execute(text(f"SELECT count(*) FROM {schema}.reconcile_run")).scalar() == 0
-    assert job.run(spark, settings).window.until <= datetime.now(UTC)
+    last = job.run(spark, settings).window.until
+    assert last <= datetime.now(UTC)
+    time.sleep(1.5)  # a --since after the last run's end, and in the past
+    with pytest.raises(ConfigurationError, match=r"--since .* is after the last run's end"):
+        job.run(spark, settings, since=last + timedelta(seconds=1))
+    assert job.run(spark, settings, since=last).window.since == last
+
+
+def test_a_job_that_fails_as_it_runs_says_one_line_and_exits_4(
+    spark: SparkSession, services: devservices.Services, schema: str, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An executor that lost Kafka (or a JDBC read that failed) printed 400 lines of Python
+    and Java tracebacks and exited 1, as a run that found too much does: a cron job could
+    not tell an outage from findings. The error here is Spark's own, raised by an executor."""
+    def lose_kafka(_: int) -> int:
+        raise ConnectionError("Kafka at 127.0.0.1:9 went away")
+
+    with pytest.raises(PythonException) as failed:
+        spark.range(1).select(F.udf(lose_kafka)("id")).collect()
+    assert job.job_failure(failed.value) == "ConnectionError: Kafka at 127.0.0.1:9 went away"
+    assert job.job_failure(ValueError("a bug")) is None, "a bug keeps its traceback"
+
+    def run(*_: object, **__: object) -> job.Result:
+        raise failed.value
+
+    monkeypatch.setattr(job, "run", run)
+    env = {"OUTBOX_DATABASE_URL": services.database_url, "OUTBOX_SCHEMA": schema,
+           "OUTBOX_RECONCILE_OUTPUT_DIR": str(tmp_path)}
+    result = CliRunner().invoke(main, ["reconcile", "--tables-only"], env=env)
+
+    assert result.exit_code == 4, result.output
+    assert result.output.strip().splitlines() == [
+        "outbox: error: the reconciliation job failed as it ran (nothing was recorded; the "
+        "next run reads the same window): ConnectionError: Kafka at 127.0.0.1:9 went away"]
 
 
 def test_command_exits_1_over_a_threshold_and_0_when_that_finding_only_reports(

@@ -146,3 +146,19 @@ def test_a_role_that_cannot_see_other_sessions_is_refused_before_it_reads(
     with pytest.raises(ConfigurationError, match="cannot see other sessions' transactions"):
         job.run(spark, settings, until=datetime.now(UTC))
     assert not any(tmp_path.iterdir())
+
+
+def test_a_role_that_may_not_record_its_run_is_refused_before_it_reads(
+    spark: SparkSession, services: devservices.Services, engine: Engine, schema: str,
+    reconcile_login: str, tmp_path: Path
+) -> None:
+    """Found only at the end, after the whole job, with the report unprinted."""
+    with engine.begin() as conn:
+        conn.execute(text(f"REVOKE INSERT ON {schema}.reconcile_run FROM {schema}_reconcile"))
+    settings = tables_only(services, schema, tmp_path, reconcile_login)
+
+    with pytest.raises(ConfigurationError, match=r"may not record a run in .*\(INSERT\)"):
+        job.preflight(settings)
+    with pytest.raises(ConfigurationError, match=r"may not record a run"):
+        job.run(spark, settings, until=datetime.now(UTC))
+    assert not any(tmp_path.iterdir())

@@ -18,8 +18,7 @@ from sqlalchemy.orm import Session
 
 from outbox import Outbox
 from outbox.dev.topics import read_topic
-from outbox.relay.daemon import Abandoned
-from outbox.relay.tails import make_tail_reader
+from outbox.relay.tails import Stopped, make_tail_reader
 from outbox.settings import Settings
 from tests.conftest import (
     both_transports,
@@ -145,19 +144,22 @@ def test_a_tail_record_of_another_outbox_with_the_same_id_is_not_taken_for_ours(
         "each op record names a record of this outbox"
 
 
-def test_a_tail_read_ends_when_its_relay_abandons_its_work(
+def test_a_tail_read_ends_when_its_relay_stops(
     engine: Engine, outbox: Outbox, topic: str, schema: str, settings: Settings
 ) -> None:
     """A takeover's tail read (up to relay_tail_max_records records, and 15 s per stalled
     poll) looked at neither signal: a stopping relay went on reading until its platform
-    killed it. Abandoning (a second signal, or relay_stop_timeout) now ends it."""
+    killed it. Stopping now ends it."""
     publish_mixed(engine, outbox, topic)
     with running_relay(settings):
         wait_delivered(engine, schema, MESSAGES)
-    abandon = threading.Event()
-    reader = make_tail_reader(settings, abandon)
-    starts = dict.fromkeys(range(reader.partitions(topic)))
-    assert reader.read(topic, starts, 10_000).records == MESSAGES
-    abandon.set()
-    with pytest.raises(Abandoned):
-        reader.read(topic, starts, 10_000)
+    stop = threading.Event()
+    reader = make_tail_reader(settings, stop)
+    try:
+        starts = dict.fromkeys(range(reader.partitions(topic)))
+        assert reader.read(topic, starts, 10_000).records == MESSAGES
+        stop.set()
+        with pytest.raises(Stopped):
+            reader.read(topic, starts, 10_000)
+    finally:
+        reader.close()

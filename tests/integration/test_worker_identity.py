@@ -7,7 +7,8 @@ import signal
 
 from sqlalchemy import Engine, text
 
-from outbox import Outbox
+from outbox import Outbox, store
+from outbox.relay.leases import WorkerIdentity
 from outbox.settings import Settings
 from tests.conftest import publish_orders, wait_delivered, wait_until
 from tests.processes import start_outbox
@@ -56,3 +57,20 @@ def _owned_shards(engine: Engine, schema: str) -> int:
     with engine.connect() as conn:
         return int(conn.execute(text(
             f"SELECT count(*) FROM {schema}.relay_lease WHERE owner IS NOT NULL")).scalar_one())
+
+
+def test_a_worker_id_let_go_is_free_at_once_for_the_next_relay(
+    engine: Engine, settings: Settings
+) -> None:
+    """A relay stopped and started again in one process (or restarted at once with a fixed
+    OUTBOX_WORKER_ID) was refused now and then as its own twin: its lock went with its
+    session, whose backend exits a moment after the connection closes (a busy server's
+    moment is longer). A relay lets go of its worker id before it returns."""
+    schema, worker_id = settings.schema_name, settings.worker_id
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as next_one:
+        for _ in range(200):
+            identity = WorkerIdentity(settings)
+            identity.hold()
+            identity.release()
+            assert store.claim_worker_id(next_one, schema, worker_id), "still held"
+            store.release_worker_id(next_one, schema, worker_id)
