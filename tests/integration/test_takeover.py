@@ -8,6 +8,7 @@ so the relay fetches, sends and gets every ack, then blocks recording them; it i
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import threading
 from collections import Counter
@@ -18,6 +19,8 @@ from sqlalchemy.orm import Session
 
 from outbox import Outbox
 from outbox.dev.topics import read_topic
+from outbox.relay.leases import Leases
+from outbox.relay.recovery import Recovery
 from outbox.relay.tails import Stopped, make_tail_reader
 from outbox.settings import Settings
 from tests.conftest import (
@@ -163,3 +166,26 @@ def test_a_tail_read_ends_when_its_relay_stops(
             reader.read(topic, starts, 10_000)
     finally:
         reader.close()
+
+
+def test_a_settling_ends_when_its_relay_stops_and_leaves_the_shards_unsettled(
+    engine: Engine, outbox: Outbox, topic: str, schema: str, settings: Settings,
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    """It looked at no signal between its tail reads: a relay told to stop, even twice,
+    went on settling (each topic a read; half an hour over 5,000 topics)."""
+    caplog.set_level(logging.INFO, logger="outbox.relay")
+    publish_mixed(engine, outbox, topic)
+    with engine.begin() as conn:
+        conn.execute(text(f"UPDATE {schema}.relay_lease SET owner = 'dead', clean = false, "
+                          "expires_at = now() - interval '1 second'"))
+    stop = threading.Event()
+    stop.set()
+    leases = Leases(schema, "heir", 30)
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        leases.tick(conn)
+        assert len(leases.unsettled) == 64
+        Recovery(settings.model_copy(update={"worker_id": "heir"}), stop).settle(conn, leases)
+        assert len(leases.unsettled) == 64, "left for their next owner"
+    assert "relay heir stopped while it settled 64 shards" in caplog.text
+    assert not leases_clean(engine, schema)
