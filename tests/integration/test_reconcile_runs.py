@@ -135,30 +135,23 @@ def test_the_reconcile_role_reads_but_changes_nothing_except_its_runs(
     ])
 
 
-def test_a_role_that_cannot_see_other_sessions_is_refused_before_it_reads(
+@pytest.mark.parametrize(("revoke", "said"), [
+    ("REVOKE pg_read_all_stats FROM {schema}_reconcile",
+     "cannot see other sessions' transactions"),
+    # found only at the end, after the whole job, with the report unprinted
+    ("REVOKE INSERT ON {schema}.reconcile_run FROM {schema}_reconcile",
+     r"may not record a run in .*\(INSERT\)"),
+])
+def test_a_role_that_cannot_hold_back_or_record_the_run_is_refused_before_it_reads(
     spark: SparkSession, services: devservices.Services, engine: Engine, schema: str,
-    reconcile_login: str, tmp_path: Path
+    reconcile_login: str, tmp_path: Path, revoke: str, said: str
 ) -> None:
     with engine.begin() as conn:
-        conn.execute(text(f"REVOKE pg_read_all_stats FROM {schema}_reconcile"))
+        conn.execute(text(revoke.format(schema=schema)))
     settings = tables_only(services, schema, tmp_path, reconcile_login)
 
-    with pytest.raises(ConfigurationError, match="cannot see other sessions' transactions"):
-        job.run(spark, settings, until=datetime.now(UTC))
-    assert not any(tmp_path.iterdir())
-
-
-def test_a_role_that_may_not_record_its_run_is_refused_before_it_reads(
-    spark: SparkSession, services: devservices.Services, engine: Engine, schema: str,
-    reconcile_login: str, tmp_path: Path
-) -> None:
-    """Found only at the end, after the whole job, with the report unprinted."""
-    with engine.begin() as conn:
-        conn.execute(text(f"REVOKE INSERT ON {schema}.reconcile_run FROM {schema}_reconcile"))
-    settings = tables_only(services, schema, tmp_path, reconcile_login)
-
-    with pytest.raises(ConfigurationError, match=r"may not record a run in .*\(INSERT\)"):
+    with pytest.raises(ConfigurationError, match=said):
         job.preflight(settings)
-    with pytest.raises(ConfigurationError, match=r"may not record a run"):
+    with pytest.raises(ConfigurationError, match=said):
         job.run(spark, settings, until=datetime.now(UTC))
     assert not any(tmp_path.iterdir())
