@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Callable
 
 from sqlalchemy import Connection
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.pool import NullPool
 
 from outbox import store
@@ -175,7 +175,7 @@ class WorkerIdentity:
                 self._conn.exec_driver_sql("SELECT 1")
                 return
             except DBAPIError:
-                self.release()
+                self._close()  # its lock goes with its session
         conn = self._engine.connect().execution_options(isolation_level="AUTOCOMMIT")
         schema, worker_id = self._settings.schema_name, self._settings.worker_id
         if not self._claim(conn):
@@ -207,9 +207,13 @@ class WorkerIdentity:
         """Let go of the id before closing its session (whose backend exits a moment later:
         a relay started at once would be refused as a twin)."""
         if self._conn is not None:
-            with contextlib.suppress(DBAPIError):
+            with contextlib.suppress(SQLAlchemyError):  # a lost session: its lock went too
                 store.release_worker_id(self._conn, self._settings.schema_name,
                                         self._settings.worker_id)
+            self._close()
+
+    def _close(self) -> None:
+        if self._conn is not None:
             with contextlib.suppress(DBAPIError):
                 self._conn.close()
             self._conn = None
