@@ -53,7 +53,9 @@ _RDKAFKA: dict[str, Any] = {
     "auto.offset.reset": "earliest",
     "enable.auto.commit": False,
     "enable.auto.offset.store": False,
-    "enable.partition.eof": False,
+    # Told when the fetch reaches a partition's end: a range whose last offsets are not
+    # records (transaction markers) ends there, as no record comes for them.
+    "enable.partition.eof": True,
     "fetch.max.bytes": 64 * 1024 * 1024,
     "max.partition.fetch.bytes": 16 * 1024 * 1024,
     "queued.max.messages.kbytes": 256 * 1024,
@@ -158,7 +160,7 @@ class KafkaRangeReader(DataSourceReader):
             consumer.close()
 
     def _read_confluent(self, partition: OffsetRange) -> Iterator[pa.RecordBatch]:
-        from confluent_kafka import Consumer, KafkaException, Message
+        from confluent_kafka import Consumer, Message
         from confluent_kafka import TopicPartition as RdTopicPartition
 
         consumer = Consumer({**_RDKAFKA, "bootstrap.servers": self.bootstrap, **self.client})
@@ -171,23 +173,41 @@ class KafkaRangeReader(DataSourceReader):
                 # Per record only C calls (map over Message's methods): this loop runs for
                 # every record of the window, and Python-level work per record dominated it.
                 batch = consumer.consume(num_messages=50_000, timeout=0.5)
-                if errors := [e for e in map(Message.error, batch) if e is not None]:
-                    raise KafkaException(errors[0])
+                reached = -1  # where the fetch found the partition's end, if it did
+                if any(map(Message.error, batch)):
+                    batch, reached = _records_and_end(batch)
                 # a record (not an error) always has its offset
                 offsets = cast(list[int], list(map(Message.offset, batch)))
                 kept = bisect.bisect_left(offsets, partition.end)  # ascending in a partition
                 if kept:
                     yield _to_arrow(partition, offsets[:kept],
                                     list(map(Message.headers, batch[:kept])))
-                if kept < len(offsets):
-                    return  # past the end (the offsets before it are gone: compaction)
-                if offsets:
+                if kept < len(offsets) or reached >= partition.end:
+                    return  # past the end (offsets before it gone: compaction), or only markers
+                if offsets or reached > position:
                     stalled_since = time.monotonic()
-                    position = offsets[-1] + 1
+                    position = max(offsets[-1] + 1 if offsets else -1, reached)
                 elif time.monotonic() - stalled_since > self.stall_seconds:
                     raise TimeoutError(_stalled(partition, position))
         finally:
             consumer.close()
+
+
+def _records_and_end(batch: list[Any]) -> tuple[list[Any], int]:
+    """A librdkafka batch's records, and the offset the fetch reached the partition's end
+    at (-1 if it did not); any other error raised."""
+    from confluent_kafka import KafkaError, KafkaException
+
+    records, reached = [], -1
+    for message in batch:
+        error = message.error()
+        if error is None:
+            records.append(message)
+        elif error.code() == KafkaError._PARTITION_EOF:
+            reached = message.offset()
+        else:
+            raise KafkaException(error)
+    return records, reached
 
 
 @contextlib.contextmanager
