@@ -140,12 +140,14 @@ def several(facts: DataFrame) -> DataFrame:
 
 
 def find(inputs: Inputs, facts: DataFrame, unknown: DataFrame | None,
-         claims: DataFrame | None, recorded_since: Collection[int] = ()) -> DataFrame:
+         claims: DataFrame | None, recorded_since: Collection[int] = (),
+         judged: DataFrame | None = None) -> DataFrame:
     """All findings of the run, as one DataFrame of the columns named above.
 
     ``unknown``: (topic, outbox_id) of new records that match no prepare row at all;
     ``claims``: (id, topic, partition, offset) of each DELIVERED op record of ``several``;
-    ``recorded_since``: of :func:`copied_unrecorded`, those recorded once the tables were read.
+    ``recorded_since``: of :func:`copied_unrecorded`, those recorded once the tables were read;
+    ``judged``: the same as ``claims`` for new records' messages of earlier windows.
     """
     rules = [
         undelivered_after_sla(inputs.cutoff),
@@ -168,6 +170,8 @@ def find(inputs: Inputs, facts: DataFrame, unknown: DataFrame | None,
             stray_records(inputs.records, unknown),
             op_record_position_mismatch(facts, claims, inputs.records),
         ]
+    if inputs.records is not None and judged is not None:
+        found.append(copied_after_judged(inputs.records, judged))
     return reduce(DataFrame.unionByName, found)
 
 
@@ -312,6 +316,22 @@ def stray_records(records: DataFrame, unknown: DataFrame | None) -> DataFrame:
         strays, "kafka_record_without_op_record",
         F.when(F.col("outbox_id").isNull(), F.lit("no valid outbox-id header"))
         .otherwise(F.lit("outbox-id matches no prepare row of this topic")),
+        message_id="outbox_id")
+
+
+def copied_after_judged(records: DataFrame, judged: DataFrame) -> DataFrame:
+    """New copies of messages of an earlier window, which an earlier run judged: each copy
+    at none of its message's DELIVERED op records (``judged``) is one copy more."""
+    claimed = judged.select("topic", F.col("id").alias("outbox_id"), "partition", "offset")
+    first_claim = judged.groupBy("topic", F.col("id").alias("outbox_id")).agg(
+        F.min(_position(F.col("partition"), F.col("offset"))).alias("op_at"))
+    extra = records.where("fresh").join(
+        F.broadcast(first_claim), ["topic", "outbox_id"], "inner"
+    ).join(F.broadcast(claimed), ["topic", "outbox_id", "partition", "offset"], "left_anti")
+    return _finding(
+        extra, "delivered_more_than_once",
+        F.format_string("a copy found after its window was judged; its DELIVERED op record "
+                        "is at %d/%d", _partition_of("op_at"), _offset_of("op_at")),
         message_id="outbox_id")
 
 

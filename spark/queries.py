@@ -287,16 +287,19 @@ def _orphans(schema: str, window: Window, which: sa.ColumnElement[bool],
     )
 
 
-def message_topics(conn: Connection, schema: str, ids: Iterable[int]) -> dict[int, str]:
-    """The topic of each of ``ids`` that has a prepare row (for records outside the window)."""
+def message_origins(conn: Connection, schema: str, ids: Iterable[int]
+                    ) -> dict[int, tuple[str, datetime]]:
+    """The topic and creation time of each of ``ids`` that has a prepare row (for records
+    outside the window: which window, if any, the message belongs to)."""
     message = tables(schema).message
     wanted = sorted(set(ids))
-    found: dict[int, str] = {}
+    found: dict[int, tuple[str, datetime]] = {}
     for start in range(0, len(wanted), LOOKUP_CHUNK):
         chunk = wanted[start:start + LOOKUP_CHUNK]
-        rows = conn.execute(sa.select(message.c.id, message.c.topic).where(
-            message.c.id == sa.any_(sa.literal(chunk, sa.ARRAY(sa.BigInteger)))))
-        found.update((row.id, row.topic) for row in rows)
+        rows = conn.execute(sa.select(message.c.id, message.c.topic, message.c.created_at)
+                            .where(message.c.id == sa.any_(
+                                sa.literal(chunk, sa.ARRAY(sa.BigInteger)))))
+        found.update((row.id, (row.topic, row.created_at)) for row in rows)
     return found
 
 

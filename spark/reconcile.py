@@ -224,7 +224,7 @@ def _run(spark: SparkSession, settings: ReconcileSettings, engine: Engine,
         log.info("read %d messages, %d op records, %d carried over (%.1fs)", message_count,
                  op_count, carried_count, time.monotonic() - clock_start)
 
-        records = read_to = unknown = claims = kafka_count = None
+        records = read_to = unknown = judged = claims = kafka_count = None
         recorded_since: set[int] = set()
         if settings.reconcile_read_topics:
             with _phase(timings, "read topics"):
@@ -239,7 +239,8 @@ def _run(spark: SparkSession, settings: ReconcileSettings, engine: Engine,
             facts = findings.facts(everything)
             if records is not None:
                 everything = _cache(cached, everything)
-                unknown = _unknown(spark, engine, schema, findings.foreign(everything))
+                unknown, judged = _outside(spark, engine, schema,
+                                           findings.foreign(everything), window)
                 claims = _claims(spark, engine, schema, findings.several(facts))
                 recorded_since = _recorded_since(engine, schema,
                                                  findings.copied_unrecorded(facts))
@@ -253,7 +254,7 @@ def _run(spark: SparkSession, settings: ReconcileSettings, engine: Engine,
             # write and again in the count, with nothing to do in most of them. A session
             # that starts small (dynamic allocation) still gets one per read of a large window.
             found = _cache(cached, findings.find(inputs, facts, unknown, claims,
-                                                 recorded_since).coalesce(
+                                                 recorded_since, judged).coalesce(
                 max(parts, spark.sparkContext.defaultParallelism)))
             found.write.mode("error").parquet(str(output / "findings"))
             counts, samples = _count(found, checked=[
@@ -417,23 +418,32 @@ def _recorded_since(engine: Any, schema: str, unrecorded: DataFrame) -> set[int]
     return recorded
 
 
-def _unknown(spark: SparkSession, engine: Any, schema: str, foreign: DataFrame) -> DataFrame:
+def _outside(spark: SparkSession, engine: Any, schema: str, foreign: DataFrame,
+             window: queries.Window) -> tuple[DataFrame, DataFrame]:
     """Of the new records outside the window, those whose outbox-id is no message of their
-    topic at all (the others belong to another window), but for the messages retention
-    pruned (no prepare row, an id below the ranges kept): nothing is left to judge them by."""
+    topic at all (``unknown``), but for the messages retention pruned (no prepare row, an id
+    below the ranges kept): nothing is left to judge them by; and the DELIVERED op records
+    (``judged``) of those whose message an earlier window holds, so the copies found after
+    that window was judged are checked against them. Messages of a later window are judged
+    by the run that reads it."""
     candidates = {(r.topic, r.outbox_id) for r in foreign.collect()}
     with engine.connect() as conn:
-        topic_of = queries.message_topics(conn, schema, {i for _, i in candidates})
+        origin = queries.message_origins(conn, schema, {i for _, i in candidates})
         kept_from = queries.pruned_below(conn, schema) if candidates else None
+        judged = queries.delivered_positions(conn, schema, {
+            i for t, i in candidates
+            if i in origin and origin[i][0] == t and origin[i][1] < window.until})
         conn.rollback()
     pruned = {(t, i) for t, i in candidates
-              if i not in topic_of and kept_from is not None and i < kept_from}
+              if i not in origin and kept_from is not None and i < kept_from}
     if pruned:
         log.info("%d records name messages retention pruned (ids below %d): not judged",
                  len(pruned), kept_from)
-    return spark.createDataFrame(
-        sorted((t, i) for t, i in candidates - pruned if topic_of.get(i) != t),
+    unknown = spark.createDataFrame(
+        sorted((t, i) for t, i in candidates - pruned if origin.get(i, ("",))[0] != t),
         "topic string, outbox_id long")
+    return unknown, spark.createDataFrame(
+        judged, "id long, topic string, partition int, offset long")
 
 
 def _with_carried(spark: SparkSession, jdbc: dict[str, str], schema: str,

@@ -499,6 +499,33 @@ def test_next_run_covers_only_what_is_new_since_the_last(
     assert second.outcome is RunOutcome.CLEAN
 
 
+def test_a_copy_of_an_earlier_windows_message_is_found_by_the_next_run(
+    spark: SparkSession, services: devservices.Services, engine: Engine, schema: str,
+    topic: str, tmp_path: Path
+) -> None:
+    """A message judged by one run is copied to Kafka again afterwards (a takeover's re-send
+    landing late, a producer outside the relay): the next run reads the copy as new, and
+    its message is in no window of its own. It was ignored, and the duplicate never
+    reported; its recorded copy, read again by no run, is not."""
+    settings = reconcile_settings(services, schema, tmp_path)
+    with running_relay(settings):
+        ids = publish_clean_flow(engine, Outbox(settings=settings), topic, 6)
+        wait_delivered(engine, schema, 6)
+    first = job.run(spark, settings, until=datetime.now(UTC))
+    assert first.outcome is RunOutcome.CLEAN
+    copied = ids[2]
+    offset = produce(settings.kafka_bootstrap, topic, 1, b"customer-2", copied)
+
+    second = job.run(spark, settings, until=datetime.now(UTC))
+
+    assert second.summary["counts"]["messages"] == 0
+    duplicates = [row for row in spark.read.parquet(
+        str(second.output_path / "findings")).collect()]
+    assert [(r.finding, r.message_id, r.partition, r.offset) for r in duplicates] == [
+        ("delivered_more_than_once", copied, 1, offset)], duplicates
+    assert "after its window was judged" in duplicates[0].detail
+
+
 def test_messages_delivered_while_the_run_reads_are_not_copies_without_op_records(
     spark: SparkSession, services: devservices.Services, engine: Engine, schema: str,
     topic: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
