@@ -225,14 +225,17 @@ def _run(spark: SparkSession, settings: ReconcileSettings, engine: Engine,
                  op_count, carried_count, time.monotonic() - clock_start)
 
         records = read_to = unknown = judged = claims = kafka_count = None
+        anchors = handed.keys
         recorded_since: set[int] = set()
         if settings.reconcile_read_topics:
             with _phase(timings, "read topics"):
-                records, read_to = _read_topics(spark, settings, engine, messages, mark,
-                                                window, cached)
+                records, plan = _read_topics(spark, settings, engine, messages, mark,
+                                             window, cached)
+                read_to = plan.read_to
+                anchors = _without_rewound(anchors, plan)
                 kafka_count = records.count()
         inputs = findings.Inputs(messages, orphans, records, clock.now,
-                                 settings.reconcile_sla_seconds, handed.keys)
+                                 settings.reconcile_sla_seconds, anchors)
         with _phase(timings, "match"):
             spark.sparkContext.setJobDescription("outbox reconcile: matching the records")
             everything = findings.joined(inputs)
@@ -264,7 +267,7 @@ def _run(spark: SparkSession, settings: ReconcileSettings, engine: Engine,
             time.monotonic() - clock_start)
         with _phase(timings, "carry over"):
             spark.sparkContext.setJobDescription("outbox reconcile: carrying over")
-            carrying = carry.write(spark, output, facts, handed.keys)
+            carrying = carry.write(spark, output, facts, anchors)
         with _phase(timings, "statistics"):
             spark.sparkContext.setJobDescription("outbox reconcile: statistics")
             stats = findings.stats(own_states, messages.where(~F.col("carried")))
@@ -363,7 +366,7 @@ def _window(since: datetime | None, mark: queries.Watermark, clock: queries.Cloc
 
 def _read_topics(spark: SparkSession, settings: ReconcileSettings, engine: Any, messages: DataFrame,
                  mark: queries.Watermark, window: queries.Window, cached: list[DataFrame]
-                 ) -> tuple[DataFrame, dict[str, dict[str, int]]]:
+                 ) -> tuple[DataFrame, sources.TopicPlan]:
     """The topics from the last run's end (or the window's first op record) to their end."""
     spark.sparkContext.setJobDescription("outbox reconcile: reading the topics")
     first = messages.where(F.col("op_at").isNotNull()).groupBy(
@@ -383,13 +386,26 @@ def _read_topics(spark: SparkSession, settings: ReconcileSettings, engine: Any, 
     topics |= set(mark.kafka_offsets or {})
     ends = _topic_ends(settings, topics)
     plan = sources.plan_topics(ends, first_ops, mark.kafka_offsets, window.since is None)
+    for topic, partition, seen, end in plan.rewound:
+        log.warning("topic %s partition %d ends at offset %d, before offset %d where the last "
+                    "run stopped reading: it was deleted and recreated, or Kafka lost records. "
+                    "It is read from its start, all of it new, and the per-key order of the "
+                    "topic's keys starts afresh", topic, partition, end, seen)
     log.info("reading %d offset ranges of %d topics (%d records) with %s", len(plan.ranges),
              len(topics), sum(r.end - r.start for r in plan.ranges), settings.kafka_client)
     client = settings.kafka_security(
         "librdkafka" if settings.kafka_client == "confluent" else "kafka-python")
     records = sources.read_topics(spark, settings.kafka_bootstrap, plan, client,
                                   library=settings.kafka_client)
-    return _cache(cached, records), plan.read_to
+    return _cache(cached, records), plan
+
+
+def _without_rewound(anchors: DataFrame | None, plan: sources.TopicPlan) -> DataFrame | None:
+    """The last run's last message per key, but for the topics whose offsets started again
+    (their positions are of another log)."""
+    rewound = sorted({topic for topic, *_ in plan.rewound})
+    return anchors if anchors is None or not rewound else anchors.where(
+        ~F.col("topic").isin(*rewound))
 
 
 def _claims(spark: SparkSession, engine: Any, schema: str, several: DataFrame) -> DataFrame:

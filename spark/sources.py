@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import reduce
 from typing import Any
 from urllib.parse import quote, urlencode
@@ -158,6 +158,9 @@ class TopicPlan:
     fresh_from: dict[tuple[str, int], int]
     #: The watermark this run leaves: {topic: {partition: next offset}}.
     read_to: dict[str, dict[str, int]]
+    #: (topic, partition, last run's end, its end now) of partitions that end before the
+    #: last run's end: recreated, or records lost. Read from their start, all new.
+    rewound: list[tuple[str, int, int, int]] = field(default_factory=list)
 
 
 def plan_topics(ends: Mapping[tuple[str, int], int],
@@ -169,12 +172,16 @@ def plan_topics(ends: Mapping[tuple[str, int], int],
     ``window_offsets`` are the lowest offsets the window's op records name, so every record
     they point at is read. Without an earlier run, everything is new when the window starts
     at the beginning of time; otherwise only what lies at or after the window's op records.
+    A partition that now ends before the last run's end is read whole, all of it new.
     """
-    ranges, fresh_from = [], {}
+    ranges, fresh_from, rewound = [], {}, []
     for (topic, partition), end in sorted(ends.items()):
         seen = None if previous is None else previous.get(topic, {}).get(str(partition))
         first_op = window_offsets.get((topic, partition))
-        if seen is not None:
+        if seen is not None and seen > end:
+            rewound.append((topic, partition, seen, end))
+            fresh = 0
+        elif seen is not None:
             fresh = seen
         elif previous is not None or from_beginning:
             fresh = 0
@@ -187,7 +194,7 @@ def plan_topics(ends: Mapping[tuple[str, int], int],
     read_to: dict[str, dict[str, int]] = {t: dict(p) for t, p in (previous or {}).items()}
     for (topic, partition), end in ends.items():
         read_to.setdefault(topic, {})[str(partition)] = end
-    return TopicPlan(ranges, fresh_from, read_to)
+    return TopicPlan(ranges, fresh_from, read_to, rewound)
 
 
 def read_topics(spark: SparkSession, bootstrap: str, plan: TopicPlan,

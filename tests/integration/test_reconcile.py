@@ -31,7 +31,7 @@ from outbox.cli import main
 from outbox.dev import services as devservices
 from outbox.dev.topics import create_topic, read_topic
 from outbox.settings import Settings
-from outbox.spark import queries, sources
+from outbox.spark import carry, queries, sources
 from outbox.spark import reconcile as job
 from outbox.spark.kafka_source import KafkaRangeReader, high_watermarks
 from outbox.spark.runs import RunOutcome
@@ -524,6 +524,45 @@ def test_a_copy_of_an_earlier_windows_message_is_found_by_the_next_run(
     assert [(r.finding, r.message_id, r.partition, r.offset) for r in duplicates] == [
         ("delivered_more_than_once", copied, 1, offset)], duplicates
     assert "after its window was judged" in duplicates[0].detail
+
+
+def test_a_topic_whose_offsets_start_again_is_read_from_its_start(
+    spark: SparkSession, services: devservices.Services, engine: Engine, schema: str,
+    topic: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The last run stopped reading further on than the topic now ends (deleted and
+    recreated, or records lost; here the recorded watermark is moved on by 1,000). The next
+    run read nothing of it as new, so a stray record there was missed and the watermark fell
+    back silently; and its keys' last positions, handed on by the last run, were of the old
+    log (key_order_broken for the keys' next messages)."""
+    settings = reconcile_settings(services, schema, tmp_path)
+    outbox = Outbox(settings=settings)
+    with running_relay(settings):
+        publish_clean_flow(engine, outbox, topic, 6)
+        wait_delivered(engine, schema, 6)
+        first = job.run(spark, settings, until=datetime.now(UTC))
+        assert first.outcome is RunOutcome.CLEAN
+        publish_clean_flow(engine, outbox, topic, 2)  # keys the first run handed on
+        wait_delivered(engine, schema, 8)
+    with engine.begin() as conn:
+        conn.execute(text(
+            f"UPDATE {schema}.reconcile_run SET kafka_offsets = jsonb_build_object("
+            f"'{topic}', (SELECT jsonb_object_agg(p, (o::text)::bigint + 1000) FROM "
+            f"jsonb_each(kafka_offsets -> '{topic}') AS e(p, o)))"))
+    keys = str(first.output_path / "carry" / "keys")
+    old_log = spark.read.parquet(keys).select(
+        "topic", "key", "id", *[(F.col(c) + 1000).alias(c) for c in ("op_at", "copy_at")])
+    spark.createDataFrame(old_log.collect(), carry.KEYS_SCHEMA).write.mode(
+        "overwrite").parquet(keys)
+    stray = produce(settings.kafka_bootstrap, topic, 0, b"customer-1", None)
+
+    with caplog.at_level("WARNING", logger="outbox.reconcile"):
+        second = job.run(spark, settings, until=datetime.now(UTC))
+
+    assert found(spark, second) == {"kafka_record_without_op_record": {None}}, stray
+    assert second.summary["counts"]["kafka_records"] == 8 + 1
+    assert f"topic {topic} partition 0 ends at offset" in caplog.text
+    assert "read from its start" in caplog.text
 
 
 def test_messages_delivered_while_the_run_reads_are_not_copies_without_op_records(

@@ -1,0 +1,29 @@
+"""What a reconciliation run reads of the topics (spark/sources.plan_topics), from the
+last run's watermark, the window's op records and the partitions' ends."""
+
+from __future__ import annotations
+
+from outbox.spark.kafka_source import OffsetRange
+from outbox.spark.sources import plan_topics
+
+
+def test_a_run_reads_from_the_last_runs_end_and_the_windows_first_op_record() -> None:
+    plan = plan_topics({("t", 0): 50, ("t", 1): 30}, {("t", 0): 35}, {"t": {"0": 40, "1": 30}},
+                       from_beginning=False)
+    assert plan.ranges == [OffsetRange("t", 0, 35, 50)]
+    assert plan.fresh_from == {("t", 0): 40, ("t", 1): 30}
+    assert plan.read_to == {"t": {"0": 50, "1": 30}}
+    assert plan.rewound == []
+
+
+def test_a_partition_that_ends_before_the_last_runs_end_is_read_from_its_start() -> None:
+    """The topic was deleted and recreated (or the broker lost records): its offsets start
+    again below where the last run stopped. The run read nothing new of it (fresh from the
+    old end), so stray records on the new log were missed, and the watermark dropped
+    silently. Now all of it is new, and the plan names it."""
+    plan = plan_topics({("t", 0): 12, ("t", 1): 90}, {("t", 0): 5},
+                       {"t": {"0": 40, "1": 80}}, from_beginning=False)
+    assert plan.ranges == [OffsetRange("t", 0, 0, 12), OffsetRange("t", 1, 80, 90)]
+    assert plan.fresh_from == {("t", 0): 0, ("t", 1): 80}
+    assert plan.rewound == [("t", 0, 40, 12)]
+    assert plan.read_to == {"t": {"0": 12, "1": 90}}
