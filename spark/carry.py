@@ -14,7 +14,8 @@ of the run that set the watermark (queries.watermark):
   kept until a later message of the key replaces them.
 
 A run whose predecessor left no carry (a run before this existed, or an output folder
-removed) logs a warning and carries nothing.
+removed) logs a warning; the tables then stand in for ``carry/open`` (queries.open_before),
+and per-key order starts afresh.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ class Carry:
 
     open_ids: list[int]
     keys: DataFrame | None
+    #: The previous run's carry was not found where it wrote it.
+    missing: bool = False
 
 
 def read(spark: SparkSession, previous_output: str | None) -> Carry:
@@ -51,9 +54,7 @@ def read(spark: SparkSession, previous_output: str | None) -> Carry:
         return Carry([], None)
     base = Path(previous_output)
     if not (base / OPEN).is_dir() or not (base / KEYS).is_dir():
-        log.warning("the last run left nothing to carry over at %s: messages it left open "
-                    "are not judged again, and per-key order starts afresh", base)
-        return Carry([], None)
+        return Carry([], None, missing=True)
     ids = [r.id for r in spark.read.schema(OPEN_SCHEMA).parquet(str(base / OPEN)).collect()]
     return Carry(sorted(ids), spark.read.schema(KEYS_SCHEMA).parquet(str(base / KEYS)))
 

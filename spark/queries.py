@@ -223,6 +223,19 @@ def _facts(schema: str, messages: sa.ColumnElement[bool], ops_of: sa.ColumnEleme
     )
 
 
+def open_before(conn: Connection, schema: str, since: datetime) -> list[int]:
+    """Messages created before ``since`` that were open then as far as the tables still
+    tell: a pending row now, or an op record written since (what a run's carry holds, when
+    the last run's is lost)."""
+    t = tables(schema)
+    m, p, o = t.message, t.pending, t.op_record
+    still = sa.select(p.c.message_id.label("id")).where(p.c.created_at < since)
+    settled_since = sa.select(o.c.message_id.label("id")).select_from(
+        o.join(m, m.c.id == o.c.message_id)).where(o.c.created_at >= since,
+                                                   m.c.created_at < since)
+    return sorted(conn.execute(sa.union(still, settled_since)).scalars())
+
+
 def delivered_positions(conn: Connection, schema: str, ids: Iterable[int]
                         ) -> list[tuple[int, str, int | None, int | None]]:
     """(message id, topic, partition, offset) of every DELIVERED op record of ``ids``:

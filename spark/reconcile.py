@@ -201,7 +201,7 @@ def _run(spark: SparkSession, settings: ReconcileSettings, engine: Engine,
                 conn.rollback()
             log.info("window %s .. %s (%s): %d messages", _iso(window.since) or "beginning",
                      _iso(window.until), source, bounds.count)
-            handed = carry.read(spark, mark.output_path)
+            handed = _carried_in(spark, engine, schema, mark.output_path, window)
             jdbc = sources.jdbc_options(settings.database_url, settings.database_tcp_timeout)
             parts = sources.read_count(bounds.count, spark.sparkContext.defaultParallelism,
                                        settings.reconcile_partitions)
@@ -460,6 +460,22 @@ def _outside(spark: SparkSession, engine: Any, schema: str, foreign: DataFrame,
         "topic string, outbox_id long")
     return unknown, spark.createDataFrame(
         judged, "id long, topic string, partition int, offset long")
+
+
+def _carried_in(spark: SparkSession, engine: Any, schema: str, previous_output: str | None,
+                window: queries.Window) -> carry.Carry:
+    """What the last run handed over; if it is gone, the messages before the window that the
+    tables show were open at its end stand in for the ones it left open."""
+    handed = carry.read(spark, previous_output)
+    if not handed.missing or window.since is None:
+        return handed
+    with engine.connect() as conn:
+        ids = queries.open_before(conn, schema, window.since)
+        conn.rollback()
+    log.warning("the last run left nothing to carry over at %s: judging again the %d messages "
+                "before the window that the tables show still open, or settled since; per-key "
+                "order starts afresh", previous_output, len(ids))
+    return carry.Carry(ids, None)
 
 
 def _with_carried(spark: SparkSession, jdbc: dict[str, str], schema: str,

@@ -4,6 +4,7 @@ per-key order check starts where the last run left each key."""
 
 from __future__ import annotations
 
+import shutil
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -52,6 +53,38 @@ def test_messages_left_open_are_judged_by_later_runs_until_they_are_delivered(
     assert second.summary["counts"]["messages"] == 0
     assert second.summary["counts"]["carried_in"] == 3
     assert third.summary["counts"]["carried_in"] == 1
+
+
+def test_a_run_whose_predecessor_left_no_carry_judges_what_the_tables_show_open(
+    spark: SparkSession, services: devservices.Services, engine: Engine, schema: str,
+    topic: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The last run's carry is gone (its folder deleted, or written where this run cannot
+    read). The messages it left open were judged by no later run, with a warning and exit
+    0: one never delivered escaped for good. Now the tables stand in: messages before the
+    window with a pending row, or an op record written since."""
+    settings = reconcile_settings(services, schema, tmp_path)
+    with engine.begin() as conn:
+        misplaced = insert_message(conn, schema, topic, key=b"misplaced", age="1 hour")
+        never = insert_message(conn, schema, topic, key=b"never", age="1 hour",
+                               status="PARKED")
+    first = job.run(spark, settings, until=datetime.now(UTC))
+    shutil.rmtree(first.output_path / "carry")
+    with running_relay(settings):  # delivers the PENDING one, after run 1's window
+        wait_delivered(engine, schema, 1)
+    with engine.begin() as conn:
+        conn.execute(text(f"UPDATE {schema}.op_record SET kafka_offset = kafka_offset + 100 "
+                          f"WHERE message_id = :id"), {"id": misplaced})
+
+    with caplog.at_level("WARNING", logger="outbox.reconcile"):
+        second = job.run(spark, settings, until=datetime.now(UTC))
+
+    assert found(spark, first)["undelivered_after_sla"] == {misplaced, never}
+    assert found(spark, second) == {"undelivered_after_sla": {never},
+                                    "op_record_position_mismatch": {misplaced}}
+    assert second.summary["counts"]["carried_in"] == 2
+    assert "left nothing to carry over" in caplog.text
+    assert "judging again the 2 messages" in caplog.text
 
 
 def test_a_relative_output_folder_still_hands_the_carry_to_a_run_started_elsewhere(
