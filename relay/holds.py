@@ -54,6 +54,9 @@ FIRST_RETRY_SECONDS = 1.0
 LAST_RETRY_SECONDS = 30.0
 #: A refused topic tried again with no answer from Kafka within this is no longer held.
 TRIAL_SECONDS = 60.0
+#: More topics than this held or released in one step are said in one line (a batch of
+#: thousands of new topics said a line for each).
+EACH_SAID = 5
 
 
 @dataclass
@@ -109,8 +112,15 @@ class TopicHolds:
             return batch
         found = self.transport.available(new, PROBE_SECONDS)
         self._known |= found
-        for topic in new - found:
-            self._hold(conn, shards, topic)
+        held: dict[str, list[str]] = {}
+        now = time.monotonic()  # one back-off for them all: asked about again together
+        for topic in sorted(new - found):
+            held.setdefault(self._hold(conn, shards, topic, now), []).append(topic)
+        for what, topics in held.items():
+            _say(topics, "topic %s: %s; holding its messages, other topics keep flowing; %s",
+                 "%d topics (%s), each: %s; holding their messages, other topics keep "
+                 "flowing; %s",
+                 what, self._bound("held until it appears"))
         return [row for row in batch if row.topic not in self._held]
 
     def refused(self, topic: str, error: str) -> None:
@@ -155,22 +165,26 @@ class TopicHolds:
             return
         unknown = [topic for topic in due if not self._held[topic].refused]
         found = self.transport.available(unknown, PROBE_SECONDS) if unknown else set()
+        appeared = []
         for topic in due:
             hold = self._held[topic]
             if topic in found:
-                self._release(topic, hold)
+                appeared.append(f"{topic} appeared after {self._release(topic, hold):.1f}s")
                 continue
             held_for = time.monotonic() - hold.since
             if self._park_after is not None and held_for >= self._park_after:
                 self._park(conn, shards, topic, hold, held_for)
             elif not hold.refused:
                 if hold.denied != (topic in self.transport.denied):
-                    self._explain(topic, hold)
+                    log.warning("topic %s: %s; still holding its messages", topic,
+                                self._explain(topic, hold))
                 self._mark(conn, shards, topic, hold)
             if hold.refused:
                 self._try(topic)  # refused again, it backs off further (_heed_answers)
             else:
                 self._back_off(hold)
+        _say(appeared, "topic %s: delivering its held messages",
+             "%d held topics are known to Kafka now (%s): delivering their held messages")
 
     def _heed_answers(self, conn: Connection, shards: Collection[int]) -> None:
         with self._answers_lock:
@@ -240,17 +254,20 @@ class TopicHolds:
                  "messages are gone from this relay's shards); no longer held", topic,
                  TRIAL_SECONDS)
 
-    def _hold(self, conn: Connection, shards: Collection[int], topic: str) -> None:
-        hold = Hold(since=time.monotonic(), reason="",
+    def _hold(self, conn: Connection, shards: Collection[int], topic: str, since: float
+              ) -> str:
+        """Hold a topic Kafka has no metadata for; returns why, to be said."""
+        hold = Hold(since=since, reason="",
                     began=datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC"))
         hold.retry_at = hold.since + hold.retry_in
         self._held[topic] = hold
-        self._explain(topic, hold)
+        what = self._explain(topic, hold)
         self._mark(conn, shards, topic, hold)
         metrics.TOPIC_HELD.labels(topic).set(1)
+        return what
 
-    def _explain(self, topic: str, hold: Hold) -> None:
-        """Say why Kafka has no metadata for a held topic (again when that changes)."""
+    def _explain(self, topic: str, hold: Hold) -> str:
+        """Why Kafka has no metadata for a held topic (said again when that changes)."""
         hold.denied, started = topic in self.transport.denied, hold.began
         if hold.denied:
             what = ("Kafka will not describe it to the relay (TOPIC_AUTHORIZATION_FAILED: grant "
@@ -261,8 +278,7 @@ class TopicHolds:
             what = "Kafka has no metadata for it (does it exist?)"
             hold.reason = (f"held: Kafka has no metadata for topic {topic} (not created, or "
                            f"auto-creation off) since {started}")
-        log.warning("topic %s: %s; holding its messages, other topics keep flowing; %s", topic,
-                    what, self._bound("held until it appears"))
+        return what
 
     def _bound(self, otherwise: str) -> str:
         return (f"parked after {self._park_after:g}s (OUTBOX_TOPIC_HOLD_PARK_AFTER)"
@@ -272,12 +288,12 @@ class TopicHolds:
         with conn.begin():
             store.mark_held(conn, self._schema, topic, shards, hold.reason)
 
-    def _release(self, topic: str, hold: Hold) -> None:
+    def _release(self, topic: str, hold: Hold) -> float:
+        """Release a held topic that appeared; returns how long it was held."""
         del self._held[topic]
         self._known.add(topic)
         metrics.TOPIC_HELD.labels(topic).set(0)
-        log.warning("topic %s appeared after %.1fs: delivering its held messages", topic,
-                    time.monotonic() - hold.since)
+        return time.monotonic() - hold.since
 
     def _park(self, conn: Connection, shards: Collection[int], topic: str, hold: Hold,
               held_for: float) -> None:
@@ -296,3 +312,15 @@ class TopicHolds:
             if not hold.parked:
                 log.error("%d messages parked: %s", parked, reason)
             hold.parked += parked
+
+
+def _say(topics: list[str], each: str, many: str, *args: object) -> None:
+    """A WARNING ``each % (topic, *args)`` per topic; for more than ``EACH_SAID``, one
+    ``many % (count, the first few, *args)`` instead, each topic's line at DEBUG."""
+    if len(topics) > EACH_SAID:
+        for topic in topics:
+            log.debug(each, topic, *args)
+        log.warning(many, len(topics), ", ".join(topics[:EACH_SAID]) + ", ...", *args)
+        return
+    for topic in topics:
+        log.warning(each, topic, *args)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import threading
 import time
 from collections.abc import Collection, Sequence
@@ -29,6 +30,31 @@ PRODUCER_DEFAULTS: dict[str, Any] = {
     # took a tenth of its network thread's time at 1,000 msg/s.
     "metrics_enabled": False,
 }
+
+
+class _AskedAbout(logging.Filter):
+    """Drops kafka-python's ERROR or WARNING line for a topic a relay asked about and its
+    metadata lacked: the relay holds such a topic and says so itself, in one line for many
+    (holds.py); kafka-python said a line per topic on every metadata answer. Topics no
+    relay asked about (an application's own clients in the process) keep theirs."""
+
+    LINES = frozenset({
+        "Topic %s not found in cluster metadata",
+        "Topic %s is not authorized for this client",
+        "Topic %s is not available during auto-create initialization",
+    })
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.topics: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg in self.LINES and isinstance(record.args, tuple)
+                    and record.args and record.args[0] in self.topics)
+
+
+_ASKED_ABOUT = _AskedAbout()
+logging.getLogger("kafka.cluster").addFilter(_ASKED_ABOUT)
 
 
 class KeyHashPartitioner(DefaultPartitioner):  # type: ignore[misc]  # kafka-python is untyped
@@ -175,6 +201,7 @@ class KafkaPythonTransport:
 
     def _ask(self, asked: set[str], timeout: float) -> set[str]:
         metadata = self._metadata
+        _ASKED_ABOUT.topics |= asked
         answered = threading.Event()
         before = metadata._last_successful_refresh_ms
         for topic in asked:

@@ -538,3 +538,37 @@ def test_a_held_topic_is_asked_about_on_time_by_a_relay_with_nothing_else_to_do(
         wait_until(lambda: held_gauge(missing) == 1, 20, "the topic to be held")
         proxy.release(missing)
         wait_delivered(engine, schema, len(HELD), timeout=20)
+
+
+def test_many_topics_held_and_released_at_once_are_said_in_a_line_each_time(
+    engine: Engine, outbox: Outbox, schema: str, settings: Settings,
+    services: devservices.Services, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A batch of 40 topics Kafka does not know yet (a deployment that adds topics, a broker
+    still creating them) said a WARNING line for each as it was held, and another as it
+    appeared: thousands of lines for thousands of topics. Now one line each time, with the
+    count and the first few named (each topic's own line at DEBUG)."""
+    caplog.set_level(logging.INFO, logger="outbox.relay")
+    prefix = uuid.uuid4().hex[:8]
+    topics = [f"many-{prefix}-{i:02}" for i in range(40)]
+    proxy = KafkaProxy(services.kafka_port, held=set(topics))
+    try:
+        ids = [i for topic in topics for i in publish_orders(engine, outbox, topic, [("k", 1)])]
+        with running_relay(settings.model_copy(update={"kafka_bootstrap": proxy.bootstrap})):
+            wait_until(lambda: all(held_gauge(t) == 1 for t in topics), 20, "40 topics held")
+            for topic in topics:
+                proxy.release(topic)
+            wait_delivered(engine, schema, len(ids), timeout=60)
+    finally:
+        proxy.close()
+    said = [r.getMessage() for r in caplog.records
+            if r.levelno >= logging.WARNING and prefix in r.getMessage()]
+    held = [line for line in said if "holding" in line]
+    appeared = [line for line in said if "delivering" in line]
+    assert len(held) == 1 and held[0].startswith(
+        f"40 topics ({', '.join(topics[:5])}, ...), each: Kafka has no metadata"), said
+    # held together, they are asked about together: in one step, or two if one came while
+    # the topics were being released
+    assert len(appeared) <= 2, said
+    assert sum(1 if line.startswith("topic ") else int(line.split()[0])
+               for line in appeared) == 40, said
