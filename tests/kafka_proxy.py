@@ -13,6 +13,8 @@ This proxy forwards every request and response unchanged except:
   without the topic's Describe ACL); the brokers listed are rewritten to the proxy, so clients
   keep talking through it. :meth:`KafkaProxy.release` makes a held topic appear (the broker
   then creates it on demand).
+  Each answer can be made slower in proportion to the topics it lists
+  (``metadata_seconds_per_topic``).
 * Produce (api key 0): records of a *refused* topic are not forwarded but answered with an
   error: by default NOT_ENOUGH_REPLICAS, a retriable one, so the producer retries them until
   its delivery timeout while the other topics' records of the same request land; or the one
@@ -29,6 +31,7 @@ import contextlib
 import socket
 import struct
 import threading
+import time
 import uuid
 from collections import Counter
 from typing import Any
@@ -58,6 +61,9 @@ class KafkaProxy(TcpProxy):
         self._refused: dict[str, int] = {}
         #: produce requests answered with a refusal, per topic
         self.refusals: Counter[str] = Counter()
+        #: Metadata answered this much later per topic it lists (a broker, or a client,
+        #: whose metadata work grows with the topics asked about)
+        self.metadata_seconds_per_topic = 0.0
         super().__init__(target_port)
 
     @property
@@ -170,6 +176,7 @@ class KafkaProxy(TcpProxy):
                 error_code=error_code, name=name, topic_id=uuid.UUID(int=0),
                 is_internal=False, partitions=[], version=version)
             for name, (_, error_code) in sorted(hidden.items())]
+        time.sleep(self.metadata_seconds_per_topic * len(response.topics))
         return bytes(response.encode(header=True, framed=True)), None
 
 

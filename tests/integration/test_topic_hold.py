@@ -572,3 +572,28 @@ def test_many_topics_held_and_released_at_once_are_said_in_a_line_each_time(
     assert len(appeared) <= 2, said
     assert sum(1 if line.startswith("topic ") else int(line.split()[0])
                for line in appeared) == 40, said
+
+
+def test_a_batch_of_many_new_topics_is_asked_about_without_an_outage(
+    engine: Engine, outbox: Outbox, schema: str, settings: Settings,
+    services: devservices.Services, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """kafka-python asks for the metadata of every topic it sends to in one request, whose
+    answer takes longer the more topics it lists (3,000 new topics on the embedded broker:
+    over 1 s). The relay waited 1 s for it whatever the count, then failed the pass as an
+    outage, and the settle after it read the tails of every pending topic: 1,386 of 3,000
+    messages delivered in 200 s. Here each topic listed adds 4 ms to the answer, so one
+    about 300 topics takes 1.2 s; the wait now grows with the topics asked."""
+    caplog.set_level(logging.INFO, logger="outbox.relay")
+    prefix = uuid.uuid4().hex[:8]
+    topics = [f"wide-{prefix}-{i:03}" for i in range(300)]
+    proxy = KafkaProxy(services.kafka_port)
+    proxy.metadata_seconds_per_topic = 0.004
+    try:
+        ids = [i for topic in topics for i in publish_orders(engine, outbox, topic, [("k", 1)])]
+        with running_relay(settings.model_copy(update={"kafka_bootstrap": proxy.bootstrap})):
+            wait_delivered(engine, schema, len(ids), timeout=90)
+    finally:
+        proxy.close()
+    paused = [r.getMessage() for r in caplog.records if "paused" in r.getMessage()]
+    assert not paused, paused
