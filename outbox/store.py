@@ -633,11 +633,12 @@ def record_failures(
     return [(row.id, row.topic) for row in rows if row.status == "PARKED"]
 
 
-def mark_held(conn: Connection, schema: str, topic: str, shards: Iterable[int],
-              reason: str) -> None:
-    """Note ``reason`` (starting with ``held: ``) on a held topic's waiting rows."""
-    conn.execute(query("mark_held", schema),
-                 {"topic": topic, "shards": int_array(shards), "reason": as_text(reason)})
+def mark_held(conn: Connection, schema: str, reasons: Mapping[str, str],
+              shards: Iterable[int]) -> None:
+    """Note each held topic's reason (starting with ``held: ``) on its waiting rows."""
+    conn.execute(query("mark_held", schema), {
+        "topics": list(reasons), "reasons": [as_text(r) for r in reasons.values()],
+        "shards": int_array(shards)})
 
 
 def park_topic(conn: Connection, schema: str, actor: str, topic: str, shards: Iterable[int],

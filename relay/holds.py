@@ -91,6 +91,8 @@ class TopicHolds:
         #: from the recorder, in the order of the batches: (what Kafka did, topic, error),
         #: what being "refused", "stuck", "landed" (a record of a tried topic) or "lost"
         self._answers: list[tuple[str, str, str]] = []
+        #: held topics' reasons to note on their rows at the end of this step (_write_marks)
+        self._marks: dict[str, str] = {}
 
     @property
     def topics(self) -> list[str]:
@@ -115,7 +117,8 @@ class TopicHolds:
         held: dict[str, list[str]] = {}
         now = time.monotonic()  # one back-off for them all: asked about again together
         for topic in sorted(new - found):
-            held.setdefault(self._hold(conn, shards, topic, now), []).append(topic)
+            held.setdefault(self._hold(topic, now), []).append(topic)
+        self._write_marks(conn, shards)
         for what, topics in held.items():
             _say(topics, "topic %s: %s; holding its messages, other topics keep flowing; %s",
                  "%d topics (%s), each: %s; holding their messages, other topics keep "
@@ -156,7 +159,11 @@ class TopicHolds:
         Kafka again about the held topics whose back-off has passed (or try a refused one
         again): release those that appeared, note the newcomers of the others, and park them
         once held too long."""
-        self._heed_answers(conn, shards)
+        self._revisit(conn, shards)
+        self._write_marks(conn, shards)
+
+    def _revisit(self, conn: Connection, shards: Collection[int]) -> None:
+        self._heed_answers()
         now = time.monotonic()
         for topic in [t for t, hold in self._tried.items() if hold.retry_at <= now]:
             self._unheard(topic)
@@ -178,7 +185,7 @@ class TopicHolds:
                 if hold.denied != (topic in self.transport.denied):
                     log.warning("topic %s: %s; still holding its messages", topic,
                                 self._explain(topic, hold))
-                self._mark(conn, shards, topic, hold)
+                self._marks[topic] = hold.reason
             if hold.refused:
                 self._try(topic)  # refused again, it backs off further (_heed_answers)
             else:
@@ -186,7 +193,7 @@ class TopicHolds:
         _say(appeared, "topic %s: delivering its held messages",
              "%d held topics are known to Kafka now (%s): delivering their held messages")
 
-    def _heed_answers(self, conn: Connection, shards: Collection[int]) -> None:
+    def _heed_answers(self) -> None:
         with self._answers_lock:
             answers, self._answers = self._answers, []
         for what, topic, error in answers:
@@ -201,7 +208,7 @@ class TopicHolds:
                 else:  # tried too soon: back off further, quietly
                     self._back_off(hold)
                 self._held[topic] = hold
-                self._mark(conn, shards, topic, hold)
+                self._marks[topic] = hold.reason
         self.tried = frozenset(self._tried)
 
     def _accepted(self, topic: str) -> None:
@@ -254,15 +261,14 @@ class TopicHolds:
                  "messages are gone from this relay's shards); no longer held", topic,
                  TRIAL_SECONDS)
 
-    def _hold(self, conn: Connection, shards: Collection[int], topic: str, since: float
-              ) -> str:
+    def _hold(self, topic: str, since: float) -> str:
         """Hold a topic Kafka has no metadata for; returns why, to be said."""
         hold = Hold(since=since, reason="",
                     began=datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC"))
         hold.retry_at = hold.since + hold.retry_in
         self._held[topic] = hold
         what = self._explain(topic, hold)
-        self._mark(conn, shards, topic, hold)
+        self._marks[topic] = hold.reason
         metrics.TOPIC_HELD.labels(topic).set(1)
         return what
 
@@ -284,9 +290,13 @@ class TopicHolds:
         return (f"parked after {self._park_after:g}s (OUTBOX_TOPIC_HOLD_PARK_AFTER)"
                 if self._park_after is not None else otherwise)
 
-    def _mark(self, conn: Connection, shards: Collection[int], topic: str, hold: Hold) -> None:
-        with conn.begin():
-            store.mark_held(conn, self._schema, topic, shards, hold.reason)
+    def _write_marks(self, conn: Connection, shards: Collection[int]) -> None:
+        """Note the reasons of the topics held or asked about in this step on their rows,
+        in one statement."""
+        marks, self._marks = self._marks, {}
+        if marks:
+            with conn.begin():
+                store.mark_held(conn, self._schema, marks, shards)
 
     def _release(self, topic: str, hold: Hold) -> float:
         """Release a held topic that appeared; returns how long it was held."""

@@ -222,11 +222,13 @@ WITH failed AS (
 SELECT id, topic, status FROM failed;
 
 -- name: mark_held
--- A held topic's waiting rows say so (last_error starting with 'held: '), for `outbox status`;
--- rows already marked are not written again.
-UPDATE {schema}.pending SET last_error = :reason
-WHERE topic = :topic AND status = 'PENDING' AND resolution = 'COMMIT'
-  AND shard = ANY(CAST(:shards AS smallint[])) AND last_error IS DISTINCT FROM :reason;
+-- Held topics' waiting rows say so (last_error starting with 'held: '), for `outbox status`;
+-- rows already marked are not written again. Every topic held or asked about again in one
+-- step in one statement: one per topic read the shards' rows once per topic.
+UPDATE {schema}.pending AS p SET last_error = held.reason
+FROM unnest(CAST(:topics AS text[]), CAST(:reasons AS text[])) AS held (topic, reason)
+WHERE p.topic = held.topic AND p.status = 'PENDING' AND p.resolution = 'COMMIT'
+  AND p.shard = ANY(CAST(:shards AS smallint[])) AND p.last_error IS DISTINCT FROM held.reason;
 
 -- name: park_topic
 -- A topic held longer than OUTBOX_TOPIC_HOLD_PARK_AFTER: its waiting rows are PARKED with the
