@@ -74,6 +74,19 @@ def publish_clean_flow(engine: Engine, outbox: Outbox, topic: str, n: int) -> li
     return publish_orders(engine, outbox, topic, [(key, i) for i, key in enumerate(keys)])
 
 
+def run_between(spark: SparkSession, engine: Engine, settings: Settings, topic: str,
+                before: int, after: int) -> job.Result:
+    """``before`` messages delivered, a run, then ``after`` more delivered; the run's result."""
+    outbox, schema = Outbox(settings=settings), settings.schema_name
+    with running_relay(settings):
+        publish_clean_flow(engine, outbox, topic, before)
+        wait_delivered(engine, schema, before)
+        first = job.run(spark, settings, until=datetime.now(UTC))
+        publish_clean_flow(engine, outbox, topic, after)
+        wait_delivered(engine, schema, before + after)
+    return first
+
+
 def insert_message(conn: object, schema: str, topic: str, **columns: object) -> int:
     """A message row written as the publish statement writes it, then moved to ``status``
     and aged by ``age`` (as the relay, the sweeper and time would)."""
@@ -481,13 +494,7 @@ def test_next_run_covers_only_what_is_new_since_the_last(
     topic: str, tmp_path: Path
 ) -> None:
     settings = reconcile_settings(services, schema, tmp_path)
-    outbox = Outbox(settings=settings)
-    with running_relay(settings):
-        publish_clean_flow(engine, outbox, topic, 12)
-        wait_delivered(engine, schema, 12)
-        first = job.run(spark, settings, until=datetime.now(UTC))
-        publish_clean_flow(engine, outbox, topic, 5)
-        wait_delivered(engine, schema, 17)
+    first = run_between(spark, engine, settings, topic, 12, 5)
 
     second = job.run(spark, settings, until=datetime.now(UTC))
 
@@ -536,14 +543,8 @@ def test_a_topic_whose_offsets_start_again_is_read_from_its_start(
     back silently; and its keys' last positions, handed on by the last run, were of the old
     log (key_order_broken for the keys' next messages)."""
     settings = reconcile_settings(services, schema, tmp_path)
-    outbox = Outbox(settings=settings)
-    with running_relay(settings):
-        publish_clean_flow(engine, outbox, topic, 6)
-        wait_delivered(engine, schema, 6)
-        first = job.run(spark, settings, until=datetime.now(UTC))
-        assert first.outcome is RunOutcome.CLEAN
-        publish_clean_flow(engine, outbox, topic, 2)  # keys the first run handed on
-        wait_delivered(engine, schema, 8)
+    first = run_between(spark, engine, settings, topic, 6, 2)  # keys the first run handed on
+    assert first.outcome is RunOutcome.CLEAN
     with engine.begin() as conn:
         conn.execute(text(
             f"UPDATE {schema}.reconcile_run SET kafka_offsets = jsonb_build_object("
