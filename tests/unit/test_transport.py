@@ -294,7 +294,7 @@ def test_a_refused_topic_tried_again_with_nothing_to_send_is_let_go(
 
     settings = RelaySettings(database_url="postgresql://u@h/db", kafka_bootstrap="h:9092")
     held: Any = holds_module.TopicHolds(settings, transport=None)  # type: ignore[arg-type]
-    monkeypatch.setattr(held, "_mark", lambda *args: None)  # the rows' note: a database write
+    monkeypatch.setattr(held, "_write_marks", lambda *args: None)  # a database write
     monkeypatch.setattr(holds_module, "TRIAL_SECONDS", 0.0)
     held.refused("gone", "TopicAuthorizationFailedError: gone")
     held.revisit(None, [0])  # held
