@@ -293,10 +293,11 @@ class TopicHolds:
     def _write_marks(self, conn: Connection, shards: Collection[int]) -> None:
         """Note the reasons of the topics held or asked about in this step on their rows,
         in one statement."""
+        if not self._marks:  # nearly every loop of the relay
+            return
         marks, self._marks = self._marks, {}
-        if marks:
-            with conn.begin():
-                store.mark_held(conn, self._schema, marks, shards)
+        with conn.begin():
+            store.mark_held(conn, self._schema, marks, shards)
 
     def _release(self, topic: str, hold: Hold) -> float:
         """Release a held topic that appeared; returns how long it was held."""

@@ -445,10 +445,10 @@ def _outside(spark: SparkSession, engine: Any, schema: str, foreign: DataFrame,
     candidates = {(r.topic, r.outbox_id) for r in foreign.collect()}
     with engine.connect() as conn:
         origin = queries.message_origins(conn, schema, {i for _, i in candidates})
+        topic_of = {i: topic for i, (topic, _) in origin.items()}
         kept_from = queries.pruned_below(conn, schema) if candidates else None
         judged = queries.delivered_positions(conn, schema, {
-            i for t, i in candidates
-            if i in origin and origin[i][0] == t and origin[i][1] < window.until})
+            i for t, i in candidates if topic_of.get(i) == t and origin[i][1] < window.until})
         conn.rollback()
     pruned = {(t, i) for t, i in candidates
               if i not in origin and kept_from is not None and i < kept_from}
@@ -456,7 +456,7 @@ def _outside(spark: SparkSession, engine: Any, schema: str, foreign: DataFrame,
         log.info("%d records name messages retention pruned (ids below %d): not judged",
                  len(pruned), kept_from)
     unknown = spark.createDataFrame(
-        sorted((t, i) for t, i in candidates - pruned if origin.get(i, ("",))[0] != t),
+        sorted((t, i) for t, i in candidates - pruned if topic_of.get(i) != t),
         "topic string, outbox_id long")
     return unknown, spark.createDataFrame(
         judged, "id long, topic string, partition int, offset long")
