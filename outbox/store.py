@@ -751,6 +751,14 @@ def unrecorded_candidates(conn: Connection, schema: str, shards: Sequence[int]
             for row in rows]
 
 
+def doubted_candidates(conn: Connection, schema: str, ids: Sequence[int]
+                       ) -> list[tuple[str, bytes | None, datetime]]:
+    """As :func:`unrecorded_candidates`, of the messages ``ids`` still pending."""
+    rows = conn.execute(query("doubted_candidates", schema), {"ids": int_array(ids)})
+    return [(row.topic, None if row.key is None else bytes(row.key), row.sent_after)
+            for row in rows]
+
+
 def recorded_offsets(conn: Connection, schema: str, topic: str, partitions: Sequence[int],
                      since: datetime, before: datetime) -> dict[int, int]:
     """Per partition, the highest offset recorded as DELIVERED in ``[since, before)``."""

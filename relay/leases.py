@@ -5,7 +5,9 @@ leases every third of a lease — also while the main loop waits on a slow broke
 a fair share of free or expired shards. Surplus shards are handed back by the main loop
 between batches, never while a batch of theirs is in flight. A relay killed with -9 loses
 its shards when their leases expire; its next owner reads the topic's tail before sending
-those shards' messages (relay/recovery.py): a shard is *unsettled* until then.
+those shards' messages (relay/recovery.py): a shard is *unsettled* until then. A pass of
+this relay that fails leaves the messages it sent and did not record *in doubt*: their tails
+are read before it fetches from any shard again.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
@@ -45,6 +47,9 @@ class Leases:
         self._surplus: frozenset[int] = frozenset()
         #: owned shards whose sends may be unrecorded: not fetched until their tail is read
         self._unsettled: frozenset[int] = frozenset()
+        #: ids of messages a failed pass sent and did not record: no shard is fetched from
+        #: until their tails are read (none is in flight meanwhile)
+        self._doubted: frozenset[int] = frozenset()
         self._valid_until = 0.0
         #: relays alive at the last heartbeat, this one included
         self.live = 1
@@ -74,10 +79,16 @@ class Leases:
             return (self._owned - self._surplus) & self._unsettled
 
     @property
+    def doubted(self) -> frozenset[int]:
+        """Ids of messages to look for in their tails before delivering any shard."""
+        return self._doubted
+
+    @property
     def deliverable(self) -> frozenset[int]:
         """Active shards whose earlier sends are all recorded: safe to fetch from."""
         with self._lock:
-            return self._owned - self._surplus - self._unsettled
+            return frozenset() if self._doubted else \
+                self._owned - self._surplus - self._unsettled
 
     def tick(self, conn: Connection, in_flight: int = 0,
              paused: tuple[float, str] | None = None) -> None:
@@ -112,17 +123,31 @@ class Leases:
                      len(before - self._owned), len(self._unsettled), live)
         metrics.OWNED_SHARDS.set(len(self._owned))
 
-    def unsettle_all(self) -> None:
-        """A pass failed: acks may have gone unrecorded, so every shard's tail is read again."""
+    def doubt(self, ids: Iterable[int] | None) -> None:
+        """A pass failed: ``ids`` were sent and not recorded (some may be in Kafka); None
+        when that is not known, and every shard's tail is read again."""
         with self._lock:
-            self._unsettled = self._owned
+            if ids is None:
+                self._unsettled = self._owned
+            else:
+                self._doubted |= frozenset(ids)
 
-    def settled(self, conn: Connection, shards: frozenset[int]) -> None:
-        """The tail of ``shards`` was read and what it held recorded."""
-        with conn.begin():
-            store.settle_leases(conn, self.schema, self.worker_id, sorted(shards))
+    def settled(self, conn: Connection, shards: frozenset[int],
+                doubted: frozenset[int] = frozenset()) -> None:
+        """The tails of ``shards`` and of the ``doubted`` messages were read and what they
+        held recorded. (A shard settled of its doubts only keeps its ``settled_at``: an
+        older bound is still true.)"""
+        if shards:
+            with conn.begin():
+                store.settle_leases(conn, self.schema, self.worker_id, sorted(shards))
         with self._lock:
             self._unsettled -= shards
+            self._doubted -= doubted
+
+    def _unsettled_of(self, shards: frozenset[int]) -> list[int]:
+        """Of ``shards`` handed back, those whose next owner reads the tail first: unsettled,
+        or any while messages are in doubt (their shards are not known here)."""
+        return sorted(shards if self._doubted else self._unsettled & shards)
 
     def shed(self, conn: Connection) -> None:
         """Hand the surplus shards back (call only with no batch of theirs in flight)."""
@@ -132,7 +157,7 @@ class Leases:
             return
         with conn.begin():
             store.release_leases(conn, self.schema, self.worker_id, sorted(surplus),
-                                 sorted(self._unsettled & surplus))
+                                 self._unsettled_of(surplus))
         with self._lock:
             self._owned -= surplus
             self._unsettled -= surplus
@@ -142,9 +167,9 @@ class Leases:
 
     def leave(self, conn: Connection) -> None:
         with conn.begin():
-            store.leave(conn, self.schema, self.worker_id, sorted(self._unsettled))
+            store.leave(conn, self.schema, self.worker_id, self._unsettled_of(self._owned))
         with self._lock:
-            self._owned = self._surplus = self._unsettled = frozenset()
+            self._owned = self._surplus = self._unsettled = self._doubted = frozenset()
             self._valid_until = 0.0
         metrics.OWNED_SHARDS.set(0)
 

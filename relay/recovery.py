@@ -2,13 +2,15 @@
 unrecorded, read the affected partitions' tails and record what is already there.
 
 A relay killed between Kafka's acknowledgement and its op records leaves messages that are
-in the topic but still pending. Its shards' next owner (and a relay whose own pass failed
-the same way) first reads the tails of the partitions those messages can be on, looks for
-their ``outbox-id`` headers, and records the ones it finds as DELIVERED at their true
-partition and offset, so it does not send them again.
+in the topic but still pending. Its shards' next owner first reads the tails of the
+partitions those messages can be on, looks for their ``outbox-id`` headers, and records the
+ones it finds as DELIVERED at their true partition and offset, so it does not send them
+again. A relay whose own pass failed does the same for the messages that pass sent and did
+not record (``Leases.doubted``), and for those only.
 
-*Which partitions*: those of the pending messages' topics; a keyed message's partition is
-murmur2(key) (both transports map keys that way), an unkeyed one may be on any.
+*Which partitions*: those of the pending messages' topics (of the shards, or of the
+messages in doubt); a keyed message's partition is murmur2(key) (both transports map keys
+that way), an unkeyed one may be on any.
 *Where a tail starts*: a pending message can only have been sent after it committed and
 after its shard was last settled (``relay_lease.settled_at``); every op record written
 before that moment was acknowledged before it, so its offset is below the message's. The
@@ -27,6 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
 from kafka.partitioner.default import murmur2
@@ -65,37 +68,46 @@ class Recovery:
         self.actor = f"{settings.worker_id} (recovered)"
 
     def settle(self, conn: Connection, leases: Leases) -> None:
-        """Read the tails of ``leases.unsettled`` and record what they hold, then mark the
-        shards settled; raises ServiceUnavailable (or a database error) if it cannot."""
-        shards = leases.unsettled
-        if not shards:
+        """Read the tails of ``leases.unsettled`` and of ``leases.doubted`` and record what
+        they hold, then mark them settled; raises ServiceUnavailable (or a database error)
+        if it cannot."""
+        shards, doubted = leases.unsettled, leases.doubted
+        if not shards and not doubted:
             return
         started = time.monotonic()
+        what = " and ".join(
+            ([f"{len(shards)} shards"] if shards else [])
+            + ([f"the {len(doubted)} messages a failed pass left unrecorded"] if doubted
+               else []))
         reader = make_tail_reader(self.settings, self.stop)
         try:
-            tail = self._read(conn, reader, shards)
+            tail, topics = self._read(conn, reader, shards, doubted, what)
         except Stopped:
-            log.info("relay %s stopped while it settled %d shards; they stay unsettled for "
-                     "their next owner", self.settings.worker_id, len(shards))
+            log.info("relay %s stopped while it settled %s; they stay unsettled for their "
+                     "next owner", self.settings.worker_id, what)
             return
         finally:
             reader.close()
-        recovered = self._record(conn, tail, shards)
-        leases.settled(conn, shards)
+        # Messages in doubt are settled before this pass fetches anything (Leases.deliverable):
+        # none of the active shards has a batch in flight, and any found may be recorded.
+        recovered = self._record(conn, tail, leases.active if doubted else shards)
+        leases.settled(conn, shards, doubted)
         metrics.TAIL_RECORDS.inc(tail.records)
         metrics.RECOVERED.inc(recovered)
-        log.info("relay %s settled %d shards in %.2fs: read %d records of partition tails, "
+        log.info("relay %s settled %s in %.2fs: read %d records of the tails of %d topic%s, "
                  "%d messages were already in Kafka and are recorded now",
-                 self.settings.worker_id, len(shards), time.monotonic() - started,
-                 tail.records, recovered)
+                 self.settings.worker_id, what, time.monotonic() - started,
+                 tail.records, topics, "" if topics == 1 else "s", recovered)
 
-    def _read(self, conn: Connection, reader: TailReader, shards: frozenset[int]) -> Tail:
-        """What the tails of the topics of the shards' pending messages hold."""
+    def _read(self, conn: Connection, reader: TailReader, shards: frozenset[int],
+              doubted: frozenset[int], what: str) -> tuple[Tail, int]:
+        """What the tails of the topics of the shards' pending messages and of the messages
+        in doubt hold, and how many topics that is."""
         tail = Tail()
-        affected = self._affected(conn, reader, shards)
+        affected = self._affected(conn, reader, shards, doubted)
         if len(affected) >= MANY_TOPICS:
-            log.info("relay %s: settling %d shards, reading the tails of %d topics",
-                     self.settings.worker_id, len(shards), len(affected))
+            log.info("relay %s: settling %s, reading the tails of %d topics",
+                     self.settings.worker_id, what, len(affected))
         for topic, (partitions, sent_after) in affected.items():
             self._heed_stop()
             starts = self._starts(conn, topic, partitions, sent_after)
@@ -110,16 +122,16 @@ class Recovery:
                             "possible)", self.settings.worker_id,
                             self.settings.relay_tail_max_records, topic)
                 break
-        return tail
+        return tail, len(affected)
 
     def _heed_stop(self) -> None:
         if self.stop.is_set():
             raise Stopped
 
-    def _affected(self, conn: Connection, reader: TailReader, shards: frozenset[int]
-                  ) -> dict[str, tuple[set[int], datetime]]:
-        """Per topic: the partitions the shards' pending messages can be on, and the earliest
-        moment one of them can have been sent.
+    def _affected(self, conn: Connection, reader: TailReader, shards: frozenset[int],
+                  doubted: frozenset[int]) -> dict[str, tuple[set[int], datetime]]:
+        """Per topic: the partitions the pending messages of the shards, and those in doubt,
+        can be on, and the earliest moment one of them can have been sent.
 
         Read ``SHARDS_PER_READ`` shards at a time, each read folded in at once: one
         statement grouping a long backlog's keys spilled to disk, past a role's
@@ -128,12 +140,7 @@ class Recovery:
         counts: dict[str, int] = {}  # partitions per topic
         partitions: dict[str, set[int]] = {}
         earliest: dict[str, datetime] = {}
-        ordered = sorted(shards)
-        for start in range(0, len(ordered), SHARDS_PER_READ):
-            self._heed_stop()
-            with conn.begin():
-                candidates = store.unrecorded_candidates(
-                    conn, self.schema, ordered[start:start + SHARDS_PER_READ])
+        for candidates in self._candidates(conn, sorted(shards), sorted(doubted)):
             for topic, key, sent_after in candidates:
                 count = counts.get(topic)
                 if count is None:
@@ -145,6 +152,22 @@ class Recovery:
                     range(count) if key is None else (partition_of(key, count),))
                 earliest[topic] = min(earliest.get(topic, sent_after), sent_after)
         return {topic: (found, earliest[topic]) for topic, found in partitions.items()}
+
+    def _candidates(self, conn: Connection, shards: list[int], doubted: list[int]
+                    ) -> Iterator[list[tuple[str, bytes | None, datetime]]]:
+        """``(topic, key, sent after)`` of the shards' pending messages, a few shards at a
+        time, then of the pending messages in doubt."""
+        for start in range(0, len(shards), SHARDS_PER_READ):
+            self._heed_stop()
+            with conn.begin():  # ended before the caller asks Kafka about their topics
+                candidates = store.unrecorded_candidates(conn, self.schema,
+                                                         shards[start:start + SHARDS_PER_READ])
+            yield candidates
+        if doubted:
+            self._heed_stop()
+            with conn.begin():
+                candidates = store.doubted_candidates(conn, self.schema, doubted)
+            yield candidates
 
     def _starts(self, conn: Connection, topic: str, partitions: set[int], before: datetime
                 ) -> dict[int, int | None]:

@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
 import psycopg
@@ -311,6 +311,7 @@ class Relay:
             self._keeper.start()
         recorder = self._recorder = Recorder(self.settings, self._await_acks, self._settle)
         recorder.start()
+        failed = False
         try:
             with _autocommit(self._engine) as conn, \
                     _autocommit(self._fetching_engine) as fetching:
@@ -319,13 +320,15 @@ class Relay:
                 recorder.drain()
                 recorder.raise_failure()
         except BaseException as exc:
-            self._leases.unsettle_all()  # acks may have arrived unrecorded
+            failed = True
             if isinstance(exc, BrokerTrouble):
                 self._kafka_failure = exc
             raise
         finally:
-            recorder.close()
+            closed = recorder.close()
             wakeup.close()
+            if failed:  # acks may have arrived unrecorded: read those messages' tails
+                self._leases.doubt(recorder.unrecorded() if closed else None)
 
     def _loop(self, conn: Connection, fetching: store.Fetching, transport: Transport,
               wakeup: Wakeup, recorder: Recorder) -> None:
@@ -376,7 +379,11 @@ class Relay:
                 wakeup.rise()  # delivering without a pause, or asleep on shards not its own
             if batch:
                 metrics.topics_seen(row.topic for row in batch)
-                flight = self._send(transport, batch)
+                try:
+                    flight = self._send(transport, batch)
+                except BaseException:
+                    recorder.doubt(row.id for row in batch)  # some may have been sent
+                    raise
                 recorder.submit(flight)
                 if flight.refused:
                     recorder.drain()  # see _send
@@ -653,6 +660,9 @@ class Recorder(threading.Thread):
         #: handed over and not yet taken up by this thread; None asks it to end
         self._waiting: deque[InFlight | None] = deque()
         self._failure: BaseException | None = None
+        #: ids of rows sent but not recorded, besides those of ``_unsettled``: failed sends
+        #: of the batches salvaged (a send that timed out may have landed all the same)
+        self._doubted: set[int] = set()
         #: every send ends (acked or failed) within the producer's delivery timeout
         self._close_timeout = settings.kafka_delivery_timeout_ms / 1000 + 10
 
@@ -686,10 +696,24 @@ class Recorder(threading.Thread):
         if self._failure is not None:
             raise self._failure
 
-    def close(self) -> None:
-        """Wait until every batch handed over is settled or salvaged."""
+    def close(self) -> bool:
+        """Wait until every batch handed over is settled or salvaged; False if it did not
+        end in time (what it recorded is then not known)."""
         self._hand_over(None)
         self.join(self._close_timeout)
+        return not self.is_alive()
+
+    def doubt(self, ids: Iterable[int]) -> None:
+        with self._changed:
+            self._doubted.update(ids)
+
+    def unrecorded(self) -> set[int]:
+        """The ids of the rows sent and not recorded (call once the thread has ended)."""
+        with self._changed:
+            return self._doubted.union(
+                row.id for flight in self._unsettled
+                for row, delivery in zip(flight.rows, flight.deliveries, strict=True)
+                if delivery is not None)
 
     def _hand_over(self, flight: InFlight | None) -> None:
         with self._changed:
@@ -724,7 +748,12 @@ class Recorder(threading.Thread):
                     try:
                         self._await_acks(flight)
                         flights += self._acked_after(flight)
-                        self._settle(conn, flights, self._failure is not None)
+                        salvaging = self._failure is not None
+                        self._settle(conn, flights, salvaging)
+                        if salvaging:
+                            self.doubt(row.id for later in flights for row, delivery in
+                                       zip(later.rows, later.deliveries, strict=True)
+                                       if delivery is not None and delivery.error is not None)
                     except BaseException as exc:
                         # Unrecorded, their rows stay in flight until the pass ends: a
                         # fetch of this pass would send them again, and the next pass's

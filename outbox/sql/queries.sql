@@ -175,6 +175,16 @@ WHERE p.status = 'PENDING' AND p.resolution = 'COMMIT'
   AND p.shard = ANY(CAST(:shards AS smallint[]))
 GROUP BY p.topic, p.key;
 
+-- name: doubted_candidates
+-- The same of the messages :ids, sent by a pass of this relay that failed before it
+-- recorded them, if still pending. Reads them by primary key.
+SELECT p.topic, p.key, min(greatest(p.created_at, p.deliver_after, l.settled_at)) AS sent_after
+FROM {schema}.pending AS p
+JOIN {schema}.relay_lease AS l ON l.shard = p.shard
+WHERE p.message_id = ANY(CAST(:ids AS bigint[]))
+  AND p.status = 'PENDING' AND p.resolution = 'COMMIT'
+GROUP BY p.topic, p.key;
+
 -- name: recorded_offsets
 -- Per partition of :topic, the highest offset of a DELIVERED op record written in
 -- [:since, :before): each was written after Kafka acknowledged it, so a message sent after

@@ -122,6 +122,43 @@ def test_a_cut_longer_than_the_delivery_timeout_loses_nothing_and_parks_nothing(
     assert first_occurrences_in_order(records)
 
 
+@both_transports
+def test_a_failed_pass_reads_again_the_tails_of_the_topics_it_sent_to_only(
+    isolated: Isolated, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A pass that fails leaves its sends unrecorded, and their tails are read before the
+    next pass delivers. Only those: before, every pending message's topic was read again,
+    here 120 topics whose messages wait behind a delayed one of their key and were never
+    sent (with thousands of such topics the relay read tails for many minutes)."""
+    caplog.set_level(logging.INFO, logger="outbox.relay")
+    iso = isolated
+    impatient = iso.settings.model_copy(update={
+        "kafka_delivery_timeout_ms": 2_000, "kafka_connect_timeout_ms": 1_000})
+    with Session(iso.engine) as session, session.begin():
+        for n in range(120):
+            waiting = f"{iso.topic}-waiting-{n}"
+            iso.outbox.publish(session, waiting, {"n": n}, key="k",
+                               deliver_after=timedelta(hours=1))
+            iso.outbox.publish(session, waiting, {"n": n}, key="k")
+    with running_relay(impatient):
+        first = publish_orders(iso.engine, iso.outbox, iso.topic,
+                               [(f"k{i % 10}", i) for i in range(20)])
+        wait_delivered(iso.engine, "outbox", 20)
+        iso.proxy.cut()
+        during = publish_orders(iso.engine, iso.outbox, iso.topic,
+                                [(f"k{i % 10}", i) for i in range(20, 70)])
+        wait_until(lambda: "paused" in caplog.text, 30, "a pass to fail")
+        iso.proxy.restore()
+        wait_delivered(iso.engine, "outbox", 70, timeout=90)
+    settled = [r.getMessage() for r in caplog.records if " settled " in r.getMessage()]
+    assert settled, "the failed pass's sends were settled"
+    assert all(re.search(r"the tails of 1 topic\b", line) for line in settled), settled
+    assert "reading the tails of" not in caplog.text
+    records = read_topic(iso.settings.kafka_bootstrap, iso.topic)
+    assert Counter(r.message_id for r in records) == Counter(first + during), "each once"
+    assert count_status(iso.engine, "outbox", "PENDING") == 120, "the waiting ones wait"
+
+
 def shards_of(engine: Engine, worker_id: str) -> int:
     with engine.connect() as conn:
         return int(conn.exec_driver_sql(
