@@ -759,12 +759,21 @@ def doubted_candidates(conn: Connection, schema: str, ids: Sequence[int]
             for row in rows]
 
 
-def recorded_offsets(conn: Connection, schema: str, topic: str, partitions: Sequence[int],
-                     since: datetime, before: datetime) -> dict[int, int]:
-    """Per partition, the highest offset recorded as DELIVERED in ``[since, before)``."""
+def recorded_offsets(conn: Connection, schema: str,
+                     windows: Mapping[tuple[str, int], tuple[datetime, datetime]]
+                     ) -> dict[tuple[str, int], int]:
+    """Per ``(topic, partition)``, the highest offset recorded as DELIVERED in its window
+    ``[since, before)``."""
+    if not windows:
+        return {}
+    (topics, partitions), (sinces, befores) = zip(*windows, strict=True), \
+        zip(*windows.values(), strict=True)
     rows = conn.execute(query("recorded_offsets", schema), {
-        "topic": topic, "partitions": int_array(partitions), "since": since, "before": before})
-    return {row.partition: row.kafka_offset for row in rows if row.kafka_offset is not None}
+        "topics": list(topics), "partitions": int_array(partitions),
+        "sinces": list(sinces), "befores": list(befores),
+        "since": min(sinces), "before": max(befores)})
+    return {(row.topic, row.partition): row.kafka_offset for row in rows
+            if row.kafka_offset is not None}
 
 
 def pending_in_shards(conn: Connection, schema: str, worker_id: str, ids: Sequence[int],

@@ -29,7 +29,7 @@ from confluent_kafka import (
 
 from outbox.exceptions import ConfigurationError, ServiceUnavailable
 from outbox.relay.producer import PRODUCER_DEFAULTS, request_timeout_ms
-from outbox.relay.tails import Stall, Tail
+from outbox.relay.tails import Stall, Starts, Tail, named
 from outbox.relay.transport import (
     PIPELINE_DEPTH,
     PRODUCER_STATE_ERRORS,
@@ -307,13 +307,13 @@ class ConfluentTailReader:
             raise ServiceUnavailable(f"no metadata for topic {topic} ({exc})") from None
         return 0 if found is None or found.error is not None else len(found.partitions)
 
-    def read(self, topic: str, starts: dict[int, int | None], limit: int) -> Tail:
+    def read(self, starts: Starts, limit: int) -> Tail:
         tail = Tail()
         consumer = self._consumer()
         try:
             consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING if start is None
-                                            else start) for p, start in starts.items()])
-            ended: set[int] = set()
+                                            else start) for (topic, p), start in starts.items()])
+            ended: set[tuple[str, int]] = set()
             stall = Stall(self._bootstrap, self._stop)
             while len(ended) < len(starts):
                 if tail.records >= limit:
@@ -325,29 +325,30 @@ class ConfluentTailReader:
                     error = message.error()
                     if error is None:
                         headers = message.headers()
-                        tail.add(topic, message.partition() or 0, message.offset() or 0,
+                        tail.add(message.topic() or "", message.partition() or 0,
+                                 message.offset() or 0,
                                  message.key(), message.value(),
                                  headers.items() if isinstance(headers, dict) else headers)
                     elif error.code() == KafkaError._PARTITION_EOF:
-                        ended.add(message.partition() or 0)
+                        ended.add((message.topic() or "", message.partition() or 0))
                     else:
-                        raise ServiceUnavailable(f"could not read topic {topic}'s tail "
-                                                 f"({error.str()})")
-                ended |= _beyond_end(consumer, topic, starts)
+                        raise ServiceUnavailable(f"could not read the tails of "
+                                                 f"{named(starts)} ({error.str()})")
+                ended |= _beyond_end(consumer, starts)
             return tail
         finally:
             consumer.close()
 
 
 
-def _beyond_end(consumer: Consumer, topic: str, starts: dict[int, int | None]) -> set[int]:
+def _beyond_end(consumer: Consumer, starts: Starts) -> set[tuple[str, int]]:
     """Partitions whose start is past the high-watermark of their last fetch (the topic was
     recreated): librdkafka reports no end for them, and they have no tail to read."""
     beyond = set()
-    for partition, start in starts.items():
+    for (topic, partition), start in starts.items():
         if start is not None:
             _, high = consumer.get_watermark_offsets(TopicPartition(topic, partition),
                                                      cached=True)
             if 0 <= high < start:
-                beyond.add(partition)
+                beyond.add((topic, partition))
     return beyond

@@ -38,7 +38,7 @@ from sqlalchemy import Connection
 from outbox import store
 from outbox.relay import metrics
 from outbox.relay.leases import Leases
-from outbox.relay.tails import Stopped, Tail, TailReader, make_tail_reader
+from outbox.relay.tails import Stopped, Tail, TailReader, make_tail_reader, named
 from outbox.settings import RelaySettings
 
 log = logging.getLogger("outbox.relay")
@@ -49,6 +49,8 @@ EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 SHARDS_PER_READ = 4
 #: A settling reading the tails of this many topics or more says so as it starts.
 MANY_TOPICS = 100
+#: Partitions one consumer reads the tails of (relay/tails.py).
+PARTITIONS_PER_READ = 1000
 
 
 def partition_of(key: bytes, partitions: int) -> int:
@@ -108,21 +110,34 @@ class Recovery:
         if len(affected) >= MANY_TOPICS:
             log.info("relay %s: settling %s, reading the tails of %d topics",
                      self.settings.worker_id, what, len(affected))
-        for topic, (partitions, sent_after) in affected.items():
-            self._heed_stop()
-            starts = self._starts(conn, topic, partitions, sent_after)
-            part = reader.read(topic, starts, self.settings.relay_tail_max_records - tail.records)
+        for starts in self._reads(conn, affected):
+            part = reader.read(starts, self.settings.relay_tail_max_records - tail.records)
             tail.records += part.records
             tail.found.update(part.found)
             if not part.complete:
                 tail.complete = False
-                log.warning("relay %s: the tails read at takeover reached %d records in topic "
-                            "%s (OUTBOX_RELAY_TAIL_MAX_RECORDS); the messages beyond it, and "
+                log.warning("relay %s: the tails read at takeover reached %d records in %s "
+                            "(OUTBOX_RELAY_TAIL_MAX_RECORDS); the messages beyond it, and "
                             "those of the topics not read yet, are sent again (duplicates "
                             "possible)", self.settings.worker_id,
-                            self.settings.relay_tail_max_records, topic)
+                            self.settings.relay_tail_max_records, named(starts))
                 break
         return tail, len(affected)
+
+    def _reads(self, conn: Connection, affected: dict[str, tuple[set[int], datetime]]
+               ) -> Iterator[dict[tuple[str, int], int | None]]:
+        """The affected partitions' starts, a read's worth at a time: whole topics, up to
+        ``PARTITIONS_PER_READ`` partitions (or one topic with more)."""
+        chunk: dict[str, tuple[set[int], datetime]] = {}
+        size = 0  # the chunk's partitions
+        for topic, found in affected.items():
+            if chunk and size + len(found[0]) > PARTITIONS_PER_READ:
+                yield self._starts(conn, chunk)
+                chunk, size = {}, 0
+            chunk[topic] = found
+            size += len(found[0])
+        if chunk:
+            yield self._starts(conn, chunk)
 
     def _heed_stop(self) -> None:
         if self.stop.is_set():
@@ -169,17 +184,23 @@ class Recovery:
                 candidates = store.doubted_candidates(conn, self.schema, doubted)
             yield candidates
 
-    def _starts(self, conn: Connection, topic: str, partitions: set[int], before: datetime
-                ) -> dict[int, int | None]:
-        """Per partition, the offset after the last one recorded before ``before``."""
-        starts: dict[int, int | None] = dict.fromkeys(partitions)
-        for since in [before - window for window in LOOKBACK] + [EPOCH]:
-            missing = [p for p, start in starts.items() if start is None]
+    def _starts(self, conn: Connection, affected: dict[str, tuple[set[int], datetime]]
+                ) -> dict[tuple[str, int], int | None]:
+        """Per partition of the topics, the offset after the last one recorded before the
+        topic's moment: in windows further and further back, all topics in one statement
+        each."""
+        self._heed_stop()
+        starts: dict[tuple[str, int], int | None] = {
+            (topic, p): None for topic, (partitions, _) in affected.items() for p in partitions}
+        for window in (*LOOKBACK, None):
+            missing = {(topic, p): (EPOCH if window is None else affected[topic][1] - window,
+                                    affected[topic][1])
+                       for (topic, p), start in starts.items() if start is None}
             if not missing:
                 break
             with conn.begin():
-                found = store.recorded_offsets(conn, self.schema, topic, missing, since, before)
-            starts.update({p: offset + 1 for p, offset in found.items()})
+                found = store.recorded_offsets(conn, self.schema, missing)
+            starts.update({tp: offset + 1 for tp, offset in found.items()})
         return starts
 
     def _record(self, conn: Connection, tail: Tail, shards: frozenset[int]) -> int:

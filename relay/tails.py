@@ -7,7 +7,9 @@ consumer is assigned its partitions (no consumer group). A reader looks the topi
 counts up on one consumer of its own, made at its first look-up, which
 :meth:`TailReader.close` closes: a consumer per look-up cost a bootstrap each (a metadata
 request for every topic of the cluster), and with the read's own, a takeover over 5,000
-topics took half an hour.
+topics took half an hour. One read takes the partitions of many topics
+(relay/recovery.py): a consumer per topic cost about 0.1 s (kafka-python) to 0.6 s
+(librdkafka) a topic, before the first record.
 kafka-python's reader is here, librdkafka's in relay/confluent.py; :func:`make_tail_reader`
 picks the transport's.
 """
@@ -17,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -37,6 +39,8 @@ STALL_SECONDS = 15.0
 #: outbox numbers its messages from 1, and two of them (two services, two schemas) may
 #: publish to one topic.
 Fingerprint = tuple[int, str, bytes | None, bytes]
+#: Where a read starts in each ``(topic, partition)``: an offset, or None for its beginning.
+Starts = Mapping[tuple[str, int], int | None]
 
 
 def fingerprint(message_id: int, topic: str, key: bytes | None, value: bytes | None
@@ -75,9 +79,9 @@ class TailReader(Protocol):
         """How many partitions ``topic`` has (0 if it does not exist)."""
         ...
 
-    def read(self, topic: str, starts: dict[int, int | None], limit: int) -> Tail:
-        """Read each partition from its start offset (None: its beginning) to its
-        high-watermark, at most ``limit`` records in all."""
+    def read(self, starts: Starts, limit: int) -> Tail:
+        """Read each ``(topic, partition)`` from its start offset (None: its beginning) to its
+        high-watermark, with one consumer, at most ``limit`` records in all."""
         ...
 
     def close(self) -> None:
@@ -150,11 +154,11 @@ class KafkaPythonTailReader:
             self.close()
             raise ServiceUnavailable(f"no metadata for topic {topic} ({exc})") from None
 
-    def read(self, topic: str, starts: dict[int, int | None], limit: int) -> Tail:
+    def read(self, starts: Starts, limit: int) -> Tail:
         tail = Tail()
         consumer = self._consumer()
         try:
-            tps = {TopicPartition(topic, p): start for p, start in starts.items()}
+            tps = {TopicPartition(topic, p): start for (topic, p), start in starts.items()}
             consumer.assign(list(tps))
             for tp, start in tps.items():
                 if start is None:
@@ -171,13 +175,21 @@ class KafkaPythonTailReader:
                 for batch in consumer.poll(timeout_ms=200, max_records=10_000).values():
                     stall.progressed()
                     for record in batch:
-                        tail.add(topic, record.partition, record.offset, record.key,
+                        tail.add(record.topic, record.partition, record.offset, record.key,
                                  record.value, record.headers)
             return tail
         except KafkaError as exc:
-            raise ServiceUnavailable(f"could not read topic {topic}'s tail ({exc})") from None
+            raise ServiceUnavailable(f"could not read the tails of {named(starts)} ({exc})"
+                                     ) from None
         finally:
             consumer.close()
+
+
+def named(starts: Starts) -> str:
+    """The topics of a read, for an error: the first three and how many more."""
+    topics = sorted({topic for topic, _ in starts})
+    more = f" and {len(topics) - 3} more" if len(topics) > 3 else ""
+    return "topic" + ("s " if len(topics) > 1 else " ") + ", ".join(topics[:3]) + more
 
 
 def make_tail_reader(settings: RelaySettings, stop: threading.Event | None = None

@@ -177,8 +177,9 @@ def test_a_pass_gives_ranges_what_reading_a_window_of_history_needs(
         ids = queue(engine, schema, topic, 50_000)
         with engine.begin() as conn:
             store.mark_delivered(conn, schema, "test", [(i, 0, i) for i in ids])
-    window = {"since": "2020-01-01", "before": "2020-01-02", "topic": topic,
-              "partitions": store.int_array([0])}
+    window = {"since": "2020-01-01", "before": "2020-01-02", "topics": [topic],
+              "partitions": store.int_array([0]), "sinces": ["2020-01-01"],
+              "befores": ["2020-01-02"]}
     assert rows_read(explained(engine, schema, "recorded_offsets", window),
                      "op_record") == 150_000, "untended, the whole history is read"
 
