@@ -49,8 +49,6 @@ EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 SHARDS_PER_READ = 4
 #: A settling reading the tails of this many topics or more says so as it starts.
 MANY_TOPICS = 100
-#: Partitions one consumer reads the tails of (relay/tails.py).
-PARTITIONS_PER_READ = 1000
 
 
 def partition_of(key: bytes, partitions: int) -> int:
@@ -110,7 +108,7 @@ class Recovery:
         if len(affected) >= MANY_TOPICS:
             log.info("relay %s: settling %s, reading the tails of %d topics",
                      self.settings.worker_id, what, len(affected))
-        for starts in self._reads(conn, affected):
+        for starts in self._reads(conn, affected, reader.partitions_per_read):
             part = reader.read(starts, self.settings.relay_tail_max_records - tail.records)
             tail.records += part.records
             tail.found.update(part.found)
@@ -124,14 +122,14 @@ class Recovery:
                 break
         return tail, len(affected)
 
-    def _reads(self, conn: Connection, affected: dict[str, tuple[set[int], datetime]]
-               ) -> Iterator[dict[tuple[str, int], int | None]]:
+    def _reads(self, conn: Connection, affected: dict[str, tuple[set[int], datetime]],
+               most: int) -> Iterator[dict[tuple[str, int], int | None]]:
         """The affected partitions' starts, a read's worth at a time: whole topics, up to
-        ``PARTITIONS_PER_READ`` partitions (or one topic with more)."""
+        ``most`` partitions (or one topic with more)."""
         chunk: dict[str, tuple[set[int], datetime]] = {}
         size = 0  # the chunk's partitions
         for topic, found in affected.items():
-            if chunk and size + len(found[0]) > PARTITIONS_PER_READ:
+            if chunk and size + len(found[0]) > most:
                 yield self._starts(conn, chunk)
                 chunk, size = {}, 0
             chunk[topic] = found

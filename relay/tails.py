@@ -7,9 +7,9 @@ consumer is assigned its partitions (no consumer group). A reader looks the topi
 counts up on one consumer of its own, made at its first look-up, which
 :meth:`TailReader.close` closes: a consumer per look-up cost a bootstrap each (a metadata
 request for every topic of the cluster), and with the read's own, a takeover over 5,000
-topics took half an hour. One read takes the partitions of many topics
-(relay/recovery.py): a consumer per topic cost about 0.1 s (kafka-python) to 0.6 s
-(librdkafka) a topic, before the first record.
+topics took half an hour. One read takes the partitions of many topics, up to the reader's
+``partitions_per_read`` (relay/recovery.py): a consumer per topic cost about 0.04 s
+(kafka-python) to 0.6 s (librdkafka) a topic before its first record.
 kafka-python's reader is here, librdkafka's in relay/confluent.py; :func:`make_tail_reader`
 picks the transport's.
 """
@@ -75,6 +75,9 @@ class Tail:
 
 
 class TailReader(Protocol):
+    #: partitions a read takes at most (relay/recovery.py splits a settle's reads so)
+    partitions_per_read: int
+
     def partitions(self, topic: str) -> int:
         """How many partitions ``topic`` has (0 if it does not exist)."""
         ...
@@ -116,6 +119,11 @@ class Stall:
 
 class KafkaPythonTailReader:
     """Tails read with a kafka-python consumer of their own."""
+
+    #: 1,000 topics of 4 partitions, one record each, on the embedded broker: 5.5 s in
+    #: reads of 100 partitions, 6.5 s in reads of 250; a read of 1,000 got no record for
+    #: 15 s and failed (BENCHMARKS.md, "Takeover")
+    partitions_per_read = 100
 
     def __init__(self, settings: RelaySettings, stop: threading.Event | None = None) -> None:
         self._bootstrap = settings.kafka_bootstrap

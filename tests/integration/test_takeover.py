@@ -19,10 +19,10 @@ from sqlalchemy.orm import Session
 
 from outbox import Outbox
 from outbox.dev.topics import read_topic
-from outbox.relay import recovery
+from outbox.relay.confluent import ConfluentTailReader
 from outbox.relay.leases import Leases
 from outbox.relay.recovery import Recovery
-from outbox.relay.tails import Stopped, make_tail_reader
+from outbox.relay.tails import KafkaPythonTailReader, Stopped, make_tail_reader
 from outbox.settings import Settings
 from tests.conftest import (
     both_transports,
@@ -124,7 +124,8 @@ def test_a_takeover_over_several_topics_reads_their_tails_together_each_from_its
         wait_delivered(engine, schema, 90)
     ids = publish_mixed(engine, outbox, *topics, each=60)
     killed_after_its_sends(engine, schema, settings, topics, 270)
-    monkeypatch.setattr(recovery, "PARTITIONS_PER_READ", 8)  # two reads, of 2 topics and 1
+    for reader in (KafkaPythonTailReader, ConfluentTailReader):  # two reads: 2 topics, 1
+        monkeypatch.setattr(reader, "partitions_per_read", 8)
     caplog.set_level(logging.INFO, logger="outbox.relay")
     heir = settings.model_copy(update={"worker_id": "heir"})
     with engine.connect() as conn:
@@ -134,7 +135,7 @@ def test_a_takeover_over_several_topics_reads_their_tails_together_each_from_its
         leases = Leases(schema, "heir", 3600)
         leases.tick(conn)
         assert len(leases.unsettled) == 64
-        recovery.Recovery(heir).settle(conn, leases)
+        Recovery(heir).settle(conn, leases)
     assert "read 180 records of the tails of 3 topics, 180 messages were already in Kafka" \
         in caplog.text
     records = [r for t in topics for r in read_topic(settings.kafka_bootstrap, t)]
