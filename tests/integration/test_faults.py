@@ -94,6 +94,29 @@ def test_broker_cut_delays_delivery_then_it_resumes_with_nothing_lost(
         assert max(lines.values()) == 1, f"librdkafka repeats itself: {lines.most_common(3)}"
 
 
+def over_a_cut(iso: Isolated, caplog: pytest.LogCaptureFixture, delivered: int,
+               sent_into_it: int, then: float = 0) -> tuple[list[int], list[int]]:
+    """A relay whose producer gives up after 2 s delivers ``delivered`` messages; the
+    broker is cut off, ``sent_into_it`` more are published, a pass fails, and ``then``
+    seconds later the broker is back. Returns the ids published before and during the cut,
+    once all are delivered."""
+    impatient = iso.settings.model_copy(update={
+        "kafka_delivery_timeout_ms": 2_000, "kafka_connect_timeout_ms": 1_000})
+    with running_relay(impatient):
+        first = publish_orders(iso.engine, iso.outbox, iso.topic,
+                               [(f"k{i % 10}", i) for i in range(delivered)])
+        wait_delivered(iso.engine, "outbox", delivered)
+        iso.proxy.cut()
+        during = publish_orders(iso.engine, iso.outbox, iso.topic,
+                                [(f"k{i % 10}", i)
+                                 for i in range(delivered, delivered + sent_into_it)])
+        wait_until(lambda: "paused" in caplog.text, 30, "a pass to fail")
+        time.sleep(then)
+        iso.proxy.restore()
+        wait_delivered(iso.engine, "outbox", delivered + sent_into_it, timeout=90)
+    return first, during
+
+
 @both_transports
 def test_a_cut_longer_than_the_delivery_timeout_loses_nothing_and_parks_nothing(
     isolated: Isolated, caplog: pytest.LogCaptureFixture
@@ -103,19 +126,8 @@ def test_a_cut_longer_than_the_delivery_timeout_loses_nothing_and_parks_nothing(
     runs (a closed producer's sends fail as errors Kafka does not retry)."""
     caplog.set_level(logging.INFO, logger="outbox.relay")
     iso = isolated
-    impatient = iso.settings.model_copy(update={
-        "kafka_delivery_timeout_ms": 2_000, "kafka_connect_timeout_ms": 1_000})
-    with running_relay(impatient):
-        first = publish_orders(iso.engine, iso.outbox, iso.topic,
-                               [(f"k{i % 10}", i) for i in range(50)])
-        wait_delivered(iso.engine, "outbox", 50)
-        iso.proxy.cut()
-        during = publish_orders(iso.engine, iso.outbox, iso.topic,
-                                [(f"k{i % 10}", i) for i in range(50, 150)])
-        wait_until(lambda: "paused" in caplog.text, 30, "a pass to fail")
-        time.sleep(8)  # passes fail and new producers find no broker, again and again
-        iso.proxy.restore()
-        wait_delivered(iso.engine, "outbox", 150, timeout=90)
+    # passes fail and new producers find no broker, again and again
+    first, during = over_a_cut(iso, caplog, delivered=50, sent_into_it=100, then=8)
     assert count_status(iso.engine, "outbox", "PARKED") == 0
     records = read_topic(iso.settings.kafka_bootstrap, iso.topic)
     assert {r.message_id for r in records} == set(first + during)
@@ -132,24 +144,13 @@ def test_a_failed_pass_reads_again_the_tails_of_the_topics_it_sent_to_only(
     sent (with thousands of such topics the relay read tails for many minutes)."""
     caplog.set_level(logging.INFO, logger="outbox.relay")
     iso = isolated
-    impatient = iso.settings.model_copy(update={
-        "kafka_delivery_timeout_ms": 2_000, "kafka_connect_timeout_ms": 1_000})
     with Session(iso.engine) as session, session.begin():
         for n in range(120):
             waiting = f"{iso.topic}-waiting-{n}"
             iso.outbox.publish(session, waiting, {"n": n}, key="k",
                                deliver_after=timedelta(hours=1))
             iso.outbox.publish(session, waiting, {"n": n}, key="k")
-    with running_relay(impatient):
-        first = publish_orders(iso.engine, iso.outbox, iso.topic,
-                               [(f"k{i % 10}", i) for i in range(20)])
-        wait_delivered(iso.engine, "outbox", 20)
-        iso.proxy.cut()
-        during = publish_orders(iso.engine, iso.outbox, iso.topic,
-                                [(f"k{i % 10}", i) for i in range(20, 70)])
-        wait_until(lambda: "paused" in caplog.text, 30, "a pass to fail")
-        iso.proxy.restore()
-        wait_delivered(iso.engine, "outbox", 70, timeout=90)
+    first, during = over_a_cut(iso, caplog, delivered=20, sent_into_it=50)
     settled = [r.getMessage() for r in caplog.records if " settled " in r.getMessage()]
     assert settled, "the failed pass's sends were settled"
     assert all(re.search(r"the tails of 1 topic\b", line) for line in settled), settled
