@@ -122,7 +122,9 @@ class KafkaPythonTailReader:
 
     #: 1,000 topics of 4 partitions, one record each, on the embedded broker: 5.5 s in
     #: reads of 100 partitions, 6.5 s in reads of 250; a read of 1,000 got no record for
-    #: 15 s and failed (BENCHMARKS.md, "Takeover")
+    #: 15 s and failed (BENCHMARKS.md, "Takeover"): kafka-python's ``position()`` walks
+    #: every assigned partition, and the read asks it of each, so each turn of the loop
+    #: costs the square of the read's partitions
     partitions_per_read = 100
 
     def __init__(self, settings: RelaySettings, stop: threading.Event | None = None) -> None:
