@@ -144,12 +144,7 @@ class Recovery:
     def _affected(self, conn: Connection, reader: TailReader, shards: frozenset[int],
                   doubted: frozenset[int]) -> dict[str, tuple[set[int], datetime]]:
         """Per topic: the partitions the pending messages of the shards, and those in doubt,
-        can be on, and the earliest moment one of them can have been sent.
-
-        Read ``SHARDS_PER_READ`` shards at a time, each read folded in at once: one
-        statement grouping a long backlog's keys spilled to disk, past a role's
-        ``temp_file_limit`` (53400, retried for ever: the relay delivered nothing, and
-        neither did the next one), and kept a tuple per key in the relay."""
+        can be on, and the earliest moment one of them can have been sent."""
         counts: dict[str, int] = {}  # partitions per topic
         partitions: dict[str, set[int]] = {}
         earliest: dict[str, datetime] = {}
@@ -168,8 +163,13 @@ class Recovery:
 
     def _candidates(self, conn: Connection, shards: list[int], doubted: list[int]
                     ) -> Iterator[list[tuple[str, bytes | None, datetime]]]:
-        """``(topic, key, sent after)`` of the shards' pending messages, a few shards at a
-        time, then of the pending messages in doubt."""
+        """``(topic, key, sent after)`` of the shards' pending messages, then of the pending
+        messages in doubt; each batch is folded in before the next is read.
+
+        ``SHARDS_PER_READ`` shards at a time: one statement grouping a long backlog's keys
+        spilled to disk, past a role's ``temp_file_limit`` (53400, retried for ever: the
+        relay delivered nothing, and neither did the next one), and kept a tuple per key in
+        the relay."""
         for start in range(0, len(shards), SHARDS_PER_READ):
             self._heed_stop()
             with conn.begin():  # ended before the caller asks Kafka about their topics
