@@ -57,6 +57,11 @@ LOCAL_ERRORS: dict[int, type[kafka.errors.KafkaError]] = {
 }
 #: How long the reporter thread waits for a report before checking whether to stop.
 POLL_SECONDS = 0.2
+#: How long a tail read's consume waits for its batch of 10,000 records to fill: it returns
+#: only then, so a read's last wait is this long (0.2 s cost every read 0.2 s).
+CONSUME_SECONDS = 0.02
+#: Up to this many topics of a tail read are looked up before it (:func:`_learn_leaders`).
+LEARN_TOPICS = 100
 
 
 class Repeats(logging.Filter):
@@ -275,10 +280,10 @@ class ConfluentTransport:
 class ConfluentTailReader:
     """Tails read with a librdkafka consumer of their own (relay/tails.py)."""
 
-    #: 1,000 topics of 4 partitions, one record each, on the embedded broker: in reads of
-    #: 100, 250, 500, 1,000 and 4,000 partitions, 24, 10, 7, 32 and 307 s (a consumer
-    #: costs about 0.6 s to start; more partitions than this cost more than that each)
-    partitions_per_read = 500
+    #: 1,000 topics of 4 partitions, one record each, on the embedded broker: 5.6 s in
+    #: reads of 100 partitions, 4.0 s in reads of 1,000, 2.6 s in reads of 2,000
+    #: (BENCHMARKS.md, "Tail reads")
+    partitions_per_read = 2_000
 
     def __init__(self, settings: RelaySettings, stop: threading.Event | None = None) -> None:
         self._bootstrap = settings.kafka_bootstrap
@@ -316,6 +321,7 @@ class ConfluentTailReader:
         tail = Tail()
         consumer = self._consumer()
         try:
+            _learn_leaders(consumer, starts, self._answer_within)
             consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING if start is None
                                             else start) for (topic, p), start in starts.items()])
             ended: set[tuple[str, int]] = set()
@@ -325,7 +331,9 @@ class ConfluentTailReader:
                     tail.complete = False
                     break
                 stall.check()
-                for message in consumer.consume(num_messages=10_000, timeout=0.2):
+                reached: set[tuple[str, int]] = set()
+                for message in consumer.consume(num_messages=min(10_000, limit - tail.records),
+                                                timeout=CONSUME_SECONDS):
                     stall.progressed()
                     error = message.error()
                     if error is None:
@@ -335,15 +343,37 @@ class ConfluentTailReader:
                                  message.key(), message.value(),
                                  headers.items() if isinstance(headers, dict) else headers)
                     elif error.code() == KafkaError._PARTITION_EOF:
-                        ended.add((message.topic() or "", message.partition() or 0))
+                        reached.add((message.topic() or "", message.partition() or 0))
                     else:
                         raise ServiceUnavailable(f"could not read the tails of "
                                                  f"{named(starts)} ({error.str()})")
-                ended |= _beyond_end(consumer, starts)
+                reached |= _beyond_end(consumer, starts)
+                if reached - ended:
+                    # librdkafka fetches a partition at its end again and again; with many
+                    # partitions that kept the broker busy (BENCHMARKS.md, "Tail reads")
+                    consumer.pause([TopicPartition(t, p) for t, p in reached - ended])
+                    ended |= reached
             return tail
         finally:
             consumer.close()
 
+
+
+def _learn_leaders(consumer: Consumer, starts: Starts, timeout: float) -> None:
+    """Ask for the metadata of the topics read from their beginnings, if there are few.
+
+    Such a partition asks for its first offset once its leader is known; assigned before the
+    consumer has metadata, it asks 500 ms later (librdkafka's fixed retry), so each read
+    took at least 0.55 s. A topic's metadata asked first costs about 2.6 ms (embedded
+    broker), so that is worth it for up to :data:`LEARN_TOPICS` topics, and not beyond.
+    """
+    topics = {topic for (topic, _), start in starts.items() if start is None}
+    if len(topics) <= LEARN_TOPICS:
+        try:
+            for topic in topics:
+                consumer.list_topics(topic, timeout=timeout)
+        except KafkaException as exc:
+            raise ServiceUnavailable(f"no metadata for topic {topic} ({exc})") from None
 
 
 def _beyond_end(consumer: Consumer, starts: Starts) -> set[tuple[str, int]]:

@@ -114,10 +114,10 @@ class Recovery:
             tail.found.update(part.found)
             if not part.complete:
                 tail.complete = False
-                log.warning("relay %s: the tails read at takeover reached %d records in %s "
-                            "(OUTBOX_RELAY_TAIL_MAX_RECORDS); the messages beyond it, and "
+                log.warning("relay %s: the tails read to settle %s reached %d records in "
+                            "%s (OUTBOX_RELAY_TAIL_MAX_RECORDS); the messages beyond it, and "
                             "those of the topics not read yet, are sent again (duplicates "
-                            "possible)", self.settings.worker_id,
+                            "possible)", self.settings.worker_id, what,
                             self.settings.relay_tail_max_records, named(starts))
                 break
         return tail, len(affected)

@@ -120,12 +120,10 @@ class Stall:
 class KafkaPythonTailReader:
     """Tails read with a kafka-python consumer of their own."""
 
-    #: 1,000 topics of 4 partitions, one record each, on the embedded broker: 5.5 s in
-    #: reads of 100 partitions, 6.5 s in reads of 250; a read of 1,000 got no record for
-    #: 15 s and failed (BENCHMARKS.md, "Takeover"): kafka-python's ``position()`` walks
-    #: every assigned partition, and the read asks it of each, so each turn of the loop
-    #: costs the square of the read's partitions
-    partitions_per_read = 100
+    #: 1,000 topics of 4 partitions, one record each, on the embedded broker: 4.95 s in
+    #: reads of 100 partitions (a consumer's start is most of it), 3.2 s in reads of 1,000,
+    #: 4.2 s in reads of 2,000 (BENCHMARKS.md, "Tail reads")
+    partitions_per_read = 1_000
 
     def __init__(self, settings: RelaySettings, stop: threading.Event | None = None) -> None:
         self._bootstrap = settings.kafka_bootstrap
@@ -176,23 +174,69 @@ class KafkaPythonTailReader:
                 else:
                     consumer.seek(tp, start)
             stall = Stall(self._bootstrap, self._stop)
-            while not all((hw := consumer.highwater(tp)) is not None
-                          and consumer.position(tp) >= hw for tp in tps):
+            ends = _Ends(consumer, tps)
+            while ends.open:
                 if tail.records >= limit:
                     tail.complete = False
                     break
                 stall.check()
-                for batch in consumer.poll(timeout_ms=200, max_records=10_000).values():
+                polled = consumer.poll(timeout_ms=200,
+                                       max_records=min(10_000, limit - tail.records))
+                for tp, batch in polled.items():
                     stall.progressed()
                     for record in batch:
                         tail.add(record.topic, record.partition, record.offset, record.key,
                                  record.value, record.headers)
+                    ends.read_to(tp, batch[-1].offset + 1)
+                if ends.close_reached(idle=not polled):
+                    stall.progressed()
             return tail
         except KafkaError as exc:
             raise ServiceUnavailable(f"could not read the tails of {named(starts)} ({exc})"
                                      ) from None
         finally:
             consumer.close()
+
+
+class _Ends:
+    """Which partitions of a kafka-python read have yet to reach their high-watermark.
+
+    Each partition's position is followed from the records polled, and asked of the consumer
+    (``position()``) only on a poll that returned nothing, for the partitions still open (a
+    tail may end past its last record: retention, control records). ``position()`` walks every
+    assigned partition, so asking it of each partition on every turn cost the square of the
+    read's partitions: a read of 1,000 spent 92% of its time there (BENCHMARKS.md, "Tail
+    reads"). A partition that reaches its end is paused: its next fetches leave it out.
+    """
+
+    def __init__(self, consumer: KafkaConsumer, starts: Mapping[TopicPartition, int | None]
+                 ) -> None:
+        self._consumer = consumer
+        self._next = dict(starts)
+
+    @property
+    def open(self) -> bool:
+        return bool(self._next)
+
+    def read_to(self, tp: TopicPartition, offset: int) -> None:
+        if tp in self._next:
+            self._next[tp] = offset
+
+    def close_reached(self, *, idle: bool) -> bool:
+        """Close the partitions at their ends; whether any was."""
+        reached = []
+        for tp, offset in self._next.items():
+            high = self._consumer.highwater(tp)
+            if high is None:
+                continue  # not fetched yet
+            told = high == 0 or (offset is not None and offset >= high)
+            if told or (idle and self._consumer.position(tp) >= high):
+                reached.append(tp)
+        for tp in reached:
+            del self._next[tp]
+        if reached:
+            self._consumer.pause(*reached)
+        return bool(reached)
 
 
 def named(starts: Starts) -> str:

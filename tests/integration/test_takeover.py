@@ -26,6 +26,7 @@ from outbox.relay.tails import KafkaPythonTailReader, Stopped, make_tail_reader
 from outbox.settings import Settings
 from tests.conftest import (
     both_transports,
+    count_status,
     delivered_to,
     fresh_schema,
     running_relay,
@@ -148,6 +149,35 @@ def test_a_takeover_over_several_topics_reads_their_tails_together_each_from_its
                       f"ON m.id = o.message_id WHERE o.action = 'DELIVERED'"))}
     assert ledger == {r.message_id: (r.topic, r.partition, r.offset) for r in records}
     assert set(ids) <= set(ledger)
+
+
+def test_a_settle_reads_no_more_tail_than_its_limit_and_leaves_the_rest_to_be_sent_again(
+    engine: Engine, outbox: Outbox, topic: str, schema: str, settings: Settings,
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    """``relay_tail_max_records`` bounds a settle's reads: each read took up to 10,000
+    records a poll whatever was left of it, so a limit below that was never reached. The
+    messages whose records lie beyond it stay pending and are sent again, with a warning."""
+    publish_mixed(engine, outbox, topic)
+    killed_after_its_sends(engine, schema, settings, [topic], MESSAGES)
+    caplog.set_level(logging.INFO, logger="outbox.relay")
+    heir = settings.model_copy(update={"worker_id": "heir", "relay_tail_max_records": 100})
+    with engine.connect() as conn:
+        with conn.begin():
+            conn.execute(text(f"UPDATE {schema}.relay_lease SET expires_at = now()"))
+            conn.execute(text(f"DELETE FROM {schema}.relay_member"))
+        leases = Leases(schema, "heir", 3600)
+        leases.tick(conn)
+        Recovery(heir).settle(conn, leases)
+        assert not leases.unsettled, "settled, though not wholly read"
+        recovered = conn.execute(text(
+            f"SELECT count(*) FROM {schema}.op_record WHERE actor = 'heir (recovered)'"
+        )).scalar_one()
+    assert f"the tails read to settle 64 shards reached 100 records in topic {topic} " \
+        "(OUTBOX_RELAY_TAIL_MAX_RECORDS)" in caplog.text
+    assert "read 100 records of the tails of 1 topic" in caplog.text
+    assert recovered == 100, "each record read is a message recorded where it is"
+    assert count_status(engine, schema, "PENDING") == MESSAGES - recovered
 
 
 def test_graceful_stop_hands_shards_back_clean(
