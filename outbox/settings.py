@@ -533,8 +533,9 @@ class RelaySettings(DatabaseSettings, KafkaSettings):
     )
     relay_tail_max_records: int = Field(
         default=1_000_000, gt=0,
-        description="records read at most from partition tails before delivering shards a "
-        "dead relay held (beyond it: send anyway, duplicates possible)"
+        description="records read at most from partition tails when settling the shards a "
+        "dead relay held, or the sends a failed pass left unrecorded (beyond it: send anyway, "
+        "duplicates possible)"
     )
     topic_hold_park_after: float | None = Field(
         default=None, gt=0, le=3650 * 86400,
