@@ -57,6 +57,8 @@ from outbox.settings import RelaySettings, mask_url
 log = logging.getLogger("outbox.relay")
 #: How long acks may lag before the relay says the broker seems unreachable.
 SLOW_ACK_SECONDS = 5.0
+#: How often a flight waiting for its acks is looked at (``Relay._give_up_stuck_topics``).
+LOOK_SECONDS = SLOW_ACK_SECONDS / 2
 #: While it delivers without waiting, the relay reads its notifications this often: a relay
 #: that joins (or leaves) tells the others so, and a busy relay would otherwise hear it only
 #: at its next lease renewal, a third of a lease later.
@@ -567,7 +569,8 @@ class Relay:
         wedged_after = 2 * self.settings.kafka_delivery_timeout_ms / 1000 + SLOW_ACK_SECONDS
         warned = False
         given_up = self._given_up and {row.topic for row in flight.rows} & self._given_up
-        look_at = started + (0 if given_up else SLOW_ACK_SECONDS)
+        look_at = started + (0 if given_up else LOOK_SECONDS)
+        waited_on: set[str] | None = None  # the topics whose records waited at the last look
         while not flight.settled(0.25):
             if self.lifecycle.abandon.is_set():
                 raise Abandoned
@@ -576,9 +579,9 @@ class Relay:
                 raise BrokerTrouble(
                     f"Kafka's producer has not settled {len(flight.sent)} records in "
                     f"{wedged_after:.0f}s, past its delivery timeout: it is stuck")
-            if now >= look_at:
-                look_at = now + SLOW_ACK_SECONDS
-                self._give_up_stuck_topics(flight, now - started)
+            if now >= look_at:  # on the clock of the send, so the look at 5 s comes first
+                look_at = started + LOOK_SECONDS * (1 + (now - started) // LOOK_SECONDS)
+                waited_on = self._give_up_stuck_topics(flight, now - started, waited_on)
             if not warned and now - started > SLOW_ACK_SECONDS:
                 warned = True
                 self.lifecycle.outage(
@@ -586,25 +589,35 @@ class Relay:
                     f"{SLOW_ACK_SECONDS:.0f}s (the producer retries for "
                     f"{self.settings.kafka_delivery_timeout_ms / 1000:.0f}s)", since=started)
 
-    def _give_up_stuck_topics(self, flight: InFlight, waited: float) -> None:
+    def _give_up_stuck_topics(self, flight: InFlight, waited: float,
+                              waited_on: set[str] | None) -> set[str]:
         """Ends the pass, a new producer going on at once, if Kafka answers while records of
         ``flight`` wait: TopicGone if it no longer knows their topic (deleted); TopicRefused,
         the topic held as a refused one, if records of other topics sent with or after them
         have landed meanwhile (a partition without a leader or enough in-sync replicas, which
         the producer retries until its delivery timeout while every topic waits behind it),
-        or if it is such a topic tried again. Neither: an outage, waited out as before."""
+        or if it is such a topic tried again. Neither: an outage, waited out as before.
+
+        Judged from ``SLOW_ACK_SECONDS`` on, and not while the producer is still getting
+        through the flight: while a topic that waited at the last look (``waited_on``) has
+        had its records acknowledged since. librdkafka acknowledged one record in each of
+        3,000 topics at about 300 a second, half of them after 5 s (BENCHMARKS.md, "Many
+        topics"), and those 1,500 were held as stuck. Returns the topics that wait."""
         transport = flight.transport
         waiting = {row.topic for row, delivery in zip(flight.rows, flight.deliveries, strict=True)
                    if delivery is not None and not transport.wait([delivery], 0)}
         if not waiting:
-            return
+            return waiting
         if waiting & self._given_up:  # the pass is ending: salvage no more of this batch
             raise TopicRefused(f"records of topic {', '.join(sorted(waiting & self._given_up))}"
                                " given up this pass")
+        draining = waited_on is not None and bool(waited_on - waiting)
+        if waited < SLOW_ACK_SECONDS or draining:
+            return waiting
         try:
             gone = waiting - transport.available(waiting, PROBE_SECONDS)
         except ServiceUnavailable:
-            return
+            return waiting
         if gone:
             self._given_up |= gone
             self._holds.lost(gone)
@@ -627,6 +640,7 @@ class Relay:
                                f"{', '.join(sorted(stuck))} for {waited:.1f}s" + (
                                    " while it acknowledged other topics' records"
                                    if landed - waiting else ", tried again"))
+        return waiting
 
     def in_flight(self) -> int:
         recorder = self._recorder

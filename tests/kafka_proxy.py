@@ -15,9 +15,10 @@ This proxy forwards every request and response unchanged except:
   then creates it on demand).
   Each answer can be made slower in proportion to the topics it lists
   (``metadata_seconds_per_topic``).
-* Produce (api key 0): records of a *refused* topic are not forwarded but answered with an
-  error: by default NOT_ENOUGH_REPLICAS, a retriable one, so the producer retries them until
-  its delivery timeout while the other topics' records of the same request land; or the one
+* Produce (api key 0): its answers can be held back, each ``produce_seconds`` after the one
+  before it. Records of a *refused* topic are not forwarded but answered with an error: by
+  default NOT_ENOUGH_REPLICAS, a retriable one, so the producer retries them until its
+  delivery timeout while the other topics' records of the same request land; or the one
   :meth:`KafkaProxy.refuse` names, such as TOPIC_AUTHORIZATION_FAILED, what Apache Kafka
   answers a producer without the topic's Write ACL.
 
@@ -64,6 +65,11 @@ class KafkaProxy(TcpProxy):
         #: Metadata answered this much later per topic it lists (a broker, or a client,
         #: whose metadata work grows with the topics asked about)
         self.metadata_seconds_per_topic = 0.0
+        #: each Produce answer forwarded this much later than the one before it on its
+        #: connection (a broker getting through a backlog of requests)
+        self.produce_seconds = 0.0
+        #: Produce answers forwarded
+        self.produce_answers = 0
         super().__init__(target_port)
 
     @property
@@ -161,6 +167,10 @@ class KafkaProxy(TcpProxy):
     def _response(self, body: bytes, asked: Asked) -> tuple[bytes, None]:
         correlation_id = struct.unpack(">i", body[:4])[0]
         api_key, version, hidden = asked.pop(correlation_id, (-1, -1, {}))
+        if api_key == PRODUCE:
+            time.sleep(self.produce_seconds)
+            with self._lock:
+                self.produce_answers += 1
         if api_key == PRODUCE and hidden:
             produced = ProduceResponse.decode(body, version=version, header=True)
             produced.responses += _refused_topics(version, hidden)
