@@ -612,7 +612,7 @@ class Relay:
             raise TopicRefused(f"records of topic {', '.join(sorted(waiting & self._given_up))}"
                                " given up this pass")
         draining = waited_on is not None and bool(waited_on - waiting)
-        if waited < SLOW_ACK_SECONDS or draining:
+        if waited < SLOW_ACK_SECONDS - LOOK_SECONDS / 2 or draining:  # before the look at 5 s
             return waiting
         try:
             gone = waiting - transport.available(waiting, PROBE_SECONDS)
