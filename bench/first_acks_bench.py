@@ -18,23 +18,17 @@ import argparse
 import time
 
 from confluent_kafka import Producer
-from kafka import KafkaAdminClient
-from kafka.admin import NewTopic
 from relay_bench import PAYLOAD, say
 
 from outbox.dev import services as devservices
+from outbox.dev.topics import create_topics
 from outbox.relay.confluent import librdkafka_config
 from outbox.settings import RelaySettings
 
 
 def first_acks(bootstrap: str, topics: list[str], mode: str) -> str:
     if mode == "precreate":
-        admin = KafkaAdminClient(bootstrap_servers=bootstrap.split(","))
-        try:
-            for i in range(0, len(topics), 500):
-                admin.create_topics([NewTopic(t, 4, 1) for t in topics[i:i + 500]])
-        finally:
-            admin.close()
+        create_topics(bootstrap, topics, partitions=4)
     settings = RelaySettings(database_url="postgresql://unused/unused",
                              kafka_bootstrap=bootstrap, kafka_client="confluent",
                              worker_id="bench")

@@ -18,23 +18,17 @@ import threading
 import time
 
 from confluent_kafka import Producer
-from kafka import KafkaAdminClient
-from kafka.admin import NewTopic
 from relay_bench import say
 
 from outbox.dev import services as devservices
+from outbox.dev.topics import create_topics
 from outbox.exceptions import ServiceUnavailable
 from outbox.relay.tails import make_tail_reader
 from outbox.settings import RelaySettings
 
 
 def prepare(bootstrap: str, topics: list[str], partitions: int) -> None:
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap.split(","))
-    try:
-        for i in range(0, len(topics), 500):
-            admin.create_topics([NewTopic(t, partitions, 1) for t in topics[i:i + 500]])
-    finally:
-        admin.close()
+    create_topics(bootstrap, topics, partitions)
     producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5})
     for n, topic in enumerate(topics):
         for p in range(partitions):

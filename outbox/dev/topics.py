@@ -7,6 +7,7 @@ Kafka-compatible brokers answer wrongly; this works against Apache Kafka as well
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -36,11 +37,17 @@ class Record:
 def create_topic(bootstrap: str, topic: str, partitions: int = 3,
                  client: dict[str, Any] | None = None) -> None:
     """``client``: extra kafka-python settings (SASL/TLS, ``Settings.kafka_security()``)."""
+    create_topics(bootstrap, [topic], partitions, client)
+
+
+def create_topics(bootstrap: str, topics: list[str], partitions: int = 3,
+                  client: dict[str, Any] | None = None) -> None:
+    """Many topics on one admin client, 500 a request (the benchmarks' thousands)."""
     admin = KafkaAdminClient(bootstrap_servers=bootstrap.split(","), **(client or {}))
     try:
-        admin.create_topics([NewTopic(topic, partitions, 1)])
-    except TopicAlreadyExistsError:
-        pass
+        for i in range(0, len(topics), 500):
+            with contextlib.suppress(TopicAlreadyExistsError):
+                admin.create_topics([NewTopic(t, partitions, 1) for t in topics[i:i + 500]])
     finally:
         admin.close()
 
