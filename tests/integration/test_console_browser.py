@@ -50,7 +50,13 @@ def browser() -> Iterator[WebDriver]:
 
 
 def cell(browser: WebDriver, css: str) -> str:
-    return str(browser.find_element(By.CSS_SELECTOR, css).text)
+    """The text of ``css``; when the page has none, the failure shows the page instead (a
+    missing row said nothing of what the console served)."""
+    found = browser.find_elements(By.CSS_SELECTOR, css)
+    if not found:
+        pytest.fail(f"no {css} on {browser.current_url}, which shows:\n"
+                    f"{browser.find_element(By.TAG_NAME, 'body').text[:3000]}")
+    return str(found[0].text)
 
 
 def after_submit(browser: WebDriver, css: str) -> str:

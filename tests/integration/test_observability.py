@@ -82,12 +82,17 @@ def test_relay_metrics_are_served_for_prometheus(
     engine: Engine, outbox: Outbox, settings: Settings, schema: str, topic: str
 ) -> None:
     port = devservices.free_port()
-    start_http_server(port, addr="127.0.0.1")
-    with running_relay(settings):
-        publish_orders(engine, outbox, topic, [(f"k{i}", i) for i in range(7)])
-        wait_delivered(engine, schema, 7)
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-            body = response.read().decode()
+    server, _thread = start_http_server(port, addr="127.0.0.1")
+    try:
+        with running_relay(settings):
+            publish_orders(engine, outbox, topic, [(f"k{i}", i) for i in range(7)])
+            wait_delivered(engine, schema, 7)
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics",
+                                        timeout=5) as response:
+                body = response.read().decode()
+    finally:  # not left listening for the rest of the worker's session
+        server.shutdown()
+        server.server_close()
     assert f'outbox_messages_delivered_total{{topic="{topic}"}} 7.0' in body
     assert "outbox_delivery_latency_seconds_count" in body
     assert "outbox_relay_batch_size_bucket" in body
@@ -104,8 +109,13 @@ def test_a_sweeper_serves_its_own_metrics_and_not_the_relay_s(settings: Settings
     try:
         wait_until(lambda: "serving metrics" in Path(sweeper.log).read_text(), 60,
                    "the sweeper's metrics")
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-            body = response.read().decode()
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics",
+                                        timeout=5) as response:
+                body = response.read().decode()
+        except OSError as exc:  # a sweeper that ends takes its server along: its log says why
+            pytest.fail(f"{exc!r}; the sweeper (exit code {sweeper.poll()}) printed:\n"
+                        f"{Path(sweeper.log).read_text()}")
     finally:
         sweeper.send_signal(signal.SIGTERM)
         output, _ = sweeper.communicate(timeout=30)
