@@ -55,7 +55,7 @@ from outbox.relay.wakeup import BUSY_BEFORE_RISING, Wakeup
 from outbox.settings import RelaySettings, mask_url
 
 log = logging.getLogger("outbox.relay")
-#: How long acks may lag before the relay says the broker seems unreachable.
+#: How long acks may lag, none coming in, before the relay says the broker seems unreachable.
 SLOW_ACK_SECONDS = 5.0
 #: How often a flight waiting for its acks is looked at (``Relay._give_up_stuck_topics``).
 LOOK_SECONDS = SLOW_ACK_SECONDS / 2
@@ -118,6 +118,11 @@ class InFlight:
         """Whether every record sent has landed or failed, waiting up to ``timeout``."""
         self.acked = self.acked or self.transport.wait(self.sent, timeout)
         return self.acked
+
+    def waiting_topics(self) -> set[str]:
+        """The topics of the records sent that have neither landed nor failed yet."""
+        return {row.topic for row, delivery in zip(self.rows, self.deliveries, strict=True)
+                if delivery is not None and not self.transport.wait([delivery], 0)}
 
 
 class Relay:
@@ -564,13 +569,17 @@ class Relay:
         """Waits for the flight's acks. A producer settles every record within its delivery
         timeout; one that has not after twice that is wedged (kafka-python's, having dropped
         its producer id, expires nothing while it waits for a new one): the pass ends, and
-        the next starts a new producer."""
+        the next starts a new producer. Acks still coming in after ``SLOW_ACK_SECONDS`` are
+        slow, not an outage: it is said at the first look that finds none came since the one
+        before (librdkafka's, still landing after 5 s over 3,000 new topics, were said as an
+        outage twice in one run, BENCHMARKS.md "Many topics")."""
         started = time.monotonic()
         wedged_after = 2 * self.settings.kafka_delivery_timeout_ms / 1000 + SLOW_ACK_SECONDS
         warned = False
         given_up = self._given_up and {row.topic for row in flight.rows} & self._given_up
         look_at = started + (0 if given_up else LOOK_SECONDS)
         waited_on: set[str] | None = None  # the topics whose records waited at the last look
+        draining = False  # at the last look, a topic that waited at the one before had landed
         while not flight.settled(0.25):
             if self.lifecycle.abandon.is_set():
                 raise Abandoned
@@ -581,43 +590,43 @@ class Relay:
                     f"{wedged_after:.0f}s, past its delivery timeout: it is stuck")
             if now >= look_at:  # on the clock of the send, so the look at 5 s comes first
                 look_at = started + LOOK_SECONDS * (1 + (now - started) // LOOK_SECONDS)
-                waited_on = self._give_up_stuck_topics(flight, now - started, waited_on)
-            if not warned and now - started > SLOW_ACK_SECONDS:
+                waiting = flight.waiting_topics()
+                draining = waited_on is not None and bool(waited_on - waiting)
+                waited_on = waiting
+                if waiting:
+                    self._give_up_stuck_topics(flight, waiting, now - started, draining)
+            if not warned and not draining and now - started > SLOW_ACK_SECONDS:
                 warned = True
                 self.lifecycle.outage(
                     f"Kafka has not acknowledged {len(flight.sent)} messages for "
                     f"{SLOW_ACK_SECONDS:.0f}s (the producer retries for "
                     f"{self.settings.kafka_delivery_timeout_ms / 1000:.0f}s)", since=started)
 
-    def _give_up_stuck_topics(self, flight: InFlight, waited: float,
-                              waited_on: set[str] | None) -> set[str]:
+    def _give_up_stuck_topics(self, flight: InFlight, waiting: set[str], waited: float,
+                              draining: bool) -> None:
         """Ends the pass, a new producer going on at once, if Kafka answers while records of
-        ``flight`` wait: TopicGone if it no longer knows their topic (deleted); TopicRefused,
-        the topic held as a refused one, if records of other topics sent with or after them
-        have landed meanwhile (a partition without a leader or enough in-sync replicas, which
-        the producer retries until its delivery timeout while every topic waits behind it),
-        or if it is such a topic tried again. Neither: an outage, waited out as before.
+        ``flight`` wait (their topics: ``waiting``): TopicGone if it no longer knows their
+        topic (deleted); TopicRefused, the topic held as a refused one, if records of other
+        topics sent with or after them have landed meanwhile (a partition without a leader or
+        enough in-sync replicas, which the producer retries until its delivery timeout while
+        every topic waits behind it), or if it is such a topic tried again. Neither: an
+        outage, waited out as before.
 
         Judged from ``SLOW_ACK_SECONDS`` on, and not while the producer is still getting
-        through the flight: while a topic that waited at the last look (``waited_on``) has
-        had its records acknowledged since. librdkafka acknowledged one record in each of
-        3,000 topics at about 300 a second, half of them after 5 s (BENCHMARKS.md, "Many
-        topics"), and those 1,500 were held as stuck. Returns the topics that wait."""
+        through the flight (``draining``: a topic that waited at the look before had its
+        records acknowledged since). librdkafka acknowledged one record in each of 3,000
+        topics at about 300 a second, half of them after 5 s (BENCHMARKS.md, "Many topics"),
+        and those 1,500 were held as stuck."""
         transport = flight.transport
-        waiting = {row.topic for row, delivery in zip(flight.rows, flight.deliveries, strict=True)
-                   if delivery is not None and not transport.wait([delivery], 0)}
-        if not waiting:
-            return waiting
         if waiting & self._given_up:  # the pass is ending: salvage no more of this batch
             raise TopicRefused(f"records of topic {', '.join(sorted(waiting & self._given_up))}"
                                " given up this pass")
-        draining = waited_on is not None and bool(waited_on - waiting)
         if waited < SLOW_ACK_SECONDS - LOOK_SECONDS / 2 or draining:  # before the look at 5 s
-            return waiting
+            return
         try:
             gone = waiting - transport.available(waiting, PROBE_SECONDS)
         except ServiceUnavailable:
-            return waiting
+            return
         if gone:
             self._given_up |= gone
             self._holds.lost(gone)
@@ -640,7 +649,6 @@ class Relay:
                                f"{', '.join(sorted(stuck))} for {waited:.1f}s" + (
                                    " while it acknowledged other topics' records"
                                    if landed - waiting else ", tried again"))
-        return waiting
 
     def in_flight(self) -> int:
         recorder = self._recorder
