@@ -39,6 +39,8 @@ from outbox.relay import metrics
 from outbox.relay.daemon import Abandoned, Lifecycle
 from outbox.relay.holds import PROBE_SECONDS, TopicHolds
 from outbox.relay.leases import LeaseKeeper, Leases, WorkerIdentity
+from outbox.relay.prefetch import Prefetch
+from outbox.relay.prefetch import key as prefetch_key
 from outbox.relay.recovery import Recovery
 from outbox.relay.retention import Pruner
 from outbox.relay.transport import (
@@ -339,6 +341,14 @@ class Relay:
 
     def _loop(self, conn: Connection, fetching: store.Fetching, transport: Transport,
               wakeup: Wakeup, recorder: Recorder) -> None:
+        ahead = Prefetch(f"prefetch-{self.worker_id}")
+        try:
+            self._deliver(conn, fetching, transport, wakeup, recorder, ahead)
+        finally:
+            ahead.close()  # before the fetching connection closes
+
+    def _deliver(self, conn: Connection, fetching: store.Fetching, transport: Transport,
+                 wakeup: Wakeup, recorder: Recorder, ahead: Prefetch) -> None:
         limit, batch_bytes = self.settings.relay_batch_size, self.settings.relay_batch_bytes
         poll = self.settings.relay_poll_interval
         promote_at = 0.0  # monotonic time of the next look for due delayed rows
@@ -367,9 +377,10 @@ class Relay:
                     if time.monotonic() >= promote_at:
                         _, next_due_in = store.promote_due(conn, self.schema, shards)
                         promote_at = time.monotonic() + min(poll, next_due_in or poll)
-                    batch = store.fetch_deliverable(
+                    held = self._holds.topics
+                    batch = ahead.take(prefetch_key(shards, held)) or store.fetch_deliverable(
                         conn, self.schema, shards, limit, in_flight=recorder.in_flight_ids(),
-                        max_bytes=batch_bytes, held=self._holds.topics, fetching=fetching)
+                        max_bytes=batch_bytes, held=held, fetching=fetching)
                 saw_all = len(batch) < limit and _payload_bytes(batch) < batch_bytes
                 batch = self._holds.admit(conn, shards, batch)
             if woken:
@@ -386,13 +397,17 @@ class Relay:
                 wakeup.rise()  # delivering without a pause, or asleep on shards not its own
             if batch:
                 metrics.topics_seen(row.topic for row in batch)
+                flight = InFlight(transport, batch)
+                if not saw_all:  # a backlog: the next batch is fetched while this one is sent
+                    self._fetch_ahead(ahead, fetching, shards, recorder, flight)
                 try:
-                    flight = self._send(transport, batch)
+                    self._send(flight)
                 except BaseException:
                     recorder.doubt(row.id for row in batch)  # some may have been sent
                     raise
                 recorder.submit(flight)
                 if flight.refused:
+                    ahead.drop()  # fetched past the rows held back (see _send)
                     recorder.drain()  # see _send
                 if not (saw_all and wakeup.asleep_on):
                     if now >= notes_at:  # fetching again at once: no commit's note is lost
@@ -423,8 +438,20 @@ class Relay:
             self._keeper.poke()
         return store.DELAYED_NOTE in notes
 
-    def _send(self, transport: Transport, batch: list[store.Deliverable]) -> InFlight:
-        """Hands the batch's rows to the transport in id order. A keyed row the producer
+    def _fetch_ahead(self, ahead: Prefetch, fetching: store.Fetching, shards: frozenset[int],
+                     recorder: Recorder, flight: InFlight) -> None:
+        """Starts fetching the batch after ``flight`` (relay/prefetch.py), on the fetching
+        connection alone, with the ids in flight as they will be once it is submitted."""
+        in_flight = store.IdRanges.joined((recorder.in_flight_ids(), flight.ids))
+        held = self._holds.topics
+        limit, batch_bytes = self.settings.relay_batch_size, self.settings.relay_batch_bytes
+        ahead.start(functools.partial(
+            store.fetch_deliverable, fetching.conn, self.schema, shards, limit,
+            in_flight=in_flight, max_bytes=batch_bytes, held=held, fetching=fetching),
+            prefetch_key(shards, held))
+
+    def _send(self, flight: InFlight) -> None:
+        """Hands the flight's rows to the transport in id order. A keyed row the producer
         refuses before sending holds back the rest of its key in the batch (they stay
         pending), and the flight is marked ``refused``: the loop then fetches again only once
         every flight is recorded, so the refused row leads its key's next batch. (A batch
@@ -433,7 +460,7 @@ class Relay:
         A suspect (rejected before in a request with others) is sent alone, between two
         flushes, so its outcome is its own; if it fails, the rest of the batch is held back
         (a producer may be unusable after a rejection)."""
-        flight = InFlight(transport, batch)
+        transport, batch = flight.transport, flight.rows
         blocked: set[tuple[str, bytes]] = set()
         lost: set[str] = set()  # topics the producer lost the metadata of
         stopped = False
@@ -463,7 +490,6 @@ class Relay:
             self._holds.lost(lost)
         flight.refused = bool(blocked) or stopped or bool(lost)
         metrics.BATCH_SIZE.observe(len(batch))
-        return flight
 
     def _send_alone(self, transport: Transport, row: store.Deliverable, headers: Headers
                     ) -> Delivery:

@@ -12,10 +12,18 @@ from sqlalchemy.orm import Session
 
 from outbox import Outbox, store
 from outbox.dev.topics import read_topic
+from outbox.relay.prefetch import Prefetch
 from outbox.relay.relay import Relay
 from outbox.schema import SHARDS
 from outbox.settings import Settings
-from tests.conftest import both_transports, count_status, publish_orders, wait_delivered, wait_until
+from tests.conftest import (
+    both_transports,
+    count_status,
+    publish_orders,
+    running_relay,
+    wait_delivered,
+    wait_until,
+)
 
 
 @both_transports
@@ -148,6 +156,34 @@ def test_many_messages_in_one_transaction(
     records = read_topic(settings.kafka_bootstrap, topic)
     assert sorted(r.message_id for r in records) == ids
     assert count_status(engine, schema, "PENDING") == 0
+
+
+@both_transports
+def test_a_backlog_fetched_ahead_of_its_sends_keeps_each_keys_order(
+    engine: Engine, outbox: Outbox, topic: str, schema: str, settings: Settings,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Draining a backlog, the relay fetches each next batch while it sends the one before
+    (relay/prefetch.py): the batches it takes so are the ones it would have fetched."""
+    taken: list[int] = []
+    take = Prefetch.take
+
+    def counted(self: Prefetch, wanted: object) -> object:
+        batch = take(self, wanted)  # type: ignore[arg-type]
+        taken.append(len(batch or ()))
+        return batch
+
+    monkeypatch.setattr(Prefetch, "take", counted)
+    ids = publish_orders(engine, outbox, topic, [(f"k{i % 7}", i) for i in range(1500)])
+    with running_relay(settings):  # batches of 200
+        wait_delivered(engine, schema, len(ids))
+    assert sum(1 for n in taken if n) >= 3, f"batches fetched ahead and taken: {taken}"
+    delivered: dict[bytes, list[int]] = defaultdict(list)
+    for record in read_topic(settings.kafka_bootstrap, topic):
+        assert record.key is not None and record.message_id is not None
+        delivered[record.key].append(record.message_id)
+    assert {key.decode(): got for key, got in delivered.items()} == {
+        f"k{k}": ids[k::7] for k in range(7)}, "each once, in id order per key"
 
 
 @both_transports
