@@ -398,7 +398,10 @@ class Relay:
             if batch:
                 metrics.topics_seen(row.topic for row in batch)
                 flight = InFlight(transport, batch)
-                if not saw_all:  # a backlog: the next batch is fetched while this one is sent
+                if not saw_all and recorder.unsettled() < PIPELINE_DEPTH - 1:
+                    # a backlog, and room for the next batch once this one is in: it is fetched
+                    # while this one is sent (with the pipeline full, the loop would wait for
+                    # room anyway, and the fetch would only compete with the send)
                     self._fetch_ahead(ahead, fetching, shards, recorder, flight)
                 try:
                     self._send(flight)
@@ -725,6 +728,11 @@ class Recorder(threading.Thread):
         """The batches handed over and not yet settled, in order."""
         with self._changed:
             return list(self._unsettled)
+
+    def unsettled(self) -> int:
+        """How many batches are handed over and not yet settled."""
+        with self._changed:
+            return len(self._unsettled)
 
     def in_flight_count(self) -> int:
         with self._changed:
