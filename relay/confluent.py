@@ -161,6 +161,8 @@ def translate(error: KafkaError) -> kafka.errors.KafkaError:
 class ConfluentTransport:
     """confluent-kafka's producer behind the relay's transport seam (relay/transport.py)."""
 
+    fetch_ahead = False  # a drain A/B with it: 0.87 of the rate, CPU a message 15.5 -> 17.1 µs
+
     def __init__(self, settings: RelaySettings) -> None:
         try:
             self.producer = Producer(librdkafka_config(settings))

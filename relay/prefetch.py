@@ -6,7 +6,8 @@ fetch (py-spy, BENCHMARKS.md "Prefetch, session 49"). So while it sends a full b
 next one is fetched on the fetching connection in a thread of its own, the ids in flight
 including the batch being sent. It is taken only for the same shards and held topics it was
 fetched for, and never after a refused send (Relay._send): then it is dropped and the loop
-fetches again, as before.
+fetches again, as before. Only with a transport whose ``fetch_ahead`` says so: librdkafka's
+``send`` is cheap, and the thread only cost it.
 """
 
 from __future__ import annotations

@@ -398,7 +398,8 @@ class Relay:
             if batch:
                 metrics.topics_seen(row.topic for row in batch)
                 flight = InFlight(transport, batch)
-                if not saw_all and recorder.unsettled() < PIPELINE_DEPTH - 1:
+                if transport.fetch_ahead and not saw_all \
+                        and recorder.unsettled() < PIPELINE_DEPTH - 1:
                     # a backlog, and room for the next batch once this one is in: it is fetched
                     # while this one is sent (with the pipeline full, the loop would wait for
                     # room anyway, and the fetch would only compete with the send)

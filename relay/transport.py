@@ -105,6 +105,9 @@ class Transport(Protocol):
     #: of the topics :meth:`available` found unknown, those Kafka would not describe to the
     #: relay's principal (TOPIC_AUTHORIZATION_FAILED: no Describe ACL), rather than not have
     denied: frozenset[str]
+    #: whether the relay fetches its next batch while it sends one (relay/prefetch.py): worth
+    #: it where ``send`` holds the interpreter (kafka-python), not where it is cheap C
+    fetch_ahead: bool
 
     def send(self, topic: str, key: bytes | None, value: bytes, headers: Headers) -> Delivery:
         """Hand one record over; a record refused before sending (too large, ...) comes back

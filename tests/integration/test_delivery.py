@@ -163,8 +163,9 @@ def test_a_backlog_fetched_ahead_of_its_sends_keeps_each_keys_order(
     engine: Engine, outbox: Outbox, topic: str, schema: str, settings: Settings,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Draining a backlog, the relay fetches each next batch while it sends the one before
-    (relay/prefetch.py): the batches it takes so are the ones it would have fetched."""
+    """Draining a backlog with kafka-python, the relay fetches each next batch while it sends
+    the one before (relay/prefetch.py): the batches it takes so are the ones it would have
+    fetched. With librdkafka it does not (``fetch_ahead``)."""
     taken: list[int] = []
     take = Prefetch.take
 
@@ -177,7 +178,8 @@ def test_a_backlog_fetched_ahead_of_its_sends_keeps_each_keys_order(
     ids = publish_orders(engine, outbox, topic, [(f"k{i % 7}", i) for i in range(1500)])
     with running_relay(settings):  # batches of 200
         wait_delivered(engine, schema, len(ids))
-    assert sum(1 for n in taken if n) >= 3, f"batches fetched ahead and taken: {taken}"
+    ahead = sum(1 for n in taken if n)
+    assert ahead >= 3 if settings.kafka_client == "kafka-python" else ahead == 0, taken
     delivered: dict[bytes, list[int]] = defaultdict(list)
     for record in read_topic(settings.kafka_bootstrap, topic):
         assert record.key is not None and record.message_id is not None
