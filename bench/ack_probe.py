@@ -68,11 +68,13 @@ def install() -> None:
         return
     send = Relay._send
 
-    def handed_over(relay: Any, transport: Any, batch: Any) -> Any:
+    def handed_over(relay: Any, *args: Any) -> Any:
         at = time.time()
-        for row in batch:
+        # a flight of rows (session 49 on), or an older relay's (transport, batch)
+        rows = args[0].rows if len(args) == 1 else args[1]
+        for row in rows:
             SENDS.extend((row.id, at))
-        return send(relay, transport, batch)
+        return send(relay, *args)
 
     Relay._send = handed_over  # type: ignore[method-assign]
 
