@@ -23,10 +23,6 @@ Batch = list[store.Deliverable]
 Key = tuple[frozenset[int], frozenset[str]]
 
 
-def key(shards: Collection[int], held: Collection[str]) -> Key:
-    return frozenset(shards), frozenset(held)
-
-
 class Prefetch:
     """At most one fetch ahead, on one thread; used by the relay's main loop alone."""
 
@@ -34,20 +30,22 @@ class Prefetch:
         self._pool = ThreadPoolExecutor(1, name)
         self._ahead: tuple[Future[Batch], Key] | None = None
 
-    def start(self, fetch: Callable[[], Batch], fetched_for: Key) -> None:
+    def start(self, fetch: Callable[[], Batch], shards: Collection[int],
+              held: Collection[str]) -> None:
+        """Fetch ahead with ``fetch``, for ``shards`` with the topics ``held``."""
         self.drop()
-        self._ahead = self._pool.submit(fetch), fetched_for
+        self._ahead = self._pool.submit(fetch), (frozenset(shards), frozenset(held))
 
-    def take(self, wanted: Key) -> Batch | None:
-        """The batch fetched ahead for ``wanted``; None if there is none, it was fetched for
-        other shards or held topics, or it is empty (rows may have come since). A failed
-        fetch raises here, as it would have in the loop."""
-        if self._ahead is None:
+    def take(self, shards: Collection[int], held: Collection[str]) -> Batch | None:
+        """The batch fetched ahead for ``shards`` and ``held``; None if there is none, it was
+        fetched for other shards or held topics, or it is empty (rows may have come since).
+        A failed fetch raises here, as it would have in the loop."""
+        if self._ahead is None:  # nearly every fetch but a backlog's: nothing built
             return None
         future, fetched_for = self._ahead
         self._ahead = None
         batch = future.result()
-        return batch if batch and fetched_for == wanted else None
+        return batch if batch and fetched_for == (frozenset(shards), frozenset(held)) else None
 
     def drop(self) -> None:
         """Wait for the fetch ahead, if any, and forget its batch (a failure raises)."""
@@ -60,5 +58,4 @@ class Prefetch:
         failure is the pass's to report, if any) and stop the thread."""
         with contextlib.suppress(Exception):
             self.drop()
-        self._ahead = None
         self._pool.shutdown()

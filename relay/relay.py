@@ -40,7 +40,6 @@ from outbox.relay.daemon import Abandoned, Lifecycle
 from outbox.relay.holds import PROBE_SECONDS, TopicHolds
 from outbox.relay.leases import LeaseKeeper, Leases, WorkerIdentity
 from outbox.relay.prefetch import Prefetch
-from outbox.relay.prefetch import key as prefetch_key
 from outbox.relay.recovery import Recovery
 from outbox.relay.retention import Pruner
 from outbox.relay.transport import (
@@ -378,7 +377,7 @@ class Relay:
                         _, next_due_in = store.promote_due(conn, self.schema, shards)
                         promote_at = time.monotonic() + min(poll, next_due_in or poll)
                     held = self._holds.topics
-                    batch = ahead.take(prefetch_key(shards, held)) or store.fetch_deliverable(
+                    batch = ahead.take(shards, held) or store.fetch_deliverable(
                         conn, self.schema, shards, limit, in_flight=recorder.in_flight_ids(),
                         max_bytes=batch_bytes, held=held, fetching=fetching)
                 saw_all = len(batch) < limit and _payload_bytes(batch) < batch_bytes
@@ -447,12 +446,12 @@ class Relay:
         """Starts fetching the batch after ``flight`` (relay/prefetch.py), on the fetching
         connection alone, with the ids in flight as they will be once it is submitted."""
         in_flight = store.IdRanges.joined((recorder.in_flight_ids(), flight.ids))
-        held = self._holds.topics
+        held = self._holds.topics  # as after this batch's admit: topics it held are left out
         limit, batch_bytes = self.settings.relay_batch_size, self.settings.relay_batch_bytes
         ahead.start(functools.partial(
             store.fetch_deliverable, fetching.conn, self.schema, shards, limit,
             in_flight=in_flight, max_bytes=batch_bytes, held=held, fetching=fetching),
-            prefetch_key(shards, held))
+            shards, held)
 
     def _send(self, flight: InFlight) -> None:
         """Hands the flight's rows to the transport in id order. A keyed row the producer

@@ -169,8 +169,8 @@ def test_a_backlog_fetched_ahead_of_its_sends_keeps_each_keys_order(
     taken: list[int] = []
     take = Prefetch.take
 
-    def counted(self: Prefetch, wanted: object) -> object:
-        batch = take(self, wanted)  # type: ignore[arg-type]
+    def counted(self: Prefetch, shards: object, held: object) -> object:
+        batch = take(self, shards, held)  # type: ignore[arg-type]
         taken.append(len(batch or ()))
         return batch
 
