@@ -2,14 +2,19 @@
 
     python bench/held_fetch_bench.py [--held 0,100000,1000000] [--batch 500] [--repeat 7]
 
-A held topic's rows stay pending (relay/holds.py), and the fetch skips them by their topic
-(queries.sql, ``fetch_deliverable``: ``p.topic <> ALL(:held)``) while it walks the pending
-rows in id order. Rows of a held topic older than the others' are walked by every fetch. For
-each size of ``--held`` (cumulative: the rows are added in turn), 2,000 rows of another topic
-are written after the held ones, and ``store.fetch_deliverable`` of ``--batch`` rows over all
-shards is timed ``--repeat`` times with the topic held and with nothing held (then the first
-rows returned are the held topic's own, the walk's floor). Printed: the medians, and held over
-nothing held, measured in the same run. Fresh durable embedded services; prints only.
+A held topic's rows stay pending (relay/holds.py). Since revision 0024 the relay flags them
+``held`` as it notes their reason (``store.mark_held``), which takes them out of the index the
+fetch walks; before, the fetch skipped them by their topic alone (queries.sql,
+``fetch_deliverable``: ``p.topic <> ALL(:held)``) and walked every one of them older than the
+other topics' rows at every fetch. For each size of ``--held`` (cumulative: the rows are added
+in turn), 2,000 rows of another topic are written after the held ones, and
+``store.fetch_deliverable`` of ``--batch`` rows over all shards is timed ``--repeat`` times:
+with the topic held and its rows flagged, with it held by its topic alone (the fetch as
+before revision 0024), and with nothing held (then the first rows returned are the held
+topic's own, the walk's floor). Also timed once each: flagging the held rows
+(``mark_held``), a relay's look for rows flagged by no hold of its own (``heal_held``, the
+topic kept), and unflagging them (``release_held``). Printed: the medians, and each fetch
+over nothing held, measured in the same run. Fresh durable embedded services; prints only.
 """
 
 from __future__ import annotations
@@ -17,13 +22,15 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 from relay_bench import say
 from soak import fresh_services
-from sqlalchemy import Engine, text
+from sqlalchemy import Connection, Engine, text
 
 from outbox import migrate, store
 from outbox.encoding import SHARDS
+from outbox.relay.holds import FLAG_BATCH
 from outbox.settings import sqlalchemy_url
 
 SCHEMA = "held_fetch"
@@ -58,6 +65,19 @@ def fetch_ms(engine: Engine, batch: int, held: list[str], repeat: int) -> float:
     return statistics.median(times)
 
 
+def timed_ms(engine: Engine, step: Callable[[Connection], int]) -> tuple[float, float]:
+    """``step`` in a transaction of its own, again while it wrote ``FLAG_BATCH`` rows, as the
+    relay's steps do: the milliseconds of them all, and of the longest."""
+    times = []
+    while True:
+        started = time.perf_counter()
+        with engine.begin() as conn:
+            written = step(conn)
+        times.append((time.perf_counter() - started) * 1000)
+        if written < FLAG_BATCH:
+            return sum(times), max(times)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -77,9 +97,21 @@ def main() -> None:
                     conn.execute(text(f"DELETE FROM {SCHEMA}.pending WHERE topic = 'other'"))
                 write(engine, "other", 2_000)
                 free = fetch_ms(engine, args.batch, [], args.repeat)
-                held = fetch_ms(engine, args.batch, ["held"], args.repeat)
-                say(f"{total:>9,} held rows ahead: fetch of {args.batch} rows {held:7.1f} ms with "
-                    f"the topic held, {free:5.1f} ms with nothing held; {held / free:5.1f}x")
+                by_topic = fetch_ms(engine, args.batch, ["held"], args.repeat)
+                mark, mark_step = timed_ms(engine, lambda conn: store.mark_held(
+                    conn, SCHEMA, {"held": "held: by the benchmark"}, range(SHARDS),
+                    FLAG_BATCH))
+                flagged = fetch_ms(engine, args.batch, ["held"], args.repeat)
+                heal, _ = timed_ms(engine, lambda conn: sum(store.heal_held(
+                    conn, SCHEMA, ["held"], range(SHARDS), FLAG_BATCH).values()))
+                release, release_step = timed_ms(engine, lambda conn: store.release_held(
+                    conn, SCHEMA, ["held"], range(SHARDS), FLAG_BATCH))
+                say(f"{total:>9,} held rows ahead, fetch of {args.batch} rows: flagged "
+                    f"{flagged:5.1f} ms ({flagged / free:4.1f}x), by topic alone (before 0024) "
+                    f"{by_topic:6.1f} ms ({by_topic / free:5.1f}x), nothing held {free:4.1f} ms; "
+                    f"flagging them {mark:7.1f} ms (longest step {mark_step:5.1f}), the look "
+                    f"for stale flags {heal:4.1f} ms, unflagging them {release:7.1f} ms "
+                    f"(longest step {release_step:5.1f})")
         finally:
             engine.dispose()
 

@@ -24,6 +24,7 @@ from sqlalchemy import (
     SmallInteger,
     Table,
     Text,
+    false,
     func,
     text,
     true,
@@ -127,17 +128,19 @@ pending = Table(
     Column("attempts", Integer, nullable=False, server_default="0"),
     Column("last_error", Text),
     Column("created_at", DateTime(timezone=True), nullable=False),
+    # A held topic's waiting row, out of the fetch's walk (relay/holds.py, revision 0024).
+    Column("held", Boolean, nullable=False, server_default=false()),
     Index(
         "pending_relay_idx",
         "message_id",
-        postgresql_where=text("status = 'PENDING' AND resolution = 'COMMIT'"),
+        postgresql_where=text("status = 'PENDING' AND resolution = 'COMMIT' AND NOT held"),
     ),
     Index(
         "pending_check_idx",
         "next_check_at",
         postgresql_where=text("resolution = 'UNKNOWN' AND status IN ('PENDING', 'DELAYED')"),
     ),
-    # Rows that hold back later rows of their key: delayed, or awaiting their resolution.
+    # Rows that hold back later rows of their key: delayed, awaiting their resolution, or held.
     Index(
         "pending_hold_idx",
         "topic",
@@ -145,9 +148,10 @@ pending = Table(
         "message_id",
         postgresql_where=text(
             "key IS NOT NULL AND (status = 'DELAYED' "
-            "OR (status = 'PENDING' AND resolution = 'UNKNOWN'))"
+            "OR (status = 'PENDING' AND resolution = 'UNKNOWN') OR held)"
         ),
     ),
+    Index("pending_held_idx", "topic", "shard", "message_id", postgresql_where=text("held")),
     Index("pending_delayed_idx", "deliver_after", postgresql_where=text("status = 'DELAYED'")),
 )
 

@@ -634,11 +634,36 @@ def record_failures(
 
 
 def mark_held(conn: Connection, schema: str, reasons: Mapping[str, str],
-              shards: Iterable[int]) -> None:
-    """Note each held topic's reason (starting with ``held: ``) on its waiting rows."""
-    conn.execute(query("mark_held", schema), {
+              shards: Iterable[int], limit: int) -> int:
+    """Note each held topic's reason (starting with ``held: ``) on at most ``limit`` of its
+    waiting rows not noted yet, and flag them held; returns how many."""
+    return int(conn.execute(query("mark_held", schema), {
         "topics": list(reasons), "reasons": [as_text(r) for r in reasons.values()],
-        "shards": int_array(shards)})
+        "shards": int_array(shards), "limit": limit}).scalar_one())
+
+
+def release_held(conn: Connection, schema: str, topics: Collection[str],
+                 shards: Iterable[int], limit: int) -> int:
+    """At most ``limit`` held rows of released topics in ``shards`` rejoin the fetch;
+    returns how many."""
+    return int(conn.execute(query("release_held", schema), {
+        "topics": list(topics), "shards": int_array(shards), "limit": limit}).scalar_one())
+
+
+def try_held(conn: Connection, schema: str, topics: Collection[str],
+             shards: Iterable[int]) -> None:
+    """The first held row of each of ``topics`` per shard of ``shards`` rejoins the fetch."""
+    conn.execute(query("try_held", schema), {
+        "topics": list(topics), "shards": int_array(shards)})
+
+
+def heal_held(conn: Connection, schema: str, kept: Collection[str],
+              shards: Iterable[int], limit: int) -> dict[str, int]:
+    """At most ``limit`` rows of ``shards`` flagged held for topics not in ``kept`` rejoin
+    the fetch; returns how many per topic."""
+    rows = conn.execute(query("heal_held", schema), {
+        "kept": list(kept), "shards": int_array(shards), "limit": limit})
+    return {row.topic: row.rows for row in rows}
 
 
 def park_topic(conn: Connection, schema: str, actor: str, topic: str, shards: Iterable[int],

@@ -22,6 +22,14 @@ acknowledges other topics' (a partition without a leader or enough in-sync repli
 the producer retries until its delivery timeout while every topic waits behind it: relay.py's
 ``_give_up_stuck_topics``).
 
+A held topic's waiting rows are flagged ``held`` as their reason is noted (revision 0024): a
+flagged row is out of the index the fetch walks, so a held backlog costs the other topics'
+fetches nothing, and it holds back its key's later rows as a delayed row does. A refused
+topic tried again has the first of its held rows per shard unflagged, and a released one
+all of its rows. Flags outlive the relay that wrote them (killed, or its shards moved), so
+every ``HEAL_SECONDS`` each relay unflags the rows of its shards flagged for topics it does
+not hold.
+
 A topic deleted after the relay first asked about it looks like a broker away: its records
 are retried. Any topic whose records failed so is asked about again before the next batch
 is sent to it, and held if Kafka no longer knows it; a batch that waits for acks asks about
@@ -54,6 +62,10 @@ FIRST_RETRY_SECONDS = 1.0
 LAST_RETRY_SECONDS = 30.0
 #: A refused topic tried again with no answer from Kafka within this is no longer held.
 TRIAL_SECONDS = 60.0
+#: How often a relay unflags the rows of its shards flagged held for topics it does not hold.
+HEAL_SECONDS = 10.0
+#: At most this many rows flagged or unflagged a step (relay/holds.py's ``_write``).
+FLAG_BATCH = 5_000
 #: More topics than this held or released in one step are said in one line (a batch of
 #: thousands of new topics said a line for each).
 EACH_SAID = 5
@@ -91,8 +103,13 @@ class TopicHolds:
         #: from the recorder, in the order of the batches: (what Kafka did, topic, error),
         #: what being "refused", "stuck", "landed" (a record of a tried topic) or "lost"
         self._answers: list[tuple[str, str, str]] = []
-        #: held topics' reasons to note on their rows at the end of this step (_write_marks)
+        #: held topics' reasons to note on their rows at the end of this step (_write)
         self._marks: dict[str, str] = {}
+        #: refused topics tried again, and topics released, in this step (_write)
+        self._trials: set[str] = set()
+        self._released: set[str] = set()
+        self._heal_at = 0.0  #: monotonic time to unflag rows no hold of this relay's flagged
+        self._healing: set[str] = set()  #: topics whose rows the last look unflagged
 
     @property
     def topics(self) -> list[str]:
@@ -118,7 +135,7 @@ class TopicHolds:
         now = time.monotonic()  # one back-off for them all: asked about again together
         for topic in sorted(new - found):
             held.setdefault(self._hold(topic, now), []).append(topic)
-        self._write_marks(conn, shards)
+        self._write(conn, shards)
         for what, topics in held.items():
             _say(topics, "topic %s: %s; holding its messages, other topics keep flowing; %s",
                  "%d topics (%s), each: %s; holding their messages, other topics keep "
@@ -160,7 +177,7 @@ class TopicHolds:
         again): release those that appeared, note the newcomers of the others, and park them
         once held too long."""
         self._revisit(conn, shards)
-        self._write_marks(conn, shards)
+        self._write(conn, shards)
 
     def _revisit(self, conn: Connection, shards: Collection[int]) -> None:
         self._heed_answers()
@@ -218,6 +235,7 @@ class TopicHolds:
         if hold is None and topic in self._held and self._held[topic].refused:
             hold = self._held.pop(topic)
         if hold is not None:
+            self._released.add(topic)
             metrics.TOPIC_HELD.labels(topic).set(0)
             log.warning("topic %s: Kafka takes its records again after %.1fs: delivering "
                         "its held messages", topic, time.monotonic() - hold.since)
@@ -252,10 +270,12 @@ class TopicHolds:
         hold = self._tried[topic] = self._held.pop(topic)
         hold.retry_at = time.monotonic() + TRIAL_SECONDS
         self.tried = frozenset(self._tried)
+        self._trials.add(topic)
 
     def _unheard(self, topic: str) -> None:
         del self._tried[topic]
         self.tried = frozenset(self._tried)
+        self._released.add(topic)
         metrics.TOPIC_HELD.labels(topic).set(0)
         log.info("topic %s: none of its records was sent in %.0fs of trying it again (its "
                  "messages are gone from this relay's shards); no longer held", topic,
@@ -290,19 +310,47 @@ class TopicHolds:
         return (f"parked after {self._park_after:g}s (OUTBOX_TOPIC_HOLD_PARK_AFTER)"
                 if self._park_after is not None else otherwise)
 
-    def _write_marks(self, conn: Connection, shards: Collection[int]) -> None:
-        """Note the reasons of the topics held or asked about in this step on their rows,
-        in one statement."""
-        if not self._marks:  # nearly every loop of the relay
+    def _write(self, conn: Connection, shards: Collection[int]) -> None:
+        """Write, in one transaction, what this step changed of the held topics' rows: the
+        rows of topics still held noted and flagged, the first rows of topics tried again and
+        the rows of topics released back in the fetch; and every ``HEAL_SECONDS``, the rows of
+        ``shards`` flagged for topics this relay neither holds nor tries. Each at most
+        ``FLAG_BATCH`` rows a step (a million rows in one statement held the loop for 20 s):
+        what is left is written in the next steps."""
+        marks = {topic: reason for topic, reason in self._marks.items() if topic in self._held}
+        trials = self._trials & self._tried.keys()
+        released = self._released - self._held.keys() - self._tried.keys()
+        self._marks, self._trials, self._released = {}, set(), set()
+        heal = time.monotonic() >= self._heal_at
+        if not (marks or trials or released or heal):  # nearly every loop of the relay
             return
-        marks, self._marks = self._marks, {}
+        healed: dict[str, int] = {}
         with conn.begin():
-            store.mark_held(conn, self._schema, marks, shards)
+            if released and store.release_held(conn, self._schema, released, shards,
+                                               FLAG_BATCH) == FLAG_BATCH:
+                self._released |= released
+            if trials:
+                store.try_held(conn, self._schema, trials, shards)
+            if marks and store.mark_held(conn, self._schema, marks, shards,
+                                         FLAG_BATCH) == FLAG_BATCH:
+                self._marks = marks
+            if heal:
+                healed = store.heal_held(conn, self._schema,
+                                         self._held.keys() | self._tried.keys(), shards,
+                                         FLAG_BATCH)
+                self._heal_at = 0.0 if sum(healed.values()) == FLAG_BATCH \
+                    else time.monotonic() + HEAL_SECONDS
+        for topic in healed.keys() - self._healing:  # said once, not once a FLAG_BATCH
+            log.warning("topic %s: its messages in this relay's shards were flagged held by a "
+                        "relay that no longer holds them (stopped, or their shards moved); "
+                        "delivering them", topic)
+        self._healing = set(healed)
 
     def _release(self, topic: str, hold: Hold) -> float:
         """Release a held topic that appeared; returns how long it was held."""
         del self._held[topic]
         self._known.add(topic)
+        self._released.add(topic)
         metrics.TOPIC_HELD.labels(topic).set(0)
         return time.monotonic() - hold.since
 

@@ -197,6 +197,44 @@ def test_sigterm_during_a_hold_stops_the_relay_within_seconds(
     assert count_status(engine, schema, "PENDING") == 5
 
 
+def held_flags(engine: Engine, schema: str, topic: str) -> int:
+    """The topic's pending rows flagged held: out of the fetch's walk (revision 0024)."""
+    with engine.connect() as conn:
+        return int(conn.execute(text(
+            f"SELECT count(*) FROM {schema}.pending WHERE topic = :topic AND held"),
+            {"topic": topic}).scalar_one())
+
+
+def test_the_held_flags_of_a_killed_relay_do_not_hide_its_messages_from_the_next(
+    engine: Engine, outbox: Outbox, schema: str, missing: str, proxy: KafkaProxy,
+    held_settings: Settings, services: devservices.Services, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A held topic's rows are flagged out of the fetch, and the flags outlive the relay
+    that wrote them: killed, then the topic created, the next relay must still find them."""
+    caplog.set_level(logging.INFO, logger="outbox.relay")
+    held_ids = publish_orders(engine, outbox, missing, HELD)
+    relay = start_outbox(held_settings, "relay")
+    try:
+        wait_until(lambda: held_flags(engine, schema, missing) == len(HELD), 30,
+                   "the held topic's rows flagged")
+    finally:
+        relay.kill()  # SIGKILL: nothing of it unflags them
+        relay.wait()
+    proxy.release(missing)
+    with running_relay(held_settings):
+        wait_delivered(engine, schema, len(HELD), timeout=60)
+    assert held_flags(engine, schema, missing) == 0
+    records = read_topic(services.kafka_bootstrap, missing)
+    assert sorted(r.message_id for r in records) == held_ids
+    by_key: dict[bytes | None, list[int]] = {}
+    for record in records:
+        assert record.message_id is not None
+        by_key.setdefault(record.key, []).append(record.message_id)
+    assert all(ids == sorted(ids) for ids in by_key.values()), "held messages keep key order"
+    assert f"topic {missing}: its messages in this relay's shards were flagged held" \
+        in caplog.text
+
+
 def test_acks_that_arrived_are_recorded_before_a_failed_pass_sends_again(
     engine: Engine, outbox: Outbox, schema: str, topic: str, proxy: KafkaProxy,
     held_settings: Settings, services: devservices.Services, caplog: pytest.LogCaptureFixture,
