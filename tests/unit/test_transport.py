@@ -3,10 +3,12 @@ are classified like kafka-python's. No broker needed."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import kafka.errors
 import pytest
@@ -294,14 +296,28 @@ def test_a_refused_topic_tried_again_with_nothing_to_send_is_let_go(
 
     settings = RelaySettings(database_url="postgresql://u@h/db", kafka_bootstrap="h:9092")
     held: Any = holds_module.TopicHolds(settings, transport=None)  # type: ignore[arg-type]
-    monkeypatch.setattr(held, "_write_marks", lambda *args: None)  # a database write
+    writes: list[tuple[str, object]] = []  # the database writes but the heal, in their order
+
+    def write(name: str, conn: object, schema: str, what: object, *args: object) -> object:
+        if name == "heal_held":
+            return {}
+        writes.append((name, what))
+        return 0
+
+    for name in ("mark_held", "try_held", "release_held", "heal_held"):
+        monkeypatch.setattr(holds_module.store, name, functools.partial(write, name))
     monkeypatch.setattr(holds_module, "TRIAL_SECONDS", 0.0)
+    conn = mock.MagicMock()  # begin() is a context manager; no statement runs on it
     held.refused("gone", "TopicAuthorizationFailedError: gone")
-    held.revisit(None, [0])  # held
+    held.revisit(conn, [0])  # held
     assert held.topics == ["gone"]
+    assert ("mark_held", {"gone": held._held["gone"].reason}) in writes
     held._held["gone"].retry_at = 0.0  # its back-off has passed
-    held.revisit(None, [0])  # tried
+    writes.clear()
+    held.revisit(conn, [0])  # tried
     assert held.tried == {"gone"}
-    held.revisit(None, [0])  # no answer within the trial
+    assert writes == [("try_held", {"gone"})], "its first held rows rejoin the fetch"
+    held.revisit(conn, [0])  # no answer within the trial
     assert held.tried == frozenset() and held.topics == []
+    assert writes[-1] == ("release_held", {"gone"}), "all its rows rejoin the fetch"
     assert REGISTRY.get_sample_value("outbox_topic_held", {"topic": "gone"}) == 0
