@@ -14,7 +14,8 @@ before revision 0024), and with nothing held (then the first rows returned are t
 topic's own, the walk's floor). Also timed once each: flagging the held rows
 (``mark_held``), a relay's look for rows flagged by no hold of its own (``heal_held``, the
 topic kept), and unflagging them (``release_held``). Printed: the medians, and each fetch
-over nothing held, measured in the same run. Fresh durable embedded services; prints only.
+over nothing held, measured in the same run, on sessions set as the relay's delivery
+connection (``store.DELIVERY_SETTINGS``). Fresh durable embedded services; prints only.
 """
 
 from __future__ import annotations
@@ -87,7 +88,8 @@ def main() -> None:
     args = parser.parse_args()
     with fresh_services(pool_size=2) as (services, _):
         migrate.upgrade(services.database_url, SCHEMA)
-        engine = store.engine(sqlalchemy_url(services.database_url))
+        engine = store.engine(sqlalchemy_url(services.database_url),
+                              settings=store.DELIVERY_SETTINGS)  # as the relay's
         try:
             total = 0
             for size in map(int, args.held.split(",")):

@@ -248,7 +248,8 @@ SELECT id, topic, status FROM failed;
 -- name: mark_held
 -- Held topics' waiting rows say so (last_error starting with 'held: '), for `outbox status`,
 -- and are flagged `held`, out of the fetch's walk: at most :limit rows (relay/holds.py writes
--- the rest in its next steps), written by primary key (`= ANY(ARRAY(...))`: joined as a set,
+-- the rest in its next steps), found along pending_relay_idx, which flagged rows have left
+-- (a scan of the table read every held row again at each step), written by primary key (`= ANY(ARRAY(...))`: joined as a set,
 -- the planner read the whole table for them, 40 ms of a 160 ms step at 220,000 pending
 -- rows; the same in the three statements below). Every topic held or asked about again in
 -- one step in one statement: one per topic read the shards' rows once per topic. Returns
@@ -260,6 +261,7 @@ WITH due AS (
       ON p.topic = h.topic
     WHERE p.status = 'PENDING' AND p.resolution = 'COMMIT' AND NOT p.held
       AND p.shard = ANY(CAST(:shards AS smallint[]))
+    ORDER BY p.message_id  -- with the relay's enable_sort off: a walk of pending_relay_idx
     LIMIT :limit
 ), flagged AS (
     UPDATE {schema}.pending AS p SET last_error = due.reason, held = true
