@@ -21,7 +21,7 @@ from sqlalchemy import Engine, text
 
 from outbox import Outbox, store
 from outbox.dev import services as devservices
-from outbox.dev.topics import create_topic, read_topic
+from outbox.dev.topics import Record, create_topic, read_topic
 from outbox.settings import Settings
 from tests.conftest import (
     both_transports,
@@ -85,6 +85,15 @@ def held_marks(engine: Engine, schema: str, topic: str) -> int:
             f"AND last_error LIKE 'held: %'"), {"topic": topic}).scalar_one())
 
 
+def assert_key_order(records: list[Record]) -> None:
+    """Each key's records in the order of their messages' ids."""
+    by_key: dict[bytes | None, list[int]] = {}
+    for record in records:
+        assert record.message_id is not None
+        by_key.setdefault(record.key, []).append(record.message_id)
+    assert all(ids == sorted(ids) for ids in by_key.values()), "held messages keep key order"
+
+
 def held_gauge(topic: str) -> float | None:
     return REGISTRY.get_sample_value("outbox_topic_held", {"topic": topic})
 
@@ -113,11 +122,7 @@ def test_a_missing_topic_is_held_while_other_topics_flow_then_delivered_in_key_o
     assert ids_per_record(services, topic) == Counter(good_ids), "each good message once"
     records = read_topic(services.kafka_bootstrap, missing)
     assert sorted(r.message_id for r in records) == held_ids
-    by_key: dict[bytes | None, list[int]] = {}
-    for record in records:
-        assert record.message_id is not None
-        by_key.setdefault(record.key, []).append(record.message_id)
-    assert all(ids == sorted(ids) for ids in by_key.values()), "held messages keep key order"
+    assert_key_order(records)
     lines = [r.getMessage() for r in caplog.records if missing in r.getMessage()]
     assert len([line for line in lines if "holding" in line]) == 1, lines
 
@@ -226,11 +231,7 @@ def test_the_held_flags_of_a_killed_relay_do_not_hide_its_messages_from_the_next
     assert held_flags(engine, schema, missing) == 0
     records = read_topic(services.kafka_bootstrap, missing)
     assert sorted(r.message_id for r in records) == held_ids
-    by_key: dict[bytes | None, list[int]] = {}
-    for record in records:
-        assert record.message_id is not None
-        by_key.setdefault(record.key, []).append(record.message_id)
-    assert all(ids == sorted(ids) for ids in by_key.values()), "held messages keep key order"
+    assert_key_order(records)
     assert f"topic {missing}: its messages in this relay's shards were flagged held" \
         in caplog.text
 
@@ -340,11 +341,7 @@ def test_a_topic_kafka_refuses_is_held_not_parked_then_delivered_in_key_order(
         wait_until(lambda: held_gauge(denied) == 0, 10, "the gauge to say so")
     records = read_topic(services.kafka_bootstrap, denied)
     assert Counter(r.message_id for r in records) == Counter(denied_ids), "each once"
-    by_key: dict[bytes | None, list[int]] = {}
-    for record in records:
-        assert record.message_id is not None
-        by_key.setdefault(record.key, []).append(record.message_id)
-    assert all(ids == sorted(ids) for ids in by_key.values()), "held messages keep key order"
+    assert_key_order(records)
     lines = [r.getMessage() for r in caplog.records]
     assert [line for line in lines if "Kafka refuses its records" in line] == [
         line for line in lines if line.startswith(f"topic {denied}: Kafka refuses")], lines
@@ -482,11 +479,7 @@ def test_a_topic_deleted_under_the_relay_is_held_while_the_others_flow(
     assert ids_per_record(services, topic) == Counter(good_ids), "each good message once"
     records = read_topic(services.kafka_bootstrap, doomed)
     assert sorted(r.message_id for r in records) == sorted(set(r.message_id for r in records))
-    by_key: dict[bytes | None, list[int]] = {}
-    for record in records:
-        assert record.message_id is not None
-        by_key.setdefault(record.key, []).append(record.message_id)
-    assert all(ids == sorted(ids) for ids in by_key.values()), "held messages keep key order"
+    assert_key_order(records)
 
 
 def test_a_topic_deleted_under_the_relay_stalls_the_others_for_seconds_not_its_delivery_timeout(
@@ -556,11 +549,7 @@ def test_a_topic_kafka_keeps_retrying_is_held_while_the_others_flow(
     records = read_topic(services.kafka_bootstrap, stuck)
     ids = [record.message_id for record in records]
     assert len(ids) == len(set(ids)) == 21, "each once, none lost"
-    by_key: dict[bytes | None, list[int]] = {}
-    for record in records:
-        assert record.message_id is not None
-        by_key.setdefault(record.key, []).append(record.message_id)
-    assert all(ids == sorted(ids) for ids in by_key.values()), "held messages keep key order"
+    assert_key_order(records)
     assert "paused" not in caplog.text, "Kafka answered all along: no outage"
 
 
