@@ -376,6 +376,32 @@ def test_a_refused_topic_tried_alone_and_refused_again_is_delivered_once_kafka_t
     assert "parked" not in caplog.text
 
 
+def test_messages_published_while_their_topic_is_held_wait_behind_its_held_ones(
+    engine: Engine, outbox: Outbox, schema: str, proxy: KafkaProxy, held_settings: Settings,
+    services: devservices.Services,
+) -> None:
+    """A held topic's rows are flagged out of the fetch; a trial lets its first row per shard
+    back in, and whatever was published since is fetched with it. Those must wait behind the
+    older rows of their key that are still flagged: once Kafka takes the topic again, a key's
+    later messages would otherwise land before its earlier ones."""
+    denied = f"denied-{uuid.uuid4().hex[:8]}"
+    create_topic(services.kafka_bootstrap, denied, partitions=3)
+    proxy.refuse(denied, TOPIC_AUTHORIZATION_FAILED)
+    denied_ids = publish_orders(engine, outbox, denied, HELD)
+    with running_relay(held_settings.model_copy(update={"relay_max_attempts": 1})):
+        wait_until(lambda: held_flags(engine, schema, denied) >= len(HELD) - 3, 30,
+                   "the refused topic's rows flagged")
+        refused = proxy.refusals[denied]
+        wait_until(lambda: proxy.refusals[denied] > refused, 30, "a try refused again")
+        # before the next try (2 s or more later): the same keys, later, not flagged yet
+        denied_ids += publish_orders(engine, outbox, denied, HELD)
+        proxy.accept(denied)
+        wait_delivered(engine, schema, 2 * len(HELD), timeout=60)
+    records = read_topic(services.kafka_bootstrap, denied)
+    assert Counter(r.message_id for r in records) == Counter(denied_ids), "each once"
+    assert_key_order(records)
+
+
 def test_a_producer_kafka_refuses_everywhere_is_an_outage_not_parked_messages(
     engine: Engine, outbox: Outbox, schema: str, topic: str, proxy: KafkaProxy,
     held_settings: Settings, caplog: pytest.LogCaptureFixture,
