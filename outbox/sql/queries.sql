@@ -33,15 +33,16 @@ SELECT {schema}.publish_message(
 -- owns, in id order, skipping rows held back by an earlier row of their key that is still
 -- DELAYED or UNKNOWN or held, the rows of the batch it has in flight and those of topics it
 -- holds (relay/holds.py: flagged `held`, out of the index the walk reads; :held names them,
--- for their rows not flagged yet); at most :limit. Chosen in the pending table alone (its partial index:
--- the cost follows the backlog). The relay runs it with enable_sort off (store.engine):
--- every way but that walk sorts. It runs on a plan made once (store.fetch_deliverable). The
--- ids in flight come as ranges (store.IdRanges), each row tested by a binary search: as an
--- array the planner weighed each of them (2.8 ms of planning with 6,000 in flight), and a
--- plan made once compared each row with each of them. The OFFSET 0 keeps the key-hold test
--- a probe of pending_hold_idx per row: as an anti-join, rows holding keys back that came
--- after the statistics looked like one, and each batch read them all, once or once a row
--- (10.5 s a batch of 500 over 100,000 held rows, instead of 2 ms).
+-- for their rows not flagged yet); at most :limit. Chosen in the pending table alone (its
+-- partial index: the cost follows the backlog). The relay runs it with enable_sort off
+-- (store.engine): every way but that walk sorts. It runs on a plan made once
+-- (store.fetch_deliverable). The ids in flight come as ranges (store.IdRanges), each row
+-- tested by a binary search: as an array the planner weighed each of them (2.8 ms of
+-- planning with 6,000 in flight), and a plan made once compared each row with each of
+-- them. The OFFSET 0 keeps the key-hold test a probe of pending_hold_idx per row: as an
+-- anti-join, rows holding keys back that came after the statistics looked like one, and
+-- each batch read them all, once or once a row (10.5 s a batch of 500 over 100,000 held
+-- rows, instead of 2 ms).
 SELECT p.message_id
 FROM {schema}.pending AS p
 WHERE p.status = 'PENDING' AND p.resolution = 'COMMIT' AND NOT p.held
@@ -249,11 +250,11 @@ SELECT id, topic, status FROM failed;
 -- Held topics' waiting rows say so (last_error starting with 'held: '), for `outbox status`,
 -- and are flagged `held`, out of the fetch's walk: at most :limit rows (relay/holds.py writes
 -- the rest in its next steps), found along pending_relay_idx, which flagged rows have left
--- (a scan of the table read every held row again at each step), written by primary key (`= ANY(ARRAY(...))`: joined as a set,
--- the planner read the whole table for them, 40 ms of a 160 ms step at 220,000 pending
--- rows; the same in the three statements below). Every topic held or asked about again in
--- one step in one statement: one per topic read the shards' rows once per topic. Returns
--- how many were flagged.
+-- (a scan of the table read every held row again at each step), written by primary key
+-- (`= ANY(ARRAY(...))`: joined as a set, the planner read the whole table for them, 40 ms
+-- of a 160 ms step at 220,000 pending rows; the same in the three statements below). Every
+-- topic held or asked about again in one step in one statement: one per topic read the
+-- shards' rows once per topic. Returns how many were flagged.
 WITH due AS (
     SELECT p.message_id, h.reason
     FROM {schema}.pending AS p
