@@ -559,16 +559,21 @@ def test_status_counts_messages_no_sweeper_checks(
     engine: Engine, fast: Settings, schema: str
 ) -> None:
     prepare(engine, Outbox(settings=fast, producer_group="nobody"))
-    env = outbox_env(fast, OUTBOX_CHECKER_TIMEOUT="0.1", OUTBOX_SWEEP_POLL_INTERVAL="0.1")
 
-    def check_backs() -> list[dict[str, Any]]:
+    def check_backs(checker_timeout: str) -> list[dict[str, Any]]:
+        """``outbox status``: overdue means past due by more than a sweeper takes to claim it
+        (the checker's timeout + a claim margin + a poll)."""
+        env = outbox_env(fast, OUTBOX_CHECKER_TIMEOUT=checker_timeout,
+                         OUTBOX_SWEEP_POLL_INTERVAL="0.1")
         status = run_outbox(None, "status", "--json", env=env)
         assert status.returncode == 0, status.stderr
         return list(json.loads(status.stdout)["check_backs"])
 
-    assert check_backs() == [{"producer_group": "nobody", "unresolved": 1, "overdue": 0}]
+    # A sweeper may still claim it: a minute's timeout cannot have run out, however slow the
+    # command starts (with 0.1 s, CI once took the 2.2 s to start and saw it overdue already).
+    assert check_backs("60") == [{"producer_group": "nobody", "unresolved": 1, "overdue": 0}]
     # No sweeper runs: once past the time a sweeper takes to claim it, the message is overdue.
-    wait_until(lambda: check_backs()[0]["overdue"] == 1, 30, "the message to be overdue")
+    wait_until(lambda: check_backs("0.1")[0]["overdue"] == 1, 30, "the message to be overdue")
 
 
 # --- operator: discarded, resume, late decisions -------------------------------------------
