@@ -155,7 +155,7 @@ class KafkaProxy(TcpProxy):
             hidden = {t.name: ([p.index for p in t.partition_data], refused[t.name])
                       for t in produce.topic_data if t.name in refused}
             with self._lock:
-                self.refusals.update(hidden)
+                self.refusals.update(hidden.keys())  # one per request
             if hidden:
                 produce.topic_data = [t for t in produce.topic_data if t.name not in hidden]
                 if not produce.topic_data:
