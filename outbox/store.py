@@ -650,6 +650,22 @@ def release_held(conn: Connection, schema: str, topics: Collection[str],
         "topics": list(topics), "shards": int_array(shards), "limit": limit}).scalar_one())
 
 
+#: Where a topic's renote stands (``renote_held``): the last row noted, in
+#: ``pending_held_idx``'s order (shard, message id); ``(-1, 0)`` before the first.
+Cursor = tuple[int, int]
+CURSOR_START: Cursor = (-1, 0)
+
+
+def renote_held(conn: Connection, schema: str, topic: str, reason: str, shards: Iterable[int],
+                limit: int, after: Cursor) -> tuple[int, Cursor]:
+    """Note ``reason`` on at most ``limit`` of a held topic's flagged rows in ``shards`` past
+    ``after``; returns how many, and where the next step starts."""
+    row = conn.execute(query("renote_held", schema), {
+        "topic": topic, "reason": as_text(reason), "shards": int_array(shards),
+        "limit": limit, "after_shard": after[0], "after_id": after[1]}).one()
+    return int(row.rows), (int(row.last[0]), int(row.last[1])) if row.rows else after
+
+
 def try_held(conn: Connection, schema: str, topics: Collection[str],
              shards: Iterable[int]) -> None:
     """The first held row of each of ``topics`` per shard of ``shards`` rejoins the fetch."""

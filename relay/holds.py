@@ -108,6 +108,8 @@ class TopicHolds:
         #: refused topics tried again, and topics released, in this step (_write)
         self._trials: set[str] = set()
         self._released: set[str] = set()
+        #: held topics whose reason changed, and where the notes on their flagged rows stand
+        self._renoting: dict[str, store.Cursor] = {}
         self._heal_at = 0.0  #: monotonic time to unflag rows no hold of this relay's flagged
         self._healing: set[str] = set()  #: topics whose rows the last look unflagged
 
@@ -202,6 +204,7 @@ class TopicHolds:
                 if hold.denied != (topic in self.transport.denied):
                     log.warning("topic %s: %s; still holding its messages", topic,
                                 self._explain(topic, hold))
+                    self._renoting[topic] = store.CURSOR_START  # the flagged rows say it
                 self._marks[topic] = hold.reason
             if hold.refused:
                 self._try(topic)  # refused again, it backs off further (_heed_answers)
@@ -312,19 +315,23 @@ class TopicHolds:
 
     def _write(self, conn: Connection, shards: Collection[int]) -> None:
         """Write, in one transaction, what this step changed of the held topics' rows: the
-        rows of topics still held noted and flagged, the first rows of topics tried again and
-        the rows of topics released back in the fetch; and every ``HEAL_SECONDS``, the rows of
+        rows of topics still held noted and flagged (and noted again if their reason
+        changed), the first rows of topics tried again and the rows of topics released back
+        in the fetch; and every ``HEAL_SECONDS``, the rows of
         ``shards`` flagged for topics this relay neither holds nor tries. Each at most
         ``FLAG_BATCH`` rows a step (a million rows in one statement held the loop for 20 s):
         what is left is written in the next steps."""
         heal = time.monotonic() >= self._heal_at
-        if not (self._marks or self._trials or self._released or heal):
+        if not (self._marks or self._trials or self._released or self._renoting or heal):
             return  # nearly every loop of the relay
         marks = {topic: reason for topic, reason in self._marks.items() if topic in self._held}
+        renoting = {topic: at for topic, at in self._renoting.items() if topic in self._held}
+        self._renoting = {}
         trials = self._trials & self._tried.keys()
         released = self._released - self._held.keys() - self._tried.keys()
         self._marks, self._trials, self._released = {}, set(), set()
         healed: dict[str, int] = {}
+        renoted: dict[str, store.Cursor] = {}  # carried once committed (a rollback redoes)
         with conn.begin():
             if released and store.release_held(conn, self._schema, released, shards,
                                                FLAG_BATCH) == FLAG_BATCH:
@@ -334,12 +341,18 @@ class TopicHolds:
             if marks and store.mark_held(conn, self._schema, marks, shards,
                                          FLAG_BATCH) == FLAG_BATCH:
                 self._marks = marks
+            for topic, at in renoting.items():
+                noted, at = store.renote_held(conn, self._schema, topic,
+                                              self._held[topic].reason, shards, FLAG_BATCH, at)
+                if noted == FLAG_BATCH:
+                    renoted[topic] = at
             if heal:
                 healed = store.heal_held(conn, self._schema,
                                          self._held.keys() | self._tried.keys(), shards,
                                          FLAG_BATCH)
                 self._heal_at = 0.0 if sum(healed.values()) == FLAG_BATCH \
                     else time.monotonic() + HEAL_SECONDS
+        self._renoting = {**renoted, **self._renoting}
         for topic in healed.keys() - self._healing:  # said once, not once a FLAG_BATCH
             log.warning("topic %s: its messages in this relay's shards were flagged held by a "
                         "relay that no longer holds them (stopped, or their shards moved); "

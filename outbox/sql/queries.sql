@@ -289,6 +289,24 @@ WITH released AS (
 )
 SELECT count(*) FROM released;
 
+-- name: renote_held
+-- A held topic's reason changed (Kafka stopped describing it to the relay, or started
+-- again): at most :limit of its flagged rows in :shards past the cursor (:after_shard,
+-- :after_id: the last row the step before noted, in pending_held_idx's order) say the new
+-- one, for `outbox status` (relay/holds.py notes the rest in its next steps). Returns how
+-- many, and the last one's shard and id.
+WITH noted AS (
+    UPDATE {schema}.pending SET last_error = :reason
+    WHERE message_id = ANY(ARRAY(
+        SELECT message_id FROM {schema}.pending
+        WHERE held AND topic = :topic AND (shard, message_id) > (:after_shard, :after_id)
+          AND shard = ANY(CAST(:shards AS smallint[])) AND last_error IS DISTINCT FROM :reason
+        ORDER BY shard, message_id
+        LIMIT :limit))
+    RETURNING shard, message_id
+)
+SELECT count(*) AS rows, max(ARRAY[shard, message_id]) AS last FROM noted;
+
 -- name: try_held
 -- Refused topics tried again (relay/holds.py): per shard of :shards, the first of each one's
 -- held rows rejoins the fetch's walk. Its key's later rows stay behind their held ones.

@@ -22,6 +22,7 @@ from sqlalchemy import Engine, text
 from outbox import Outbox, store
 from outbox.dev import services as devservices
 from outbox.dev.topics import Record, create_topic, read_topic
+from outbox.relay import holds
 from outbox.settings import Settings
 from tests.conftest import (
     both_transports,
@@ -154,6 +155,35 @@ def test_a_topic_kafka_will_not_describe_is_held_as_such_not_as_missing(
         f"topic {hidden}: Kafka will not describe it to the relay (TOPIC_AUTHORIZATION_FAILED: "
         "grant the relay's principal Describe and Write on it); holding its messages, other "
         "topics keep flowing; held until it appears"], lines
+
+
+def test_a_held_topic_s_rows_say_why_it_is_held_when_the_reason_changes(
+    engine: Engine, outbox: Outbox, schema: str, missing: str, proxy: KafkaProxy,
+    held_settings: Settings, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Kafka stops describing a held missing topic to the relay (or starts again): the
+    relay says the new reason, and so must `outbox status`, which reads it from the rows.
+    The rows flagged held kept their first note (only rows not flagged yet were noted)."""
+    caplog.set_level(logging.INFO, logger="outbox.relay")
+    monkeypatch.setattr(holds, "FLAG_BATCH", 7)  # in steps, each from where the last stopped
+    publish_orders(engine, outbox, missing, HELD)
+
+    def said(reason: str) -> bool:
+        shown = run_outbox(held_settings, "status")
+        assert shown.returncode == 0, shown.stderr
+        return f"topic {missing} held: {len(HELD)} messages wait until {reason}" in shown.stdout
+
+    with running_relay(held_settings):
+        wait_until(lambda: held_flags(engine, schema, missing) == len(HELD), 30, "the hold")
+        assert said("Kafka knows the topic")
+        for reason, now in (("Kafka describes the topic to the relay", proxy.deny_describe),
+                            ("Kafka knows the topic", proxy.delete)):
+            before = caplog.text.count("still holding its messages")
+            now(missing)
+            wait_until(lambda n=before: caplog.text.count("still holding its messages") > n,
+                       30, "the relay to say the new reason")
+            wait_until(lambda r=reason: said(r), 10, f"`outbox status`: until {reason}")
+        assert held_flags(engine, schema, missing) == len(HELD)
 
 
 def test_a_held_topic_is_parked_after_the_bound_with_its_reason(
