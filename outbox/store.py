@@ -683,11 +683,12 @@ def heal_held(conn: Connection, schema: str, kept: Collection[str],
 
 
 def park_topic(conn: Connection, schema: str, actor: str, topic: str, shards: Iterable[int],
-               reason: str) -> int:
-    """Park a held topic's waiting rows with ``reason``; returns how many."""
-    rows = conn.execute(query("park_topic", schema), {
-        "topic": topic, "shards": int_array(shards), "reason": as_text(reason), "actor": actor})
-    return len(rows.all())
+               reason: str, limit: int) -> int:
+    """Park at most ``limit`` of a held topic's waiting rows with ``reason``; returns how
+    many."""
+    return int(conn.execute(query("park_topic", schema), {
+        "topic": topic, "shards": int_array(shards), "reason": as_text(reason), "actor": actor,
+        "limit": limit}).scalar_one())
 
 
 def lock_migrations(conn: Connection, schema: str, lock_timeout: str) -> None:

@@ -78,6 +78,8 @@ class Hold:
     retry_in: float = FIRST_RETRY_SECONDS
     retry_at: float = 0.0
     parked: int = 0
+    parking: int = 0  #: rows parked so far by the park in progress (in steps)
+    park_reason: str = ""  #: its reason, the same on all of them
     refused: bool = False  #: Kafka refuses its records (else: Kafka has no metadata for it)
     denied: bool = False  #: Kafka would not describe it to the relay (no Describe ACL)
     began: str = ""  #: when the hold began, as its reason says (UTC)
@@ -198,15 +200,18 @@ class TopicHolds:
                 appeared.append(f"{topic} appeared after {self._release(topic, hold):.1f}s")
                 continue
             held_for = time.monotonic() - hold.since
+            more = False
             if self._park_after is not None and held_for >= self._park_after:
-                self._park(conn, shards, topic, hold, held_for)
+                more = self._park(conn, shards, topic, hold, held_for)
             elif not hold.refused:
                 if hold.denied != (topic in self.transport.denied):
                     log.warning("topic %s: %s; still holding its messages", topic,
                                 self._explain(topic, hold))
                     self._renoting[topic] = store.CURSOR_START  # the flagged rows say it
                 self._marks[topic] = hold.reason
-            if hold.refused:
+            if more:
+                hold.retry_at = 0.0  # the rest parked in the next steps
+            elif hold.refused:
                 self._try(topic)  # refused again, it backs off further (_heed_answers)
             else:
                 self._back_off(hold)
@@ -368,22 +373,30 @@ class TopicHolds:
         return time.monotonic() - hold.since
 
     def _park(self, conn: Connection, shards: Collection[int], topic: str, hold: Hold,
-              held_for: float) -> None:
-        what, mend = (("not acknowledged by Kafka", "mend its partitions") if hold.stuck
-                      else ("refused by Kafka", "grant the relay's principal what it lacks")
-                      if hold.refused else ("not described by Kafka to the relay",
-                                            "grant the relay's principal Describe on it")
-                      if hold.denied else ("unknown to Kafka", "create the topic"))
-        reason = (f"topic {topic} {what} for {held_for:.0f}s "
-                  f"(OUTBOX_TOPIC_HOLD_PARK_AFTER={self._park_after:g}): {mend}, "
-                  "then `outbox resume --all`")
+              held_for: float) -> bool:
+        """Park at most ``FLAG_BATCH`` of a topic's held rows; returns whether more are left
+        (the next step parks them, with the same reason; one ERROR line once all are)."""
+        if not hold.park_reason:
+            what, mend = (("not acknowledged by Kafka", "mend its partitions") if hold.stuck
+                          else ("refused by Kafka", "grant the relay's principal what it lacks")
+                          if hold.refused else ("not described by Kafka to the relay",
+                                                "grant the relay's principal Describe on it")
+                          if hold.denied else ("unknown to Kafka", "create the topic"))
+            hold.park_reason = (f"topic {topic} {what} for {held_for:.0f}s "
+                                f"(OUTBOX_TOPIC_HOLD_PARK_AFTER={self._park_after:g}): {mend}, "
+                                "then `outbox resume --all`")
         with conn.begin():
-            parked = store.park_topic(conn, self._schema, self._actor, topic, shards, reason)
+            parked = store.park_topic(conn, self._schema, self._actor, topic, shards,
+                                      hold.park_reason, FLAG_BATCH)
         if parked:
             metrics.PARKED.labels(topic).inc(parked)
-            if not hold.parked:
-                log.error("%d messages parked: %s", parked, reason)
-            hold.parked += parked
+        hold.parking += parked
+        if parked == FLAG_BATCH:
+            return True
+        if hold.parking and not hold.parked:
+            log.error("%d messages parked: %s", hold.parking, hold.park_reason)
+        hold.parked, hold.parking, hold.park_reason = hold.parked + hold.parking, 0, ""
+        return False
 
 
 def _say(topics: list[str], each: str, many: str, *args: object) -> None:

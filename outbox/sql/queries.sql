@@ -343,17 +343,34 @@ WITH RECURSIVE flagged (topic) AS (
 SELECT topic, count(*) AS rows FROM healed GROUP BY topic ORDER BY topic;
 
 -- name: park_topic
--- A topic held longer than OUTBOX_TOPIC_HOLD_PARK_AFTER: its waiting rows are PARKED with the
--- reason and an op record each, like a permanently rejected message; returns their ids.
-WITH parked AS (
+-- A topic held longer than OUTBOX_TOPIC_HOLD_PARK_AFTER: at most :limit of its waiting rows
+-- in :shards are PARKED with the reason and an op record each, like a permanently rejected
+-- message (relay/holds.py parks the rest in its next steps: a million rows in one statement
+-- held the relay's loop for 20 s). Its flagged rows first, along pending_held_idx, then
+-- those not flagged yet, along pending_relay_idx (by the topic alone, each step scanned the
+-- rows the steps before it had parked). Returns how many.
+WITH due AS (
+    (SELECT message_id FROM {schema}.pending
+     WHERE held AND topic = :topic AND shard = ANY(CAST(:shards AS smallint[]))
+     LIMIT :limit)
+    UNION ALL
+    (SELECT message_id FROM {schema}.pending
+     WHERE status = 'PENDING' AND resolution = 'COMMIT' AND NOT held AND topic = :topic
+       AND shard = ANY(CAST(:shards AS smallint[]))
+     ORDER BY message_id  -- with the relay's enable_sort off: a walk of pending_relay_idx
+     LIMIT :limit)
+    LIMIT :limit
+), parked AS (
     UPDATE {schema}.pending SET status = 'PARKED', last_error = :reason, held = false
-    WHERE topic = :topic AND status = 'PENDING' AND resolution = 'COMMIT'
-      AND shard = ANY(CAST(:shards AS smallint[]))
+    WHERE message_id = ANY(ARRAY(SELECT message_id FROM due))
+      AND status = 'PENDING' AND resolution = 'COMMIT'
     RETURNING message_id
+), recorded AS (
+    INSERT INTO {schema}.op_record (message_id, action, actor, detail)
+    SELECT message_id, 'PARKED', :actor, :reason FROM parked
+    RETURNING 1
 )
-INSERT INTO {schema}.op_record (message_id, action, actor, detail)
-SELECT message_id, 'PARKED', :actor, :reason FROM parked
-RETURNING message_id;
+SELECT count(*) FROM recorded;
 
 -- name: lock_migrations
 -- Migrations of one schema take turns: held until the migrating transaction ends. Then each

@@ -188,8 +188,11 @@ def test_a_held_topic_s_rows_say_why_it_is_held_when_the_reason_changes(
 
 def test_a_held_topic_is_parked_after_the_bound_with_its_reason(
     engine: Engine, outbox: Outbox, schema: str, topic: str, missing: str,
-    held_settings: Settings,
+    held_settings: Settings, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
 ) -> None:
+    """In steps, one right after the other, with one reason and one ERROR line for all (a
+    million rows parked in one statement held the relay's loop for 20 s)."""
+    monkeypatch.setattr(holds, "FLAG_BATCH", 3)
     bounded = held_settings.model_copy(update={"topic_hold_park_after": 2.0})
     publish_orders(engine, outbox, missing, HELD[:10])
     good_ids = publish_orders(engine, outbox, topic, GOOD[:50])
@@ -202,9 +205,15 @@ def test_a_held_topic_is_parked_after_the_bound_with_its_reason(
         errors = set(conn.execute(text(
             f"SELECT last_error FROM {schema}.pending WHERE topic = :t"), {"t": missing}
         ).scalars())
+        steps = conn.execute(text(  # the transactions that parked them
+            f"SELECT count(DISTINCT xmin::text) FROM {schema}.pending WHERE topic = :t"),
+            {"t": missing}).scalar_one()
     assert len(errors) == 1
     (error,) = errors
     assert missing in error and "OUTBOX_TOPIC_HOLD_PARK_AFTER" in error, error
+    assert steps == 4, "3 rows a step"
+    assert [r.getMessage() for r in caplog.records if "messages parked" in r.getMessage()] \
+        == [f"10 messages parked: {error}"]
 
 
 def test_sigterm_during_a_hold_stops_the_relay_within_seconds(
