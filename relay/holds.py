@@ -322,10 +322,10 @@ class TopicHolds:
         """Write, in one transaction, what this step changed of the held topics' rows: the
         rows of topics still held noted and flagged (and noted again if their reason
         changed), the first rows of topics tried again and the rows of topics released back
-        in the fetch; and every ``HEAL_SECONDS``, the rows of
-        ``shards`` flagged for topics this relay neither holds nor tries. Each at most
-        ``FLAG_BATCH`` rows a step (a million rows in one statement held the loop for 20 s):
-        what is left is written in the next steps."""
+        in the fetch; and every ``HEAL_SECONDS``, the rows of ``shards`` flagged for topics
+        this relay neither holds nor tries. Each at most ``FLAG_BATCH`` rows a step (a million
+        rows in one statement held the loop for 20 s): what is left is written in the next
+        steps."""
         heal = time.monotonic() >= self._heal_at
         if not (self._marks or self._trials or self._released or self._renoting or heal):
             return  # nearly every loop of the relay
@@ -357,7 +357,7 @@ class TopicHolds:
                                          FLAG_BATCH)
                 self._heal_at = 0.0 if sum(healed.values()) == FLAG_BATCH \
                     else time.monotonic() + HEAL_SECONDS
-        self._renoting = {**renoted, **self._renoting}
+        self._renoting = renoted
         for topic in healed.keys() - self._healing:  # said once, not once a FLAG_BATCH
             log.warning("topic %s: its messages in this relay's shards were flagged held by a "
                         "relay that no longer holds them (stopped, or their shards moved); "

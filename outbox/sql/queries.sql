@@ -347,8 +347,7 @@ SELECT topic, count(*) AS rows FROM healed GROUP BY topic ORDER BY topic;
 -- in :shards are PARKED with the reason and an op record each, like a permanently rejected
 -- message (relay/holds.py parks the rest in its next steps: a million rows in one statement
 -- held the relay's loop for 20 s). Its flagged rows first, along pending_held_idx, then
--- those not flagged yet, along pending_relay_idx (by the topic alone, each step scanned the
--- rows the steps before it had parked). Returns how many.
+-- those not flagged yet, along pending_relay_idx, which parked rows leave. Returns how many.
 WITH due AS (
     (SELECT message_id FROM {schema}.pending
      WHERE held AND topic = :topic AND shard = ANY(CAST(:shards AS smallint[]))
