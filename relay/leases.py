@@ -63,6 +63,12 @@ class Leases:
         return time.monotonic() < self._valid_until
 
     @property
+    def owned(self) -> frozenset[int]:
+        """Every shard held, those about to be handed back included."""
+        with self._lock:
+            return self._owned
+
+    @property
     def active(self) -> frozenset[int]:
         """The shards to fetch from: owned and not about to be handed back."""
         with self._lock:

@@ -89,8 +89,9 @@ class Recovery:
         finally:
             reader.close()
         # Messages in doubt are settled before this pass fetches anything (Leases.deliverable):
-        # none of the active shards has a batch in flight, and any found may be recorded.
-        recovered = self._record(conn, tail, leases.active if doubted else shards)
+        # no shard has a batch in flight, and any found may be recorded. Those of shards about
+        # to be handed back too: no longer in doubt, they go back clean (Leases.shed).
+        recovered = self._record(conn, tail, leases.owned if doubted else shards)
         leases.settled(conn, shards, doubted)
         metrics.TAIL_RECORDS.inc(tail.records)
         metrics.RECOVERED.inc(recovered)

@@ -180,6 +180,37 @@ def test_a_settle_reads_no_more_tail_than_its_limit_and_leaves_the_rest_to_be_se
     assert count_status(engine, schema, "PENDING") == MESSAGES - recovered
 
 
+def test_messages_in_doubt_are_recorded_in_shards_about_to_be_handed_back(
+    engine: Engine, outbox: Outbox, topic: str, schema: str, settings: Settings
+) -> None:
+    """A failed pass's messages in doubt are looked for in their tails before the relay
+    fetches again, also those of shards it is about to hand back (a relay joined while it
+    read). Those were left out of the recording and yet no longer doubted, so the shards went
+    back clean and their next owner sent the messages again (the chaos test's duplicate: a
+    PostgreSQL restart failed a pass as a third relay started)."""
+    ids = publish_mixed(engine, outbox, topic)
+    killed_after_its_sends(engine, schema, settings, [topic], MESSAGES)
+    with engine.connect() as conn:
+        with conn.begin():  # as if the sender had held the shards all along
+            conn.execute(text(f"UPDATE {schema}.relay_lease SET owner = NULL, "
+                              "expires_at = NULL, clean = true"))
+            conn.execute(text(f"DELETE FROM {schema}.relay_member"))
+        leases = Leases(schema, "sender", 3600)
+        leases.tick(conn)
+        leases.doubt(ids)  # its pass failed before it recorded them
+        with conn.begin():
+            conn.execute(text(f"INSERT INTO {schema}.relay_member (worker_id, seen_at, "
+                              "in_flight) VALUES ('joined', now(), 0)"))
+        leases.tick(conn)
+        assert len(leases.surplus) == 32, "a relay joined: half the shards are to go"
+        Recovery(settings.model_copy(update={"worker_id": "sender"})).settle(conn, leases)
+        assert not leases.doubted
+        leases.shed(conn)
+    assert count_status(engine, schema, "PENDING") == 0, "every message found is recorded"
+    ledger = delivered_to(engine, schema, settings.kafka_bootstrap, topic)
+    assert sorted(ledger) == ids
+
+
 def test_graceful_stop_hands_shards_back_clean(
     engine: Engine, outbox: Outbox, topic: str, schema: str, settings: Settings
 ) -> None:
