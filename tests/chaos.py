@@ -20,7 +20,11 @@ from outbox.dev import services as devservices
 from outbox.dev.topics import Record, read_topic
 from tests.conftest import wait_until
 from tests.isolated import Isolated, isolated_services
-from tests.processes import start_outbox
+from tests.processes import OutboxProcess, start_outbox
+
+#: The relays' log lines a failed verdict shows (relay/leases.py, relay/recovery.py, passes).
+TOLD = (" owns ", " settled ", " handed back ", " paused", "delivering again", "cannot renew",
+        "renewals work again", " started: ", " stopped ")
 
 
 @dataclass
@@ -34,6 +38,8 @@ class Verdict:
     leaked: list[str]
     out_of_order: list[bytes]
     events: list[str] = field(default_factory=list)
+    #: what a failed verdict needs to be understood (see :func:`evidence`); empty if none
+    evidence: str = ""
 
     @property
     def summary(self) -> str:
@@ -52,7 +58,8 @@ def run_chaos(tmp_path: Path, schedule: list[tuple[float, str]], *, writers: int
     connections, for 5 s) and ``restart-postgres``; wait for every committed message."""
     rng = random.Random(seed)
     with isolated_services(partitions=6) as iso:
-        running = [start_relay(iso, n) for n in range(relays)]
+        relaying = Relays(iso, relays)
+        running = relaying.running
         share = -(-at_least // writers)
         writing = [start_writer(iso, tmp_path, n, seconds, sizes, share)
                    for n in range(writers)]
@@ -61,7 +68,7 @@ def run_chaos(tmp_path: Path, schedule: list[tuple[float, str]], *, writers: int
             started = time.monotonic()
             for second, action in schedule:
                 time.sleep(max(0.0, started + second - time.monotonic()))
-                events.append(f"{second}s " + act(iso, action, running, rng))
+                events.append(f"{second}s " + act(iso, action, relaying, rng))
             for writer in writing:
                 assert writer.wait(5 * seconds + 60) == 0
             wait_until(lambda: undelivered(iso) == 0, 180, "every committed message delivered")
@@ -75,17 +82,19 @@ def run_chaos(tmp_path: Path, schedule: list[tuple[float, str]], *, writers: int
             committed = {row.id: json.loads(row.payload)["tag"] for row in conn.execute(text(
                 "SELECT id, payload FROM outbox.message ORDER BY id"))}
         records = read_topic(iso.settings.kafka_bootstrap, iso.topic, timeout=120)
-    return judge(tmp_path, writers, committed, records, events)
+        verdict = judge(tmp_path, writers, committed, records, events)
+        if verdict.duplicates or verdict.missing or verdict.out_of_order:
+            verdict.evidence = evidence(iso, records, relaying)
+    return verdict
 
 
-def act(iso: Isolated, action: str, relays: list[subprocess.Popen[str]],
-        rng: random.Random) -> str:
+def act(iso: Isolated, action: str, relays: Relays, rng: random.Random) -> str:
     if action == "kill":
-        victim = rng.randrange(len(relays))
-        relays[victim].kill()
-        relays[victim].wait()
+        victim = rng.randrange(len(relays.running))
+        relays.running[victim].kill()
+        relays.running[victim].wait()
         time.sleep(rng.uniform(0.2, 1.5))
-        relays[victim] = start_relay(iso, victim)
+        relays.running[victim] = relays.start(victim)
         return f"kill -9 relay {victim}, restarted"
     if action == "cut":
         iso.proxy.cut()
@@ -123,10 +132,54 @@ def judge(tmp_path: Path, writers: int, committed: dict[int, str], records: list
         events=events)
 
 
-def start_relay(iso: Isolated, n: int) -> subprocess.Popen[str]:
-    return start_outbox(iso.settings, "relay", OUTBOX_WORKER_ID=f"chaos-{n}-{time.time_ns()}",
-                        OUTBOX_RELAY_LEASE_SECONDS="2", OUTBOX_RELAY_BATCH_SIZE="200",
-                        OUTBOX_LOG_LEVEL="WARNING")
+class Relays:
+    """The run's relays: ``running``, the live one of each slot; every one started is kept,
+    and its log with it (an :class:`OutboxProcess` deletes its log once it is let go)."""
+
+    def __init__(self, iso: Isolated, count: int) -> None:
+        self.iso = iso
+        self.started: list[OutboxProcess] = []
+        self.running = [self.start(n) for n in range(count)]
+
+    def start(self, n: int) -> OutboxProcess:
+        relay = start_outbox(self.iso.settings, "relay",
+                             OUTBOX_WORKER_ID=f"chaos-{n}-{time.time_ns()}",
+                             OUTBOX_RELAY_LEASE_SECONDS="2", OUTBOX_RELAY_BATCH_SIZE="200",
+                             OUTBOX_LOG_LEVEL="INFO")
+        self.started.append(relay)
+        return relay
+
+    def told(self) -> list[str]:
+        """Their lines about shards, passes and settling, in time order."""
+        return sorted(line for relay in self.started
+                      for line in Path(relay.log).read_text().splitlines()
+                      if any(word in line for word in TOLD))
+
+
+def evidence(iso: Isolated, records: list[Record], relays: Relays) -> str:
+    """Each message in Kafka more than once (the first 10): where its copies are, its op
+    records and its shard; then what the relays said, in time order. CI's duplicates of
+    stop 61 were understood only once reproduced with these (docs/guarantees.md)."""
+    copies: dict[int, list[str]] = {}
+    for record in records:
+        if record.message_id is not None:
+            copies.setdefault(record.message_id, []).append(f"{record.partition}:{record.offset}")
+    lines = []
+    with iso.engine.connect() as conn:
+        for message_id in sorted(m for m, where in copies.items() if len(where) > 1)[:10]:
+            shard, created = conn.execute(text(
+                "SELECT shard, created_at FROM outbox.message WHERE id = :id"),
+                {"id": message_id}).one()
+            ops = conn.execute(text(
+                "SELECT action, actor, kafka_partition, kafka_offset, created_at "
+                "FROM outbox.op_record WHERE message_id = :id ORDER BY id"),
+                {"id": message_id}).all()
+            lines.append(
+                f"message {message_id} (shard {shard}, created {created:%H:%M:%S.%f}) in Kafka "
+                f"at {', '.join(copies[message_id])}; op records: " + "; ".join(
+                    f"{op.action} by {op.actor} at {op.kafka_partition}:{op.kafka_offset} "
+                    f"{op.created_at:%H:%M:%S.%f}" for op in ops))
+    return "\n".join(lines + relays.told())
 
 
 def start_writer(iso: Isolated, tmp_path: Path, n: int, seconds: float, sizes: str,

@@ -18,6 +18,7 @@ def test_chaos(tmp_path: Path) -> None:
                                    (19, "kill"), (22, "kill")])
     summary = verdict.summary
     print(summary)
+    print(verdict.evidence)  # shown if an assertion fails
     assert verdict.committed > 1000, summary
     assert not verdict.missing, f"committed but never delivered: {verdict.missing[:10]}"
     assert not verdict.unknown, f"in Kafka without a committed prepare row: {verdict.unknown[:10]}"

@@ -22,6 +22,7 @@ def test_no_duplicates_across_kills_cuts_and_a_postgres_restart(tmp_path: Path) 
                         at_least=50_000)
     summary = verdict.summary
     print(summary)
+    print(verdict.evidence)  # shown if an assertion fails
     assert verdict.committed >= 50_000, summary
     assert sum("kill" in event for event in verdict.events) >= 20, summary
     assert not verdict.missing, f"committed but never delivered: {verdict.missing[:10]}"
