@@ -262,7 +262,6 @@ class TopicHolds:
             reason = f"held: Kafka refuses the records of topic {topic} ({error}) since {started}"
         hold = Hold(since=time.monotonic(), refused=True, stuck=stuck, reason=reason)
         hold.retry_at = hold.since + hold.retry_in
-        metrics.TOPIC_HELD.labels(topic).set(1)
         log.warning("topic %s: %s; holding its messages, other topics keep flowing; %s", topic,
                     what, self._bound("sent again with back-off until accepted"))
         return hold
@@ -297,7 +296,6 @@ class TopicHolds:
         self._held[topic] = hold
         what = self._explain(topic, hold)
         self._marks[topic] = hold.reason
-        metrics.TOPIC_HELD.labels(topic).set(1)
         return what
 
     def _explain(self, topic: str, hold: Hold) -> str:
@@ -325,44 +323,65 @@ class TopicHolds:
         in the fetch; and every ``HEAL_SECONDS``, the rows of ``shards`` flagged for topics
         this relay neither holds nor tries. Each at most ``FLAG_BATCH`` rows a step (a million
         rows in one statement held the loop for 20 s): what is left is written in the next
-        steps."""
+        steps, and so is all of it if the transaction fails. A topic's ``outbox_topic_held``
+        gauge says 1 once its rows are noted, so `outbox status` says what the gauge says."""
         heal = time.monotonic() >= self._heal_at
         if not (self._marks or self._trials or self._released or self._renoting or heal):
             return  # nearly every loop of the relay
         marks = {topic: reason for topic, reason in self._marks.items() if topic in self._held}
         renoting = {topic: at for topic, at in self._renoting.items() if topic in self._held}
-        self._renoting = {}
         trials = self._trials & self._tried.keys()
         released = self._released - self._held.keys() - self._tried.keys()
-        self._marks, self._trials, self._released = {}, set(), set()
-        healed: dict[str, int] = {}
-        renoted: dict[str, store.Cursor] = {}  # carried once committed (a rollback redoes)
-        with conn.begin():
-            if released and store.release_held(conn, self._schema, released, shards,
-                                               FLAG_BATCH) == FLAG_BATCH:
-                self._released |= released
-            if trials:
-                store.try_held(conn, self._schema, trials, shards)
-            if marks and store.mark_held(conn, self._schema, marks, shards,
-                                         FLAG_BATCH) == FLAG_BATCH:
-                self._marks = marks
-            for topic, at in renoting.items():
-                noted, at = store.renote_held(conn, self._schema, topic,
-                                              self._held[topic].reason, shards, FLAG_BATCH, at)
-                if noted == FLAG_BATCH:
-                    renoted[topic] = at
-            if heal:
-                healed = store.heal_held(conn, self._schema,
-                                         self._held.keys() | self._tried.keys(), shards,
-                                         FLAG_BATCH)
-                self._heal_at = 0.0 if sum(healed.values()) == FLAG_BATCH \
-                    else time.monotonic() + HEAL_SECONDS
-        self._renoting = renoted
+        self._marks, self._trials, self._released, self._renoting = {}, set(), set(), {}
+        try:
+            with conn.begin():
+                left = self._write_steps(conn, shards, marks, renoting, trials, released, heal)
+        except BaseException:  # rolled back: none of it was written
+            self._marks = marks | self._marks
+            self._renoting = renoting | self._renoting
+            self._trials |= trials
+            self._released |= released
+            raise
+        marks_left, self._renoting, released_left, healed = left
+        self._marks |= marks_left
+        self._released |= released_left
+        for topic in marks:
+            metrics.TOPIC_HELD.labels(topic).set(1)
+        if heal:
+            self._heal_at = 0.0 if sum(healed.values()) == FLAG_BATCH \
+                else time.monotonic() + HEAL_SECONDS
         for topic in healed.keys() - self._healing:  # said once, not once a FLAG_BATCH
             log.warning("topic %s: its messages in this relay's shards were flagged held by a "
                         "relay that no longer holds them (stopped, or their shards moved); "
                         "delivering them", topic)
         self._healing = set(healed)
+
+    def _write_steps(self, conn: Connection, shards: Collection[int], marks: dict[str, str],
+                     renoting: dict[str, store.Cursor], trials: set[str], released: set[str],
+                     heal: bool) -> tuple[dict[str, str], dict[str, store.Cursor], set[str],
+                                          dict[str, int]]:
+        """:meth:`_write`'s statements; returns what is left for the next steps (the marks,
+        the renoting cursors and the releases that filled their ``FLAG_BATCH``) and the rows
+        healed per topic."""
+        released_left: set[str] = set()
+        if released and store.release_held(conn, self._schema, released, shards,
+                                           FLAG_BATCH) == FLAG_BATCH:
+            released_left = released
+        if trials:
+            store.try_held(conn, self._schema, trials, shards)
+        marks_left: dict[str, str] = {}
+        if marks and store.mark_held(conn, self._schema, marks, shards,
+                                     FLAG_BATCH) == FLAG_BATCH:
+            marks_left = marks
+        renoted: dict[str, store.Cursor] = {}
+        for topic, at in renoting.items():
+            noted, at = store.renote_held(conn, self._schema, topic, self._held[topic].reason,
+                                          shards, FLAG_BATCH, at)
+            if noted == FLAG_BATCH:
+                renoted[topic] = at
+        healed = store.heal_held(conn, self._schema, self._held.keys() | self._tried.keys(),
+                                 shards, FLAG_BATCH) if heal else {}
+        return marks_left, renoted, released_left, healed
 
     def _release(self, topic: str, hold: Hold) -> float:
         """Release a held topic that appeared; returns how long it was held."""
