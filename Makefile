@@ -1,6 +1,6 @@
 # The two commands of the README: `make demo` (the whole flow) and `make test` (two xdist
-# workers, each with its own PostgreSQL and broker, a test file at a time: 9 to 12 minutes on
-# 2 cores). `make unit`: the fast tier alone; `make bench`: the benchmark table in BENCHMARKS.md.
+# workers, each with its own PostgreSQL and broker, a test file at a time: about 26 minutes
+# on 2 cores). `make unit`: the fast tier alone; `make bench`: the benchmark table in BENCHMARKS.md.
 VENV := .venv
 
 .PHONY: demo test unit lint bench soak clean

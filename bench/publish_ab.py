@@ -8,8 +8,8 @@ in turn, as latency_ab.in_turn orders them), for each ``--clients``: pgbench's b
 INSERT alone, then business INSERT + publish on each side (durable commits, relays awake: no
 NOTIFY), as TPS and as a ratio to the INSERT alone of that round; and the server's own time
 for one publish, a plpgsql loop of 5,000 publishes in one transaction, rolled back (no round
-trips, no commit: what the statement costs the backend). Then the medians, and NEW's over
-OLD's. Prints only.
+trips, no commit: what the statement costs the backend), with the WAL it wrote (after a
+CHECKPOINT). Then the medians, and NEW's over OLD's. Prints only.
 """
 
 from __future__ import annotations
@@ -68,9 +68,18 @@ $loop$"""
     return elapsed
 
 
-def server_time(engine: Engine, schema: str) -> float:
-    """µs per publish inside the backend (:func:`looped`)."""
-    return looped(engine, PUBLISH_CALL.format(schema=schema, function="publish_message"))
+def server_time(engine: Engine, schema: str) -> tuple[float, float]:
+    """µs per publish inside the backend (:func:`looped`), and the WAL bytes a publish
+    writes (right after a CHECKPOINT, so both sides log the same full-page images)."""
+    with engine.connect() as conn:
+        conn.execute(text("CHECKPOINT"))
+        before = conn.execute(text("SELECT pg_current_wal_lsn()")).scalar_one()
+        conn.commit()
+    elapsed = looped(engine, PUBLISH_CALL.format(schema=schema, function="publish_message"))
+    with engine.connect() as conn:
+        wal = conn.execute(text("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), :before)"),
+                           {"before": before}).scalar_one()
+    return elapsed, float(wal) / LOOPED
 
 
 def main() -> None:
@@ -91,6 +100,7 @@ def main() -> None:
         bare = pgbench_script(schemas["old"], publish=False)
         ratios = {(side, c): [] for side in sides for c in args.clients}
         looped: dict[str, list[float]] = {side: [] for side in sides}
+        wal: dict[str, list[float]] = {side: [] for side in sides}
         for n in range(1, args.rounds + 1):
             order = [side for side, _revision in in_turn(sides, n)]
             for clients in args.clients:
@@ -104,9 +114,12 @@ def main() -> None:
                     line += f"; {side} ({sides[side]}) {tps:7,.0f} TPS {tps / alone:.2f}x"
                 say(line)
             for side in order:
-                looped[side].append(server_time(engine, schemas[side]))
+                elapsed, written = server_time(engine, schemas[side])
+                looped[side].append(elapsed)
+                wal[side].append(written)
             say(f"round {n}, in the server: " + "; ".join(
-                f"{side} {looped[side][-1]:.1f} µs a publish" for side in order))
+                f"{side} {looped[side][-1]:.1f} µs and {wal[side][-1]:.0f} B of WAL a publish"
+                for side in order))
         say("medians:")
         for clients in args.clients:
             old, new = (statistics.median(ratios[side, clients]) for side in sides)
@@ -115,6 +128,8 @@ def main() -> None:
         old, new = (statistics.median(looped[side]) for side in sides)
         say(f"  in the server: old {old:.1f} µs, new {new:.1f} µs a publish; "
             f"new / old {new / old:.2f}")
+        old, new = (statistics.median(wal[side]) for side in sides)
+        say(f"  WAL a publish: old {old:.0f} B, new {new:.0f} B")
 
 
 if __name__ == "__main__":
