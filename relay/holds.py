@@ -332,19 +332,32 @@ class TopicHolds:
         renoting = {topic: at for topic, at in self._renoting.items() if topic in self._held}
         trials = self._trials & self._tried.keys()
         released = self._released - self._held.keys() - self._tried.keys()
-        self._marks, self._trials, self._released, self._renoting = {}, set(), set(), {}
-        try:
-            with conn.begin():
-                left = self._write_steps(conn, shards, marks, renoting, trials, released, heal)
-        except BaseException:  # rolled back: none of it was written
-            self._marks = marks | self._marks
-            self._renoting = renoting | self._renoting
-            self._trials |= trials
-            self._released |= released
-            raise
-        marks_left, self._renoting, released_left, healed = left
-        self._marks |= marks_left
-        self._released |= released_left
+        more_marks = more_released = False
+        renoted: dict[str, store.Cursor] = {}
+        healed: dict[str, int] = {}
+        # the queues change only once it commits (only this loop changes them): a rollback
+        # leaves them for the next step
+        with conn.begin():
+            if released:
+                more_released = store.release_held(conn, self._schema, released, shards,
+                                                   FLAG_BATCH) == FLAG_BATCH
+            if trials:
+                store.try_held(conn, self._schema, trials, shards)
+            if marks:
+                more_marks = store.mark_held(conn, self._schema, marks, shards,
+                                             FLAG_BATCH) == FLAG_BATCH
+            for topic, at in renoting.items():
+                noted, at = store.renote_held(conn, self._schema, topic,
+                                              self._held[topic].reason, shards, FLAG_BATCH, at)
+                if noted == FLAG_BATCH:
+                    renoted[topic] = at
+            if heal:
+                healed = store.heal_held(conn, self._schema,
+                                         self._held.keys() | self._tried.keys(), shards,
+                                         FLAG_BATCH)
+        self._marks = marks if more_marks else {}
+        self._released = released if more_released else set()
+        self._trials, self._renoting = set(), renoted
         for topic in marks:
             metrics.TOPIC_HELD.labels(topic).set(1)
         if heal:
@@ -355,33 +368,6 @@ class TopicHolds:
                         "relay that no longer holds them (stopped, or their shards moved); "
                         "delivering them", topic)
         self._healing = set(healed)
-
-    def _write_steps(self, conn: Connection, shards: Collection[int], marks: dict[str, str],
-                     renoting: dict[str, store.Cursor], trials: set[str], released: set[str],
-                     heal: bool) -> tuple[dict[str, str], dict[str, store.Cursor], set[str],
-                                          dict[str, int]]:
-        """:meth:`_write`'s statements; returns what is left for the next steps (the marks,
-        the renoting cursors and the releases that filled their ``FLAG_BATCH``) and the rows
-        healed per topic."""
-        released_left: set[str] = set()
-        if released and store.release_held(conn, self._schema, released, shards,
-                                           FLAG_BATCH) == FLAG_BATCH:
-            released_left = released
-        if trials:
-            store.try_held(conn, self._schema, trials, shards)
-        marks_left: dict[str, str] = {}
-        if marks and store.mark_held(conn, self._schema, marks, shards,
-                                     FLAG_BATCH) == FLAG_BATCH:
-            marks_left = marks
-        renoted: dict[str, store.Cursor] = {}
-        for topic, at in renoting.items():
-            noted, at = store.renote_held(conn, self._schema, topic, self._held[topic].reason,
-                                          shards, FLAG_BATCH, at)
-            if noted == FLAG_BATCH:
-                renoted[topic] = at
-        healed = store.heal_held(conn, self._schema, self._held.keys() | self._tried.keys(),
-                                 shards, FLAG_BATCH) if heal else {}
-        return marks_left, renoted, released_left, healed
 
     def _release(self, topic: str, hold: Hold) -> float:
         """Release a held topic that appeared; returns how long it was held."""
