@@ -18,7 +18,6 @@ from typing import Any
 
 import kafka.errors
 from confluent_kafka import (
-    OFFSET_BEGINNING,
     Consumer,
     KafkaError,
     KafkaException,
@@ -29,7 +28,7 @@ from confluent_kafka import (
 
 from outbox.exceptions import ConfigurationError, ServiceUnavailable
 from outbox.relay.producer import PRODUCER_DEFAULTS, request_timeout_ms
-from outbox.relay.tails import Stall, Starts, Tail, named
+from outbox.relay.tails import LOG_START, Stall, Starts, Tail, named
 from outbox.relay.transport import (
     PIPELINE_DEPTH,
     PRODUCER_STATE_ERRORS,
@@ -324,7 +323,7 @@ class ConfluentTailReader:
         consumer = self._consumer()
         try:
             _learn_leaders(consumer, starts, self._answer_within)
-            consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING if start is None
+            consumer.assign([TopicPartition(topic, p, LOG_START if start is None
                                             else start) for (topic, p), start in starts.items()])
             ended: set[tuple[str, int]] = set()
             stall = Stall(self._bootstrap, self._stop)

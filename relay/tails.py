@@ -2,7 +2,11 @@
 
 A tail ends at the high-watermark taken from the fetch responses of a consumer made for this
 read (never a stale one, and never ListOffsets "latest", which some Kafka-compatible brokers
-answer wrongly): every record Kafka acknowledged before the read began is below it. The
+answer wrongly): every record Kafka acknowledged before the read began is below it. A tail
+with no recorded offset starts at offset 0, not where ListOffsets "earliest" says: the
+embedded broker answers with the batch it stored first, which two producers writing one
+partition can make a later one (and the records below it were not read). Where retention
+took offset 0, the consumer's reset ("earliest") starts the read at the log's start. The
 consumer is assigned its partitions (no consumer group). A reader looks the topics' partition
 counts up on one consumer of its own, made at its first look-up, which
 :meth:`TailReader.close` closes: a consumer per look-up cost a bootstrap each (a metadata
@@ -39,8 +43,11 @@ STALL_SECONDS = 15.0
 #: outbox numbers its messages from 1, and two of them (two services, two schemas) may
 #: publish to one topic.
 Fingerprint = tuple[int, str, bytes | None, bytes]
-#: Where a read starts in each ``(topic, partition)``: an offset, or None for its beginning.
+#: Where a read starts in each ``(topic, partition)``: an offset, or None for its beginning
+#: (:data:`LOG_START`).
 Starts = Mapping[tuple[str, int], int | None]
+#: where a tail with no recorded offset starts (the module's docstring says why not "earliest")
+LOG_START = 0
 
 
 def fingerprint(message_id: int, topic: str, key: bytes | None, value: bytes | None
@@ -169,10 +176,7 @@ class KafkaPythonTailReader:
             tps = {TopicPartition(topic, p): start for (topic, p), start in starts.items()}
             consumer.assign(list(tps))
             for tp, start in tps.items():
-                if start is None:
-                    consumer.seek_to_beginning(tp)
-                else:
-                    consumer.seek(tp, start)
+                consumer.seek(tp, LOG_START if start is None else start)
             stall = Stall(self._bootstrap, self._stop)
             ends = _Ends(consumer, tps)
             while ends.open:

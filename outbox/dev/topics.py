@@ -2,7 +2,10 @@
 benchmarks (reconciliation reads topics with its own Spark data source, spark/kafka_source.py).
 
 The high-watermark is taken from fetch responses rather than ListOffsets, which some
-Kafka-compatible brokers answer wrongly; this works against Apache Kafka as well.
+Kafka-compatible brokers answer wrongly; this works against Apache Kafka as well. For the
+same reason a read starts at offset 0, not at ListOffsets "earliest" (relay/tails.py says
+how the embedded broker answers it), and the consumer's reset takes it to the log's start
+where retention took offset 0.
 """
 
 from __future__ import annotations
@@ -59,13 +62,15 @@ def read_topic(bootstrap: str, topic: str, timeout: float = 30.0,
         bootstrap_servers=bootstrap.split(","),
         enable_auto_commit=False,
         group_id=None,
+        auto_offset_reset="earliest",
         consumer_timeout_ms=500,
         **(client or {}),
     )
     try:
         partitions = _partitions(consumer, topic, timeout)
         consumer.assign(partitions)
-        consumer.seek_to_beginning(*partitions)
+        for partition in partitions:
+            consumer.seek(partition, 0)
         records: list[Record] = []
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
