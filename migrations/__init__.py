@@ -1,6 +1,5 @@
 """Alembic environment and revisions for the outbox tables (see outbox/migrate.py)."""
 
-from alembic import op
 from sqlalchemy import MetaData
 
 
@@ -14,6 +13,8 @@ def target_metadata() -> MetaData:
 
 def target_schema() -> str:
     """The schema being migrated: our version table lives in it, so its name is the one."""
+    from alembic import op  # only while migrating: outbox.migrate says why
+
     schema: str | None = op.get_context().version_table_schema
     if not schema:
         raise RuntimeError(

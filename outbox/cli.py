@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 import click
-from alembic.util.exc import CommandError as AlembicError
 from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError, OperationalError
 
@@ -99,8 +98,6 @@ def error_line(ctx: click.Context, exc: Exception) -> str | None:
     if isinstance(exc, DBAPIError):
         hint = setup_error(exc)
         return None if hint is None else f"outbox: error: {hint}"
-    if isinstance(exc, AlembicError):
-        return f"outbox: error: {first_line(exc)}"
     return None
 
 

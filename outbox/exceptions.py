@@ -33,6 +33,10 @@ class MigrationBlocked(OutboxError):
     """A migration could not get its tables' locks: a long transaction holds one."""
 
 
+class MigrationRefused(OutboxError):
+    """Alembic refused a migration (a revision it does not know, say); its first line."""
+
+
 class ServiceUnavailable(OutboxError):
     """Kafka (or a service of ``outbox dev``) cannot be reached at the configured address;
     an unreachable PostgreSQL surfaces as SQLAlchemy's ``OperationalError``."""
