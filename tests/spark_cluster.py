@@ -50,6 +50,11 @@ class Cluster:
             return 0
 
 
+#: The JIT's first tier and the serial collector, as tests/spark-conf gives drivers and
+#: executors: the daemons live for one test.
+SMALL_JVM = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+
+
 def spark_env() -> dict[str, str]:
     return {**os.environ, "SPARK_HOME": str(SPARK_HOME), "SPARK_LOCAL_IP": "127.0.0.1"}
 
@@ -59,7 +64,8 @@ def start_daemon(log: Path, main_class: str, *args: str) -> subprocess.Popen[byt
     with log.open("wb") as out:
         return subprocess.Popen(
             [str(SPARK_HOME / "bin" / "spark-class"), main_class, *args],
-            env={**spark_env(), "SPARK_DAEMON_MEMORY": "256m"}, stdout=out,
+            env={**spark_env(), "SPARK_DAEMON_MEMORY": "256m",
+                 "SPARK_DAEMON_JAVA_OPTS": SMALL_JVM}, stdout=out,
             stderr=subprocess.STDOUT, start_new_session=True)
 
 
