@@ -231,8 +231,8 @@ def scripts() -> ScriptDirectory:
 @cache
 def revisions() -> tuple[str, ...]:
     """Our revisions' ids, oldest first, from the scripts' names (``0024_what_it_does.py``
-    holds revision ``0024``, whose down revision is the one before it: test_migrations.py
-    holds them to :func:`scripts`)."""
+    holds revision ``0024``, whose down revision is the one before it:
+    tests/unit/test_imports.py holds them to :func:`scripts`)."""
     versions = resources.files(migrations).joinpath("versions")
     return tuple(sorted(entry.name.partition("_")[0] for entry in versions.iterdir()
                         if entry.name.endswith(".py") and entry.name[:1].isdigit()))

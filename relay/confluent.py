@@ -59,8 +59,6 @@ POLL_SECONDS = 0.2
 #: How long a tail read's consume waits for its batch of 10,000 records to fill: it returns
 #: only then, so a read's last wait is this long (0.2 s cost every read 0.2 s).
 CONSUME_SECONDS = 0.02
-#: Up to this many topics of a tail read are looked up before it (:func:`_learn_leaders`).
-LEARN_TOPICS = 100
 
 
 class Repeats(logging.Filter):
@@ -322,7 +320,6 @@ class ConfluentTailReader:
         tail = Tail()
         consumer = self._consumer()
         try:
-            _learn_leaders(consumer, starts, self._answer_within)
             consumer.assign([TopicPartition(topic, p, LOG_START if start is None
                                             else start) for (topic, p), start in starts.items()])
             ended: set[tuple[str, int]] = set()
@@ -358,23 +355,6 @@ class ConfluentTailReader:
         finally:
             consumer.close()
 
-
-
-def _learn_leaders(consumer: Consumer, starts: Starts, timeout: float) -> None:
-    """Ask for the metadata of the topics read from their beginnings, if there are few.
-
-    Such a partition asks for its first offset once its leader is known; assigned before the
-    consumer has metadata, it asks 500 ms later (librdkafka's fixed retry), so each read
-    took at least 0.55 s. A topic's metadata asked first costs about 2.6 ms (embedded
-    broker), so that is worth it for up to :data:`LEARN_TOPICS` topics, and not beyond.
-    """
-    topics = {topic for (topic, _), start in starts.items() if start is None}
-    if len(topics) <= LEARN_TOPICS:
-        try:
-            for topic in topics:
-                consumer.list_topics(topic, timeout=timeout)
-        except KafkaException as exc:
-            raise ServiceUnavailable(f"no metadata for topic {topic} ({exc})") from None
 
 
 def _beyond_end(consumer: Consumer, starts: Starts) -> set[tuple[str, int]]:
