@@ -12,8 +12,8 @@ in turn), 2,000 rows of another topic are written after the held ones, and
 with the topic held and its rows flagged, with it held by its topic alone (the fetch as
 before revision 0024), and with nothing held (then the first rows returned are the held
 topic's own, the walk's floor). Also timed once each: flagging the held rows
-(``mark_held``), a relay's look for rows flagged by no hold of its own (``heal_held``, the
-topic kept), and unflagging them (``release_held``). Printed: the medians, and each fetch
+(``mark_held``), the look of a relay holding nothing for the topics flagged in its shards
+(``flagged_topics``, what a relay taking over the shards does), and unflagging them (``release_held``). Printed: the medians, and each fetch
 over nothing held, measured in the same run, on sessions set as the relay's delivery
 connection (``store.DELIVERY_SETTINGS``). Fresh durable embedded services; prints only.
 """
@@ -104,8 +104,8 @@ def main() -> None:
                     conn, SCHEMA, {"held": "held: by the benchmark"}, range(SHARDS),
                     FLAG_BATCH))
                 flagged = fetch_ms(engine, args.batch, ["held"], args.repeat)
-                heal, _ = timed_ms(engine, lambda conn: sum(store.heal_held(
-                    conn, SCHEMA, ["held"], range(SHARDS), FLAG_BATCH).values()))
+                heal, _ = timed_ms(engine, lambda conn: len(store.flagged_topics(
+                    conn, SCHEMA, [], range(SHARDS))))
                 release, release_step = timed_ms(engine, lambda conn: store.release_held(
                     conn, SCHEMA, ["held"], range(SHARDS), FLAG_BATCH))
                 say(f"{total:>9,} held rows ahead, fetch of {args.batch} rows: flagged "

@@ -673,13 +673,12 @@ def try_held(conn: Connection, schema: str, topics: Collection[str],
         "topics": list(topics), "shards": int_array(shards)})
 
 
-def heal_held(conn: Connection, schema: str, kept: Collection[str],
-              shards: Iterable[int], limit: int) -> dict[str, int]:
-    """At most ``limit`` rows of ``shards`` flagged held for topics not in ``kept`` rejoin
-    the fetch; returns how many per topic."""
-    rows = conn.execute(query("heal_held", schema), {
-        "kept": list(kept), "shards": int_array(shards), "limit": limit})
-    return {row.topic: row.rows for row in rows}
+def flagged_topics(conn: Connection, schema: str, kept: Collection[str],
+                   shards: Iterable[int]) -> list[str]:
+    """The topics, but ``kept``, with rows of ``shards`` flagged held."""
+    rows = conn.execute(query("flagged_topics", schema), {
+        "kept": list(kept), "shards": int_array(shards)})
+    return [row.topic for row in rows]
 
 
 def park_topic(conn: Connection, schema: str, actor: str, topic: str, shards: Iterable[int],

@@ -27,8 +27,11 @@ flagged row is out of the index the fetch walks, so a held backlog costs the oth
 fetches little (1.8x at a million held rows, 27x before), and it holds back its key's later
 rows as a delayed row does. A refused topic tried again has the first of its held rows per
 shard unflagged, and a released one all of its rows. Flags outlive the relay that wrote
-them (killed, or its shards moved), so every ``HEAL_SECONDS`` each relay unflags the rows of
-its shards flagged for topics it does not hold.
+them (killed, stopped, or its shards moved), so every ``HEAL_SECONDS`` each relay looks for
+rows of its shards flagged for topics it does not hold and asks Kafka about those topics:
+one Kafka knows is released (its rows unflagged; a refused one is then held again by the
+records Kafka refuses), one it still does not know is held by this relay, its rows left
+flagged (unflagging a million rows only to flag them again cost the fetch minutes).
 
 A topic deleted after the relay first asked about it looks like a broker away: its records
 are retried. Any topic whose records failed so is asked about again before the next batch
@@ -62,7 +65,7 @@ FIRST_RETRY_SECONDS = 1.0
 LAST_RETRY_SECONDS = 30.0
 #: A refused topic tried again with no answer from Kafka within this is no longer held.
 TRIAL_SECONDS = 60.0
-#: How often a relay unflags the rows of its shards flagged held for topics it does not hold.
+#: How often a relay looks for rows of its shards flagged held for topics it does not hold.
 HEAL_SECONDS = 10.0
 #: At most this many rows flagged or unflagged a step (relay/holds.py's ``_write``).
 FLAG_BATCH = 5_000
@@ -112,8 +115,7 @@ class TopicHolds:
         self._released: set[str] = set()
         #: held topics whose reason changed, and where the notes on their flagged rows stand
         self._renoting: dict[str, store.Cursor] = {}
-        self._heal_at = 0.0  #: monotonic time to unflag rows no hold of this relay's flagged
-        self._healing: set[str] = set()  #: topics whose rows the last look unflagged
+        self._heal_at = 0.0  #: monotonic time to look for rows no hold of this relay's flagged
 
     @property
     def topics(self) -> list[str]:
@@ -325,8 +327,9 @@ class TopicHolds:
         rows in one statement held the loop for 20 s): what is left is written in the next
         steps, and so is all of it if the transaction fails. A topic's ``outbox_topic_held``
         gauge says 1 once its rows are noted, so `outbox status` says what the gauge says."""
-        heal = time.monotonic() >= self._heal_at
-        if not (self._marks or self._trials or self._released or self._renoting or heal):
+        if time.monotonic() >= self._heal_at:
+            self._take_over(conn, shards)
+        if not (self._marks or self._trials or self._released or self._renoting):
             return  # nearly every loop of the relay
         marks = {topic: reason for topic, reason in self._marks.items() if topic in self._held}
         renoting = {topic: at for topic, at in self._renoting.items() if topic in self._held}
@@ -334,7 +337,6 @@ class TopicHolds:
         released = self._released - self._held.keys() - self._tried.keys()
         more_marks = more_released = False
         renoted: dict[str, store.Cursor] = {}
-        healed: dict[str, int] = {}
         # the queues change only once it commits (only this loop changes them): a rollback
         # leaves them for the next step
         with conn.begin():
@@ -351,23 +353,45 @@ class TopicHolds:
                                               self._held[topic].reason, shards, FLAG_BATCH, at)
                 if noted == FLAG_BATCH:
                     renoted[topic] = at
-            if heal:
-                healed = store.heal_held(conn, self._schema,
-                                         self._held.keys() | self._tried.keys(), shards,
-                                         FLAG_BATCH)
         self._marks = marks if more_marks else {}
         self._released = released if more_released else set()
         self._trials, self._renoting = set(), renoted
         for topic in marks:
             metrics.TOPIC_HELD.labels(topic).set(1)
-        if heal:
-            self._heal_at = 0.0 if sum(healed.values()) == FLAG_BATCH \
-                else time.monotonic() + HEAL_SECONDS
-        for topic in healed.keys() - self._healing:  # said once, not once a FLAG_BATCH
-            log.warning("topic %s: its messages in this relay's shards were flagged held by a "
-                        "relay that no longer holds them (stopped, or their shards moved); "
-                        "delivering them", topic)
-        self._healing = set(healed)
+
+    def _take_over(self, conn: Connection, shards: Collection[int]) -> None:
+        """The topics with rows of ``shards`` flagged held by a relay that no longer holds
+        them (killed, stopped, or their shards moved), none of them held, tried or released
+        by this relay: asked about, those Kafka knows are released (this step and the next
+        unflag their rows) and those it does not are held by this relay, their rows left
+        flagged."""
+        with conn.begin():
+            flagged = store.flagged_topics(
+                conn, self._schema, self._held.keys() | self._tried.keys() | self._released,
+                shards)
+        if flagged:
+            found = self.transport.available(flagged, PROBE_SECONDS)
+            self._known |= found
+            healed = [topic for topic in flagged if topic in found]
+            self._released.update(healed)
+            _say(healed, "topic %s: its messages in this relay's shards were flagged held by "
+                 "a relay that no longer holds them (stopped, or their shards moved); "
+                 "delivering them", "%d topics (%s) had their messages in this relay's shards "
+                 "flagged held by a relay that no longer holds them (stopped, or their shards "
+                 "moved); delivering them")
+            held: dict[str, list[str]] = {}
+            now = time.monotonic()
+            for topic in flagged:
+                if topic not in found:
+                    held.setdefault(self._hold(topic, now), []).append(topic)
+            for what, topics in held.items():
+                _say(topics, "topic %s: its messages in this relay's shards were flagged held "
+                     "by a relay that no longer holds them, and %s; holding them, other topics "
+                     "keep flowing; %s", "%d topics (%s) had their messages in this relay's "
+                     "shards flagged held by a relay that no longer holds them, and each: %s; "
+                     "holding them, other topics keep flowing; %s",
+                     what, self._bound("held until it appears"))
+        self._heal_at = time.monotonic() + HEAL_SECONDS
 
     def _release(self, topic: str, hold: Hold) -> float:
         """Release a held topic that appeared; returns how long it was held."""

@@ -320,27 +320,23 @@ WHERE message_id = ANY(ARRAY(
         WHERE f.held AND f.topic = t.topic AND f.shard = s.shard AND f.status = 'PENDING'
         ORDER BY f.message_id LIMIT 1) AS first));
 
--- name: heal_held
--- Rows of :shards flagged held for a topic this relay does not hold (:kept: those it holds
--- or tries): flagged by a relay that stopped or lost the shard since. At most :limit of them
--- rejoin the fetch's walk; returns how many per topic. The flagged topics are found by
+-- name: flagged_topics
+-- Topics with rows of :shards flagged held that this relay neither holds nor tries nor is
+-- releasing (:kept): flagged by a relay that stopped or lost the shard since (relay/holds.py
+-- asks Kafka about them, then holds or releases them). The flagged topics are found by
 -- skipping along pending_held_idx (one probe each), so a topic held with a million rows
--- costs one.
+-- costs one, and each is looked for in :shards with one probe more.
 WITH RECURSIVE flagged (topic) AS (
     SELECT min(topic) FROM {schema}.pending WHERE held
     UNION ALL
     SELECT (SELECT min(n.topic) FROM {schema}.pending AS n WHERE n.held AND n.topic > f.topic)
     FROM flagged AS f WHERE f.topic IS NOT NULL
-), healed AS (
-    UPDATE {schema}.pending SET held = false
-    WHERE message_id = ANY(ARRAY(
-        SELECT n.message_id FROM {schema}.pending AS n JOIN flagged AS f ON n.topic = f.topic
-        WHERE n.held AND f.topic <> ALL(CAST(:kept AS text[]))
-          AND n.shard = ANY(CAST(:shards AS smallint[]))
-        LIMIT :limit))
-    RETURNING topic
 )
-SELECT topic, count(*) AS rows FROM healed GROUP BY topic ORDER BY topic;
+SELECT f.topic FROM flagged AS f
+WHERE f.topic IS NOT NULL AND f.topic <> ALL(CAST(:kept AS text[]))
+  AND EXISTS (SELECT 1 FROM {schema}.pending AS n
+              WHERE n.held AND n.topic = f.topic AND n.shard = ANY(CAST(:shards AS smallint[])))
+ORDER BY f.topic;
 
 -- name: park_topic
 -- A topic held longer than OUTBOX_TOPIC_HOLD_PARK_AFTER: at most :limit of its waiting rows

@@ -275,6 +275,49 @@ def test_the_held_flags_of_a_killed_relay_do_not_hide_its_messages_from_the_next
         in caplog.text
 
 
+def row_versions(engine: Engine, schema: str, topic: str) -> dict[int, str]:
+    """Each of the topic's pending rows and the transaction that last wrote it."""
+    with engine.connect() as conn:
+        return {row.message_id: row.xmin for row in conn.execute(text(
+            f"SELECT message_id, xmin::text AS xmin FROM {schema}.pending WHERE topic = :t"),
+            {"t": topic})}
+
+
+def test_the_next_owner_of_a_topic_still_missing_holds_it_and_keeps_the_flags(
+    engine: Engine, outbox: Outbox, schema: str, missing: str, proxy: KafkaProxy,
+    held_settings: Settings, services: devservices.Services, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A relay stopped during a hold leaves its rows flagged. The next owner of their shards
+    asks Kafka about the topic and, still unknown, holds it itself with the rows as they are:
+    unflagging them put the held backlog back in the fetch's walk only to flag it again (a
+    rolling restart's WARNING 'delivering them', then the hold's, and a million rows written
+    twice)."""
+    caplog.set_level(logging.INFO, logger="outbox.relay")
+    held_ids = publish_orders(engine, outbox, missing, HELD)
+    relay = start_outbox(held_settings, "relay")
+    try:
+        wait_until(lambda: held_flags(engine, schema, missing) == len(HELD), 30,
+                   "the held topic's rows flagged")
+        relay.send_signal(signal.SIGTERM)
+        assert relay.wait(15) == 0
+    finally:
+        if relay.poll() is None:
+            relay.kill()
+            relay.wait()
+    flagged = row_versions(engine, schema, missing)
+    with running_relay(held_settings):
+        wait_until(lambda: held_gauge(missing) == 1, 30, "the next relay holding the topic")
+        assert f"topic {missing}: its messages in this relay's shards were flagged held by a " \
+               "relay that no longer holds them, and Kafka has no metadata for it" in caplog.text
+        assert "delivering them" not in caplog.text
+        assert row_versions(engine, schema, missing) == flagged, "no held row written again"
+        proxy.release(missing)
+        wait_delivered(engine, schema, len(HELD), timeout=60)
+    records = read_topic(services.kafka_bootstrap, missing)
+    assert sorted(r.message_id for r in records) == held_ids
+    assert_key_order(records)
+
+
 def test_acks_that_arrived_are_recorded_before_a_failed_pass_sends_again(
     engine: Engine, outbox: Outbox, schema: str, topic: str, proxy: KafkaProxy,
     held_settings: Settings, services: devservices.Services, caplog: pytest.LogCaptureFixture,

@@ -296,15 +296,15 @@ def test_a_refused_topic_tried_again_with_nothing_to_send_is_let_go(
 
     settings = RelaySettings(database_url="postgresql://u@h/db", kafka_bootstrap="h:9092")
     held: Any = holds_module.TopicHolds(settings, transport=None)  # type: ignore[arg-type]
-    writes: list[tuple[str, object]] = []  # the database writes but the heal, in their order
+    writes: list[tuple[str, object]] = []  # the database writes, in their order
 
     def write(name: str, conn: object, schema: str, what: object, *args: object) -> object:
-        if name == "heal_held":
-            return {}
+        if name == "flagged_topics":
+            return []  # no other relay's flags
         writes.append((name, what))
         return 0
 
-    for name in ("mark_held", "try_held", "release_held", "heal_held"):
+    for name in ("mark_held", "try_held", "release_held", "flagged_topics"):
         monkeypatch.setattr(holds_module.store, name, functools.partial(write, name))
     monkeypatch.setattr(holds_module, "TRIAL_SECONDS", 0.0)
     conn = mock.MagicMock()  # begin() is a context manager; no statement runs on it
