@@ -13,9 +13,10 @@ with the topic held and its rows flagged, with it held by its topic alone (the f
 before revision 0024), and with nothing held (then the first rows returned are the held
 topic's own, the walk's floor). Also timed once each: flagging the held rows
 (``mark_held``), the look of a relay holding nothing for the topics flagged in its shards
-(``flagged_topics``, what a relay taking over the shards does), and unflagging them (``release_held``). Printed: the medians, and each fetch
-over nothing held, measured in the same run, on sessions set as the relay's delivery
-connection (``store.DELIVERY_SETTINGS``). Fresh durable embedded services; prints only.
+(``flagged_topics``, what a relay taking over the shards does), and unflagging them
+(``release_held``). Printed: the medians, and each fetch over nothing held, measured in
+the same run, on sessions set as the relay's delivery connection
+(``store.DELIVERY_SETTINGS``). Fresh durable embedded services; prints only.
 """
 
 from __future__ import annotations

@@ -29,9 +29,10 @@ rows as a delayed row does. A refused topic tried again has the first of its hel
 shard unflagged, and a released one all of its rows. Flags outlive the relay that wrote
 them (killed, stopped, or its shards moved), so every ``HEAL_SECONDS`` each relay looks for
 rows of its shards flagged for topics it does not hold and asks Kafka about those topics:
-one Kafka knows is released (its rows unflagged; a refused one is then held again by the
-records Kafka refuses), one it still does not know is held by this relay, its rows left
-flagged (unflagging a million rows only to flag them again cost the fetch minutes).
+one it still does not know is held by this relay, its rows left flagged, and one it knows is
+tried as a refused one is (its first flagged row per shard sent; the rest once Kafka takes
+one, held by this relay if Kafka refuses it): unflagging a million rows, only for the fetch
+to flag them again, took minutes.
 
 A topic deleted after the relay first asked about it looks like a broker away: its records
 are retried. Any topic whose records failed so is asked about again before the next batch
@@ -230,7 +231,7 @@ class TopicHolds:
                 self._known.discard(topic)
             elif topic not in self._held:
                 hold = self._tried.pop(topic, None)
-                if hold is None:
+                if hold is None or not hold.reason:  # not held by this relay yet
                     hold = self._hold_refused(topic, error, stuck=what == "stuck")
                 else:  # tried too soon: back off further, quietly
                     self._back_off(hold)
@@ -247,8 +248,12 @@ class TopicHolds:
         if hold is not None:
             self._released.add(topic)
             metrics.TOPIC_HELD.labels(topic).set(0)
-            log.warning("topic %s: Kafka takes its records again after %.1fs: delivering "
-                        "its held messages", topic, time.monotonic() - hold.since)
+            if hold.reason:
+                log.warning("topic %s: Kafka takes its records again after %.1fs: delivering "
+                            "its held messages", topic, time.monotonic() - hold.since)
+            else:  # taken over from another relay's flags (_take_over)
+                log.info("topic %s: Kafka takes its records: delivering the rest of the "
+                         "messages another relay held", topic)
 
     def _hold_refused(self, topic: str, error: str, stuck: bool) -> Hold:
         started = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
@@ -322,8 +327,8 @@ class TopicHolds:
         """Write, in one transaction, what this step changed of the held topics' rows: the
         rows of topics still held noted and flagged (and noted again if their reason
         changed), the first rows of topics tried again and the rows of topics released back
-        in the fetch; and every ``HEAL_SECONDS``, the rows of ``shards`` flagged for topics
-        this relay neither holds nor tries. Each at most ``FLAG_BATCH`` rows a step (a million
+        in the fetch, after every ``HEAL_SECONDS`` a look for rows of ``shards`` flagged by
+        another relay (:meth:`_take_over`). Each at most ``FLAG_BATCH`` rows a step (a million
         rows in one statement held the loop for 20 s): what is left is written in the next
         steps, and so is all of it if the transaction fails. A topic's ``outbox_topic_held``
         gauge says 1 once its rows are noted, so `outbox status` says what the gauge says."""
@@ -362,9 +367,9 @@ class TopicHolds:
     def _take_over(self, conn: Connection, shards: Collection[int]) -> None:
         """The topics with rows of ``shards`` flagged held by a relay that no longer holds
         them (killed, stopped, or their shards moved), none of them held, tried or released
-        by this relay: asked about, those Kafka knows are released (this step and the next
-        unflag their rows) and those it does not are held by this relay, their rows left
-        flagged."""
+        by this relay: asked about, those Kafka does not know are held by this relay, their
+        rows left flagged, and those it knows are tried (a hold without a reason: if Kafka
+        refuses them, they are held as refused topics first seen)."""
         with conn.begin():
             flagged = store.flagged_topics(
                 conn, self._schema, self._held.keys() | self._tried.keys() | self._released,
@@ -372,15 +377,19 @@ class TopicHolds:
         if flagged:
             found = self.transport.available(flagged, PROBE_SECONDS)
             self._known |= found
-            healed = [topic for topic in flagged if topic in found]
-            self._released.update(healed)
-            _say(healed, "topic %s: its messages in this relay's shards were flagged held by "
-                 "a relay that no longer holds them (stopped, or their shards moved); "
-                 "delivering them", "%d topics (%s) had their messages in this relay's shards "
-                 "flagged held by a relay that no longer holds them (stopped, or their shards "
-                 "moved); delivering them")
-            held: dict[str, list[str]] = {}
             now = time.monotonic()
+            tried = [topic for topic in flagged if topic in found]
+            for topic in tried:
+                self._tried[topic] = Hold(since=now, reason="", retry_at=now + TRIAL_SECONDS)
+            self._trials.update(tried)
+            self.tried = frozenset(self._tried)
+            _say(tried, "topic %s: its messages in this relay's shards were flagged held by "
+                 "a relay that no longer holds them (stopped, or their shards moved), and Kafka "
+                 "knows it: sending the first of them, the rest once Kafka takes one",
+                 "%d topics (%s) had their messages in this relay's shards flagged held by a "
+                 "relay that no longer holds them (stopped, or their shards moved), and Kafka "
+                 "knows them: sending the first of each, the rest once Kafka takes one")
+            held: dict[str, list[str]] = {}
             for topic in flagged:
                 if topic not in found:
                     held.setdefault(self._hold(topic, now), []).append(topic)

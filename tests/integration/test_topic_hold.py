@@ -290,7 +290,7 @@ def test_the_next_owner_of_a_topic_still_missing_holds_it_and_keeps_the_flags(
     """A relay stopped during a hold leaves its rows flagged. The next owner of their shards
     asks Kafka about the topic and, still unknown, holds it itself with the rows as they are:
     unflagging them put the held backlog back in the fetch's walk only to flag it again (a
-    rolling restart's WARNING 'delivering them', then the hold's, and a million rows written
+    rolling restart's WARNING 'delivering them', then the hold's, and each row written
     twice)."""
     caplog.set_level(logging.INFO, logger="outbox.relay")
     held_ids = publish_orders(engine, outbox, missing, HELD)
@@ -309,13 +309,63 @@ def test_the_next_owner_of_a_topic_still_missing_holds_it_and_keeps_the_flags(
         wait_until(lambda: held_gauge(missing) == 1, 30, "the next relay holding the topic")
         assert f"topic {missing}: its messages in this relay's shards were flagged held by a " \
                "relay that no longer holds them, and Kafka has no metadata for it" in caplog.text
-        assert "delivering them" not in caplog.text
+        assert "and Kafka knows it" not in caplog.text, "not tried: Kafka does not know it"
         assert row_versions(engine, schema, missing) == flagged, "no held row written again"
         proxy.release(missing)
         wait_delivered(engine, schema, len(HELD), timeout=60)
     records = read_topic(services.kafka_bootstrap, missing)
     assert sorted(r.message_id for r in records) == held_ids
     assert_key_order(records)
+
+def test_the_next_owner_of_a_refused_topic_tries_it_before_unflagging_its_rows(
+    engine: Engine, outbox: Outbox, schema: str, proxy: KafkaProxy, held_settings: Settings,
+    services: devservices.Services, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A topic Kafka refuses, its rows flagged by a relay since stopped: Kafka knows the topic,
+    so only sending tells whether the refusal is over. The next owner tries it as a refused
+    topic is tried, the first flagged row of each shard, and holds it when refused: the
+    other rows are not written (all were unflagged, sent, refused and flagged again)."""
+    caplog.set_level(logging.INFO, logger="outbox.relay")
+    denied = f"denied-{uuid.uuid4().hex[:8]}"
+    create_topic(services.kafka_bootstrap, denied, partitions=3)
+    proxy.refuse(denied, TOPIC_AUTHORIZATION_FAILED)
+    denied_ids = publish_orders(engine, outbox, denied, HELD)
+    relay = start_outbox(held_settings, "relay")
+    try:
+        wait_until(lambda: held_flags(engine, schema, denied) == len(HELD), 30,
+                   "the refused topic's rows flagged")
+        relay.send_signal(signal.SIGTERM)
+        assert relay.wait(15) == 0
+    finally:
+        if relay.poll() is None:
+            relay.kill()
+            relay.wait()
+    flagged = row_versions(engine, schema, denied)
+    with engine.connect() as conn:
+        shards = conn.execute(text(f"SELECT count(DISTINCT shard) FROM {schema}.pending "
+                                   "WHERE topic = :t"), {"t": denied}).scalar_one()
+
+    def written() -> int:
+        now = row_versions(engine, schema, denied)
+        return sum(now[message_id] != version for message_id, version in flagged.items())
+
+    with running_relay(held_settings):
+        wait_until(lambda: held_gauge(denied) == 1, 30, "the next relay holding the topic")
+        assert f"topic {denied}: its messages in this relay's shards were flagged held by a " \
+               "relay that no longer holds them (stopped, or their shards moved), and Kafka " \
+               "knows it: sending the first of them" in caplog.text
+        assert 0 < written() <= shards, "the first row of each shard tried, no other"
+        time.sleep(3)  # tried again after 1 s and 2 s
+        assert written() <= shards
+        assert held_flags(engine, schema, denied) == len(HELD)
+        proxy.accept(denied)
+        wait_delivered(engine, schema, len(HELD), timeout=60)
+    records = read_topic(services.kafka_bootstrap, denied)
+    assert Counter(r.message_id for r in records) == Counter(denied_ids), "each once"
+    assert_key_order(records)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len([line for line in lines if "Kafka refuses its records" in line]) == 1, lines
+
 
 
 def test_acks_that_arrived_are_recorded_before_a_failed_pass_sends_again(
