@@ -674,11 +674,12 @@ def try_held(conn: Connection, schema: str, topics: Collection[str],
 
 
 def flagged_topics(conn: Connection, schema: str, kept: Collection[str],
-                   shards: Iterable[int]) -> list[str]:
-    """The topics, but ``kept``, with rows of ``shards`` flagged held."""
+                   shards: Iterable[int]) -> dict[str, str | None]:
+    """The topics, but ``kept``, with rows of ``shards`` flagged held, and the note of one of
+    those rows each."""
     rows = conn.execute(query("flagged_topics", schema), {
         "kept": list(kept), "shards": int_array(shards)})
-    return [row.topic for row in rows]
+    return {row.topic: row.note for row in rows}
 
 
 def park_topic(conn: Connection, schema: str, actor: str, topic: str, shards: Iterable[int],

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import threading
 import time
 from collections.abc import Collection
@@ -73,6 +74,9 @@ FLAG_BATCH = 5_000
 #: More topics than this held or released in one step are said in one line (a batch of
 #: thousands of new topics said a line for each).
 EACH_SAID = 5
+#: How a hold's reason, noted on its rows, says when it began (read back by the next owner).
+BEGAN_FORMAT = "%Y-%m-%d %H:%M:%S UTC"
+_SINCE = re.compile(r" since (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC)$")
 
 
 @dataclass
@@ -232,7 +236,8 @@ class TopicHolds:
             elif topic not in self._held:
                 hold = self._tried.pop(topic, None)
                 if hold is None or not hold.reason:  # not held by this relay yet
-                    hold = self._hold_refused(topic, error, stuck=what == "stuck")
+                    hold = self._hold_refused(topic, error, stuck=what == "stuck",
+                                              earlier=hold)
                 else:  # tried too soon: back off further, quietly
                     self._back_off(hold)
                 self._held[topic] = hold
@@ -255,8 +260,11 @@ class TopicHolds:
                 log.info("topic %s: Kafka takes its records: delivering the rest of the "
                          "messages another relay held", topic)
 
-    def _hold_refused(self, topic: str, error: str, stuck: bool) -> Hold:
-        started = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    def _hold_refused(self, topic: str, error: str, stuck: bool,
+                      earlier: Hold | None = None) -> Hold:
+        """Hold a topic Kafka refuses; ``earlier``: the hold of another relay taken over
+        (_take_over), whose start this one keeps."""
+        started = earlier.began if earlier is not None else _utc_now()
         if stuck:
             what = (f"Kafka has not acknowledged its records for {error} while it acknowledged "
                     "other topics' (a partition without a leader, or without enough in-sync "
@@ -267,8 +275,9 @@ class TopicHolds:
         else:
             what = f"Kafka refuses its records ({error}), a grant or a setting to mend"
             reason = f"held: Kafka refuses the records of topic {topic} ({error}) since {started}"
-        hold = Hold(since=time.monotonic(), refused=True, stuck=stuck, reason=reason)
-        hold.retry_at = hold.since + hold.retry_in
+        hold = Hold(since=earlier.since if earlier is not None else time.monotonic(),
+                    refused=True, stuck=stuck, reason=reason, began=started)
+        hold.retry_at = time.monotonic() + hold.retry_in
         log.warning("topic %s: %s; holding its messages, other topics keep flowing; %s", topic,
                     what, self._bound("sent again with back-off until accepted"))
         return hold
@@ -295,11 +304,11 @@ class TopicHolds:
                  "messages are gone from this relay's shards); no longer held", topic,
                  TRIAL_SECONDS)
 
-    def _hold(self, topic: str, since: float) -> str:
-        """Hold a topic Kafka has no metadata for; returns why, to be said."""
-        hold = Hold(since=since, reason="",
-                    began=datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC"))
-        hold.retry_at = hold.since + hold.retry_in
+    def _hold(self, topic: str, since: float, began: str | None = None) -> str:
+        """Hold a topic Kafka has no metadata for (since ``began``, as another relay's hold
+        taken over says); returns why, to be said."""
+        hold = Hold(since=since, reason="", began=began or _utc_now())
+        hold.retry_at = time.monotonic() + hold.retry_in
         self._held[topic] = hold
         what = self._explain(topic, hold)
         self._marks[topic] = hold.reason
@@ -369,18 +378,22 @@ class TopicHolds:
         them (killed, stopped, or their shards moved), none of them held, tried or released
         by this relay: asked about, those Kafka does not know are held by this relay, their
         rows left flagged, and those it knows are tried (a hold without a reason: if Kafka
-        refuses them, they are held as refused topics first seen)."""
+        refuses them, they are held as refused topics first seen). Either way the hold keeps
+        the start its rows' notes say, for `outbox status` and ``topic_hold_park_after``."""
         with conn.begin():
             flagged = store.flagged_topics(
                 conn, self._schema, self._held.keys() | self._tried.keys() | self._released,
                 shards)
         if flagged:
-            found = self.transport.available(flagged, PROBE_SECONDS)
+            found = self.transport.available(list(flagged), PROBE_SECONDS)
             self._known |= found
             now = time.monotonic()
+            started = {topic: _started(note, now) for topic, note in flagged.items()}
             tried = [topic for topic in flagged if topic in found]
             for topic in tried:
-                self._tried[topic] = Hold(since=now, reason="", retry_at=now + TRIAL_SECONDS)
+                since, began = started[topic]
+                self._tried[topic] = Hold(since=since, reason="", began=began,
+                                          retry_at=now + TRIAL_SECONDS)
             self._trials.update(tried)
             self.tried = frozenset(self._tried)
             _say(tried, "topic %s: its messages in this relay's shards were flagged held by "
@@ -392,7 +405,7 @@ class TopicHolds:
             held: dict[str, list[str]] = {}
             for topic in flagged:
                 if topic not in found:
-                    held.setdefault(self._hold(topic, now), []).append(topic)
+                    held.setdefault(self._hold(topic, *started[topic]), []).append(topic)
             for what, topics in held.items():
                 _say(topics, "topic %s: its messages in this relay's shards were flagged held "
                      "by a relay that no longer holds them, and %s; holding them, other topics "
@@ -435,6 +448,23 @@ class TopicHolds:
             log.error("%d messages parked: %s", hold.parking, hold.park_reason)
         hold.parked, hold.parking, hold.park_reason = hold.parked + hold.parking, 0, ""
         return False
+
+
+def _utc_now() -> str:
+    """Now, as a hold's reason says when it began."""
+    return datetime.now(UTC).strftime(BEGAN_FORMAT)
+
+
+def _started(note: str | None, now: float) -> tuple[float, str]:
+    """When the hold a flagged row's note speaks of began (``... since 2026-12-02 10:00:00
+    UTC``): the monotonic time and the note's own words, or ``now`` if it says none (or a
+    time to come, another host's clock ahead)."""
+    match = _SINCE.search(note or "")
+    if match is None:
+        return now, _utc_now()
+    began = datetime.strptime(match.group(1), BEGAN_FORMAT).replace(tzinfo=UTC)
+    ago = (datetime.now(UTC) - began).total_seconds()
+    return (now - ago, match.group(1)) if ago >= 0 else (now, _utc_now())
 
 
 def _say(topics: list[str], each: str, many: str, *args: object) -> None:

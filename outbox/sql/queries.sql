@@ -323,9 +323,10 @@ WHERE message_id = ANY(ARRAY(
 -- name: flagged_topics
 -- Topics with rows of :shards flagged held that this relay neither holds nor tries nor is
 -- releasing (:kept): flagged by a relay that stopped or lost the shard since (relay/holds.py
--- asks Kafka about them, then holds or tries them). The flagged topics are found by skipping
+-- asks Kafka about them, then holds or tries them), each with the note of one of its rows
+-- there (the hold's reason, which says since when). The flagged topics are found by skipping
 -- along pending_held_idx, and each is looked for in :shards, one probe each, so a topic held
--- with a million rows costs two. Each probe is a subquery with ORDER BY and LIMIT, not min()
+-- with a million rows costs two. Each probe is a subquery with ORDER BY or LIMIT, not min()
 -- or EXISTS: right after a million rows were flagged, before autovacuum's ANALYZE, the
 -- planner took the index for nearly empty and read all of it, for min() and again for
 -- EXISTS as a hashed semi-join (2.5 s where the probes take well under 1 ms).
@@ -336,11 +337,13 @@ WITH RECURSIVE flagged (topic) AS (
             ORDER BY n.topic LIMIT 1)
     FROM flagged AS f WHERE f.topic IS NOT NULL
 )
-SELECT f.topic FROM flagged AS f
+SELECT f.topic, one.last_error AS note
+FROM flagged AS f
+CROSS JOIN LATERAL (
+    SELECT n.last_error FROM {schema}.pending AS n
+    WHERE n.held AND n.topic = f.topic AND n.shard = ANY(CAST(:shards AS smallint[]))
+    LIMIT 1) AS one
 WHERE f.topic IS NOT NULL AND f.topic <> ALL(CAST(:kept AS text[]))
-  AND (SELECT n.shard FROM {schema}.pending AS n
-       WHERE n.held AND n.topic = f.topic AND n.shard = ANY(CAST(:shards AS smallint[]))
-       LIMIT 1) IS NOT NULL
 ORDER BY f.topic;
 
 -- name: park_topic

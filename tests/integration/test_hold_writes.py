@@ -4,20 +4,22 @@ fails it: another session holds the outbox table while the step runs."""
 
 from __future__ import annotations
 
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from prometheus_client import REGISTRY
 from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import OperationalError
 
-from outbox import Outbox
+from outbox import Outbox, store
 from outbox.relay import holds
 from outbox.schema import SHARDS
 from outbox.settings import Settings
-from tests.conftest import publish_orders
+from tests.conftest import count_status, publish_orders
 from tests.integration.test_topic_hold import HELD, held_flags, held_marks
 
 
@@ -67,3 +69,44 @@ def test_a_step_whose_transaction_fails_is_written_by_the_next(
         assert held_flags(engine, schema, topic) > 0
         held.revisit(conn, range(SHARDS))
         assert held_flags(engine, schema, topic) == 0, "unflagged by the next step"
+
+
+class KafkaKnowsNothing:
+    """A transport whose Kafka has no metadata for any topic."""
+
+    denied: frozenset[str] = frozenset()
+
+    def available(self, topics: Collection[str], timeout: float) -> set[str]:
+        return set()
+
+
+def test_a_hold_taken_over_keeps_the_start_its_rows_say(
+    engine: Engine, outbox: Outbox, schema: str, settings: Settings,
+) -> None:
+    """The next owner of a held topic's flagged rows holds it since the start their notes
+    say, not since it took them over: `outbox status` says the same start, and a relay
+    restarted more often than OUTBOX_TOPIC_HOLD_PARK_AFTER still parks them in time."""
+    topic = f"missing-{uuid.uuid4().hex[:8]}"
+    publish_orders(engine, outbox, topic, HELD)
+    began = (datetime.now(UTC) - timedelta(seconds=100)).strftime(holds.BEGAN_FORMAT)
+    reason = (f"held: Kafka has no metadata for topic {topic} (not created, or auto-creation "
+              f"off) since {began}")
+    with engine.begin() as conn:  # as a relay since stopped flagged them 100 s ago
+        assert store.mark_held(conn, schema, {topic: reason}, range(SHARDS),
+                               holds.FLAG_BATCH) == len(HELD)
+    patient = settings.model_copy(update={"topic_hold_park_after": 1000.0})
+    held = holds.TopicHolds(patient, transport=KafkaKnowsNothing())  # type: ignore[arg-type]
+    with engine.connect() as conn:
+        held.revisit(conn, range(SHARDS))
+    assert held.topics == [topic]
+    assert 99 <= time.monotonic() - held._held[topic].since < 130
+    assert held._held[topic].reason == reason, "the notes of its later rows say the same"
+
+    impatient = settings.model_copy(update={"topic_hold_park_after": 50.0})
+    held = holds.TopicHolds(impatient, transport=KafkaKnowsNothing())  # type: ignore[arg-type]
+    with engine.connect() as conn:
+        held.revisit(conn, range(SHARDS))
+        assert count_status(engine, schema, "PARKED") == 0
+        held._held[topic].retry_at = 0.0  # its back-off has passed: held 100 s, over 50
+        held.revisit(conn, range(SHARDS))
+    assert count_status(engine, schema, "PARKED") == len(HELD)

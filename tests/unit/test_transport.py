@@ -300,7 +300,7 @@ def test_a_refused_topic_tried_again_with_nothing_to_send_is_let_go(
 
     def write(name: str, conn: object, schema: str, what: object, *args: object) -> object:
         if name == "flagged_topics":
-            return []  # no other relay's flags
+            return {}  # no other relay's flags
         writes.append((name, what))
         return 0
 
