@@ -403,9 +403,11 @@ class TopicHolds:
                  "relay that no longer holds them (stopped, or their shards moved), and Kafka "
                  "knows them: sending the first of each, the rest once Kafka takes one")
             held: dict[str, list[str]] = {}
-            for topic in flagged:
+            for topic, note in flagged.items():
                 if topic not in found:
                     held.setdefault(self._hold(topic, *started[topic]), []).append(topic)
+                    if note != self._held[topic].reason:  # another cause now: said on them
+                        self._renoting[topic] = store.CURSOR_START
             for what, topics in held.items():
                 _say(topics, "topic %s: its messages in this relay's shards were flagged held "
                      "by a relay that no longer holds them, and %s; holding them, other topics "

@@ -110,3 +110,27 @@ def test_a_hold_taken_over_keeps_the_start_its_rows_say(
         held._held[topic].retry_at = 0.0  # its back-off has passed: held 100 s, over 50
         held.revisit(conn, range(SHARDS))
     assert count_status(engine, schema, "PARKED") == len(HELD)
+
+
+def test_a_hold_taken_over_for_another_cause_notes_it_on_the_rows(
+    engine: Engine, outbox: Outbox, schema: str, settings: Settings,
+) -> None:
+    """The rows say Kafka had no metadata for the topic; the relay taking them over finds
+    Kafka will not describe it to the relay (a grant taken away meanwhile): `outbox status`
+    must say the cause as it is now."""
+    topic = f"denied-{uuid.uuid4().hex[:8]}"
+    publish_orders(engine, outbox, topic, HELD)
+    with engine.begin() as conn:
+        store.mark_held(conn, schema, {topic: f"held: Kafka has no metadata for topic {topic} "
+                                              "(...) since 2026-12-01 10:00:00 UTC"},
+                        range(SHARDS), holds.FLAG_BATCH)
+    kafka = KafkaKnowsNothing()
+    kafka.denied = frozenset({topic})
+    held = holds.TopicHolds(settings, transport=kafka)  # type: ignore[arg-type]
+    with engine.connect() as conn:
+        held.revisit(conn, range(SHARDS))
+        held.revisit(conn, range(SHARDS))
+        notes = conn.execute(text(f"SELECT DISTINCT last_error FROM {schema}.pending "
+                                  "WHERE topic = :t"), {"t": topic}).scalars().all()
+    assert notes == [f"held: Kafka will not describe topic {topic} to the relay "
+                     "(TOPIC_AUTHORIZATION_FAILED: no Describe ACL?) since 2026-12-01 10:00:00 UTC"]
