@@ -283,6 +283,23 @@ def row_versions(engine: Engine, schema: str, topic: str) -> dict[int, str]:
             {"t": topic})}
 
 
+def flagged_by_a_stopped_relay(engine: Engine, schema: str, topic: str,
+                               settings: Settings) -> dict[int, str]:
+    """A relay flags the topic's rows held, then stops on SIGTERM; returns
+    :func:`row_versions` as it left them."""
+    relay = start_outbox(settings, "relay")
+    try:
+        wait_until(lambda: held_flags(engine, schema, topic) == len(HELD), 30,
+                   "the held topic's rows flagged")
+        relay.send_signal(signal.SIGTERM)
+        assert relay.wait(15) == 0
+    finally:
+        if relay.poll() is None:
+            relay.kill()
+            relay.wait()
+    return row_versions(engine, schema, topic)
+
+
 def test_the_next_owner_of_a_topic_still_missing_holds_it_and_keeps_the_flags(
     engine: Engine, outbox: Outbox, schema: str, missing: str, proxy: KafkaProxy,
     held_settings: Settings, services: devservices.Services, caplog: pytest.LogCaptureFixture,
@@ -294,17 +311,7 @@ def test_the_next_owner_of_a_topic_still_missing_holds_it_and_keeps_the_flags(
     twice)."""
     caplog.set_level(logging.INFO, logger="outbox.relay")
     held_ids = publish_orders(engine, outbox, missing, HELD)
-    relay = start_outbox(held_settings, "relay")
-    try:
-        wait_until(lambda: held_flags(engine, schema, missing) == len(HELD), 30,
-                   "the held topic's rows flagged")
-        relay.send_signal(signal.SIGTERM)
-        assert relay.wait(15) == 0
-    finally:
-        if relay.poll() is None:
-            relay.kill()
-            relay.wait()
-    flagged = row_versions(engine, schema, missing)
+    flagged = flagged_by_a_stopped_relay(engine, schema, missing, held_settings)
     with running_relay(held_settings):
         wait_until(lambda: held_gauge(missing) == 1, 30, "the next relay holding the topic")
         assert f"topic {missing}: its messages in this relay's shards were flagged held by a " \
@@ -316,6 +323,7 @@ def test_the_next_owner_of_a_topic_still_missing_holds_it_and_keeps_the_flags(
     records = read_topic(services.kafka_bootstrap, missing)
     assert sorted(r.message_id for r in records) == held_ids
     assert_key_order(records)
+
 
 def test_the_next_owner_of_a_refused_topic_tries_it_before_unflagging_its_rows(
     engine: Engine, outbox: Outbox, schema: str, proxy: KafkaProxy, held_settings: Settings,
@@ -330,17 +338,7 @@ def test_the_next_owner_of_a_refused_topic_tries_it_before_unflagging_its_rows(
     create_topic(services.kafka_bootstrap, denied, partitions=3)
     proxy.refuse(denied, TOPIC_AUTHORIZATION_FAILED)
     denied_ids = publish_orders(engine, outbox, denied, HELD)
-    relay = start_outbox(held_settings, "relay")
-    try:
-        wait_until(lambda: held_flags(engine, schema, denied) == len(HELD), 30,
-                   "the refused topic's rows flagged")
-        relay.send_signal(signal.SIGTERM)
-        assert relay.wait(15) == 0
-    finally:
-        if relay.poll() is None:
-            relay.kill()
-            relay.wait()
-    flagged = row_versions(engine, schema, denied)
+    flagged = flagged_by_a_stopped_relay(engine, schema, denied, held_settings)
     with engine.connect() as conn:
         shards = conn.execute(text(f"SELECT count(DISTINCT shard) FROM {schema}.pending "
                                    "WHERE topic = :t"), {"t": denied}).scalar_one()
