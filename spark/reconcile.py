@@ -369,12 +369,16 @@ def _read_topics(spark: SparkSession, settings: ReconcileSettings, engine: Any, 
                  ) -> tuple[DataFrame, sources.TopicPlan]:
     """The topics from the last run's end (or the window's first op record) to their end."""
     spark.sparkContext.setJobDescription("outbox reconcile: reading the topics")
-    first = messages.where(F.col("op_at").isNotNull()).groupBy(
+    # one job for the three (a job costs about 0.3 s on a small window): the first recorded
+    # position per partition, the messages delivered more than once, and the topics
+    grouped = messages.groupBy(
         "topic", F.shiftright("op_at", queries.POSITION_OFFSET_BITS).alias("partition")).agg(
-        F.min("op_at").alias("first")).collect()
+        F.min("op_at").alias("first"),
+        F.collect_list(F.when(F.col("delivered_ops") > 1, F.col("id"))).alias("repeated"),
+    ).collect()
     first_ops = {(r.topic, r.partition): r.first & ((1 << queries.POSITION_OFFSET_BITS) - 1)
-                 for r in first}
-    repeated = [r.id for r in messages.where(F.col("delivered_ops") > 1).select("id").collect()]
+                 for r in grouped if r.partition is not None}
+    repeated = [message_id for r in grouped for message_id in r.repeated]
     with engine.connect() as conn:
         for _, topic, partition, offset in queries.delivered_positions(
                 conn, settings.schema_name, repeated):
@@ -382,8 +386,7 @@ def _read_topics(spark: SparkSession, settings: ReconcileSettings, engine: Any, 
                 key = (topic, partition)
                 first_ops[key] = min(first_ops.get(key, offset), offset)
         conn.rollback()
-    topics = {r.topic for r in messages.select("topic").distinct().collect()}
-    topics |= set(mark.kafka_offsets or {})
+    topics = {r.topic for r in grouped} | set(mark.kafka_offsets or {})
     ends = _topic_ends(settings, topics)
     plan = sources.plan_topics(ends, first_ops, mark.kafka_offsets, window.since is None)
     for topic, partition, seen, end in plan.rewound:
