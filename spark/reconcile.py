@@ -242,11 +242,13 @@ def _run(spark: SparkSession, settings: ReconcileSettings, engine: Engine,
             facts = findings.facts(everything)
             if records is not None:
                 everything = _cache(cached, everything)
-                unknown, judged = _outside(spark, engine, schema,
-                                           findings.foreign(everything), window)
-                claims = _claims(spark, engine, schema, findings.several(facts))
-                recorded_since = _recorded_since(engine, schema,
-                                                 findings.copied_unrecorded(facts))
+                looked = findings.to_look_up(everything, facts).collect()
+                unknown, judged = _outside(spark, engine, schema, {
+                    (r.topic, r.id) for r in looked if r.foreign}, window)
+                claims = _claims(spark, engine, schema, [
+                    r.id for r in looked if r.several and r.delivered_ops > 0])
+                recorded_since = _recorded_since(engine, schema, [
+                    r.id for r in looked if r.unrecorded])
 
         output = _output_dir(output_root, started_at)
         with _phase(timings, "find and write"):
@@ -411,20 +413,18 @@ def _without_rewound(anchors: DataFrame | None, plan: sources.TopicPlan) -> Data
         ~F.col("topic").isin(*rewound))
 
 
-def _claims(spark: SparkSession, engine: Any, schema: str, several: DataFrame) -> DataFrame:
-    """Each DELIVERED op record of the messages delivered or copied more than once."""
-    rows = several.select("id", "delivered_ops").collect()
+def _claims(spark: SparkSession, engine: Any, schema: str, ids: list[int]) -> DataFrame:
+    """Each DELIVERED op record of the messages delivered or copied more than once (``ids``:
+    those with a DELIVERED op record)."""
     with engine.connect() as conn:
-        claims = queries.delivered_positions(
-            conn, schema, [r.id for r in rows if r.delivered_ops > 0])
+        claims = queries.delivered_positions(conn, schema, ids)
         conn.rollback()
     return spark.createDataFrame(claims, "id long, topic string, partition int, offset long")
 
 
-def _recorded_since(engine: Any, schema: str, unrecorded: DataFrame) -> set[int]:
-    """Of the messages in Kafka without an op record in the tables as read, those that have
-    one now: delivered after the tables were read, before the topics were."""
-    ids = [r.id for r in unrecorded.collect()]
+def _recorded_since(engine: Any, schema: str, ids: list[int]) -> set[int]:
+    """Of the messages in Kafka without an op record in the tables as read (``ids``), those
+    that have one now: delivered after the tables were read, before the topics were."""
     if not ids:
         return set()
     with engine.connect() as conn:
@@ -437,15 +437,15 @@ def _recorded_since(engine: Any, schema: str, unrecorded: DataFrame) -> set[int]
     return recorded
 
 
-def _outside(spark: SparkSession, engine: Any, schema: str, foreign: DataFrame,
-             window: queries.Window) -> tuple[DataFrame, DataFrame]:
-    """Of the new records outside the window, those whose outbox-id is no message of their
-    topic at all (``unknown``), but for the messages retention pruned (no prepare row, an id
-    below the ranges kept): nothing is left to judge them by; and the DELIVERED op records
-    (``judged``) of those whose message an earlier window holds, so the copies found after
-    that window was judged are checked against them. Messages of a later window are judged
-    by the run that reads it."""
-    candidates = {(r.topic, r.outbox_id) for r in foreign.collect()}
+def _outside(spark: SparkSession, engine: Any, schema: str,
+             candidates: set[tuple[str, int]], window: queries.Window
+             ) -> tuple[DataFrame, DataFrame]:
+    """Of the new records outside the window (``candidates``: their topics and outbox-ids),
+    those whose outbox-id is no message of their topic at all (``unknown``), but for the
+    messages retention pruned (no prepare row, an id below the ranges kept): nothing is left
+    to judge them by; and the DELIVERED op records (``judged``) of those whose message an
+    earlier window holds, so the copies found after that window was judged are checked
+    against them. Messages of a later window are judged by the run that reads it."""
     with engine.connect() as conn:
         origin = queries.message_origins(conn, schema, {i for _, i in candidates})
         topic_of = {i: topic for i, (topic, _) in origin.items()}
