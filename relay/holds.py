@@ -29,10 +29,10 @@ rows as a delayed row does. A refused topic tried again has the first of its hel
 shard unflagged, and a released one all of its rows. Flags outlive the relay that wrote
 them (killed, stopped, or its shards moved), so every ``HEAL_SECONDS`` each relay looks for
 rows of its shards flagged for topics it does not hold and asks Kafka about those topics:
-one it still does not know is held by this relay, its rows left flagged, and one it knows is
-tried as a refused one is (its first flagged row per shard sent; the rest once Kafka takes
-one, held by this relay if Kafka refuses it): unflagging a million rows, only for the fetch
-to flag them again, took minutes.
+one it still does not know is held by this relay, its rows left flagged; one it knows now is
+released if its rows say Kafka did not know it, and else tried as a refused one is (its first
+flagged row per shard sent; the rest once Kafka takes one, held by this relay if Kafka
+refuses it): unflagging a million rows, only for the fetch to flag them again, took minutes.
 
 A topic deleted after the relay first asked about it looks like a broker away: its records
 are retried. Any topic whose records failed so is asked about again before the next batch
@@ -74,6 +74,10 @@ FLAG_BATCH = 5_000
 #: More topics than this held or released in one step are said in one line (a batch of
 #: thousands of new topics said a line for each).
 EACH_SAID = 5
+#: How the reasons of holds on Kafka's metadata begin, noted on their rows: a relay taking
+#: such rows over releases them once Kafka describes the topic (others it tries).
+UNKNOWN = "held: Kafka has no metadata for topic "
+UNDESCRIBED = "held: Kafka will not describe topic "
 #: How a hold's reason, noted on its rows, says when it began (read back by the next owner).
 BEGAN_FORMAT = "%Y-%m-%d %H:%M:%S UTC"
 _SINCE = re.compile(r" since (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC)$")
@@ -320,12 +324,12 @@ class TopicHolds:
         if hold.denied:
             what = ("Kafka will not describe it to the relay (TOPIC_AUTHORIZATION_FAILED: grant "
                     "the relay's principal Describe and Write on it)")
-            hold.reason = (f"held: Kafka will not describe topic {topic} to the relay "
+            hold.reason = (f"{UNDESCRIBED}{topic} to the relay "
                            f"(TOPIC_AUTHORIZATION_FAILED: no Describe ACL?) since {started}")
         else:
             what = "Kafka has no metadata for it (does it exist?)"
-            hold.reason = (f"held: Kafka has no metadata for topic {topic} (not created, or "
-                           f"auto-creation off) since {started}")
+            hold.reason = (f"{UNKNOWN}{topic} (not created, or auto-creation off) "
+                           f"since {started}")
         return what
 
     def _bound(self, otherwise: str) -> str:
@@ -377,9 +381,10 @@ class TopicHolds:
         """The topics with rows of ``shards`` flagged held by a relay that no longer holds
         them (killed, stopped, or their shards moved), none of them held, tried or released
         by this relay: asked about, those Kafka does not know are held by this relay, their
-        rows left flagged, and those it knows are tried (a hold without a reason: if Kafka
-        refuses them, they are held as refused topics first seen). Either way the hold keeps
-        the start its rows' notes say, for `outbox status` and ``topic_hold_park_after``."""
+        rows left flagged; those it knows are released if their rows say Kafka did not know or
+        describe them, else tried (a hold without a reason: if Kafka refuses them, they are
+        held as refused topics first seen). A hold keeps the start its rows' notes say, for
+        `outbox status` and ``topic_hold_park_after``."""
         with conn.begin():
             flagged = store.flagged_topics(
                 conn, self._schema, self._held.keys() | self._tried.keys() | self._released,
@@ -389,7 +394,16 @@ class TopicHolds:
             self._known |= found
             now = time.monotonic()
             started = {topic: _started(note, now) for topic, note in flagged.items()}
-            tried = [topic for topic in flagged if topic in found]
+            known = [topic for topic in flagged if topic in found]
+            released = [topic for topic in known
+                        if (flagged[topic] or "").startswith((UNKNOWN, UNDESCRIBED))]
+            self._released.update(released)
+            _say(released, "topic %s: its messages in this relay's shards were flagged held by "
+                 "a relay that no longer holds them (stopped, or their shards moved), and Kafka "
+                 "knows it now: delivering them", "%d topics (%s) had their messages in this "
+                 "relay's shards flagged held by a relay that no longer holds them (stopped, or "
+                 "their shards moved), and Kafka knows them now: delivering them")
+            tried = [topic for topic in known if topic not in released]
             for topic in tried:
                 since, began = started[topic]
                 self._tried[topic] = Hold(since=since, reason="", began=began,
