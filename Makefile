@@ -1,5 +1,5 @@
 # The two commands of the README: `make demo` (the whole flow) and `make test` (two xdist
-# workers, each with its own PostgreSQL and broker, a test file at a time: about 26 minutes
+# workers, each with its own PostgreSQL and broker, a test file at a time: 15 to 28 minutes
 # on 2 cores). `make unit`: the fast tier alone; `make bench`: the benchmark table in BENCHMARKS.md.
 VENV := .venv
 
