@@ -308,11 +308,14 @@ class TopicHolds:
                  "messages are gone from this relay's shards); no longer held", topic,
                  TRIAL_SECONDS)
 
-    def _hold(self, topic: str, since: float, began: str | None = None) -> str:
-        """Hold a topic Kafka has no metadata for (since ``began``, as another relay's hold
-        taken over says); returns why, to be said."""
-        hold = Hold(since=since, reason="", began=began or _utc_now())
-        hold.retry_at = time.monotonic() + hold.retry_in
+    def _hold(self, topic: str, asked: float, since: float | None = None,
+              began: str | None = None) -> str:
+        """Hold a topic Kafka had no metadata for when ``asked`` (monotonic; topics asked
+        about together are asked about again together), since then or since ``since`` and
+        ``began``, as another relay's hold taken over says; returns why, to be said."""
+        hold = Hold(since=asked if since is None else since, reason="",
+                    began=began or _utc_now())
+        hold.retry_at = asked + hold.retry_in
         self._held[topic] = hold
         what = self._explain(topic, hold)
         self._marks[topic] = hold.reason
@@ -419,7 +422,7 @@ class TopicHolds:
             held: dict[str, list[str]] = {}
             for topic, note in flagged.items():
                 if topic not in found:
-                    held.setdefault(self._hold(topic, *started[topic]), []).append(topic)
+                    held.setdefault(self._hold(topic, now, *started[topic]), []).append(topic)
                     if note != self._held[topic].reason:  # another cause now: said on them
                         self._renoting[topic] = store.CURSOR_START
             for what, topics in held.items():

@@ -134,3 +134,21 @@ def test_a_hold_taken_over_for_another_cause_notes_it_on_the_rows(
                                   "WHERE topic = :t"), {"t": topic}).scalars().all()
     assert notes == [f"held: Kafka will not describe topic {topic} to the relay "
                      "(TOPIC_AUTHORIZATION_FAILED: no Describe ACL?) since 2026-12-01 10:00:00 UTC"]
+
+
+def test_topics_held_together_are_asked_about_again_together(
+    engine: Engine, outbox: Outbox, schema: str, settings: Settings,
+) -> None:
+    """A batch of 40 topics Kafka does not know is held in one step, and each is asked about
+    again at the same moment: one metadata request, and one line when they appear (each
+    hold's back-off counted from its own clock read split them over several steps)."""
+    topics = [f"many-{uuid.uuid4().hex[:8]}" for _ in range(40)]
+    for topic in topics:
+        publish_orders(engine, outbox, topic, [("k", 1)])
+    held = holds.TopicHolds(settings, transport=KafkaKnowsNothing())  # type: ignore[arg-type]
+    with engine.connect() as conn:
+        batch = store.fetch_deliverable(conn, schema, range(SHARDS), 100)
+        conn.rollback()
+        assert held.admit(conn, range(SHARDS), batch) == []
+    assert sorted(held.topics) == sorted(topics)
+    assert len({hold.retry_at for hold in held._held.values()}) == 1
