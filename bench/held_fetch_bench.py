@@ -13,10 +13,11 @@ with the topic held and its rows flagged, with it held by its topic alone (the f
 before revision 0024), and with nothing held (then the first rows returned are the held
 topic's own, the walk's floor). Also timed once each: flagging the held rows
 (``mark_held``), the look of a relay holding nothing for the topics flagged in its shards
-(``flagged_topics``, what a relay taking over the shards does), and unflagging them
-(``release_held``). Printed: the medians, and each fetch over nothing held, measured in
-the same run, on sessions set as the relay's delivery connection
-(``store.DELIVERY_SETTINGS``). Fresh durable embedded services; prints only.
+(``flagged_topics``, what a relay taking over the shards does), a refused topic's trial (the
+first row of each shard unflagged, ``try_held``), and unflagging them (``release_held``).
+Printed: the medians, and each fetch over nothing held, measured in the same run, on
+sessions set as the relay's delivery connection (``store.DELIVERY_SETTINGS``). Fresh durable
+embedded services; prints only.
 """
 
 from __future__ import annotations
@@ -107,13 +108,16 @@ def main() -> None:
                 flagged = fetch_ms(engine, args.batch, ["held"], args.repeat)
                 heal, _ = timed_ms(engine, lambda conn: len(store.flagged_topics(
                     conn, SCHEMA, [], range(SHARDS))))
+                trial, _ = timed_ms(engine, lambda conn: store.try_held(
+                    conn, SCHEMA, ["held"], range(SHARDS)))
                 release, release_step = timed_ms(engine, lambda conn: store.release_held(
                     conn, SCHEMA, ["held"], range(SHARDS), FLAG_BATCH))
                 say(f"{total:>9,} held rows ahead, fetch of {args.batch} rows: flagged "
                     f"{flagged:5.1f} ms ({flagged / free:4.1f}x), by topic alone (before 0024) "
                     f"{by_topic:6.1f} ms ({by_topic / free:5.1f}x), nothing held {free:4.1f} ms; "
                     f"flagging them {mark:7.1f} ms (longest step {mark_step:5.1f}), the look "
-                    f"for stale flags {heal:4.1f} ms, unflagging them {release:7.1f} ms "
+                    f"for stale flags {heal:4.1f} ms, a trial's first rows {trial:4.1f} ms, "
+                    f"unflagging them {release:7.1f} ms "
                     f"(longest step {release_step:5.1f})")
         finally:
             engine.dispose()

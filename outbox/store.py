@@ -667,10 +667,11 @@ def renote_held(conn: Connection, schema: str, topic: str, reason: str, shards: 
 
 
 def try_held(conn: Connection, schema: str, topics: Collection[str],
-             shards: Iterable[int]) -> None:
-    """The first held row of each of ``topics`` per shard of ``shards`` rejoins the fetch."""
-    conn.execute(query("try_held", schema), {
-        "topics": list(topics), "shards": int_array(shards)})
+             shards: Iterable[int]) -> int:
+    """The first held row of each of ``topics`` per shard of ``shards`` that no earlier row
+    of its key holds back rejoins the fetch; returns how many."""
+    return conn.execute(query("try_held", schema), {
+        "topics": list(topics), "shards": int_array(shards)}).rowcount
 
 
 def flagged_topics(conn: Connection, schema: str, kept: Collection[str],

@@ -26,7 +26,8 @@ A held topic's waiting rows are flagged ``held`` as their reason is noted (revis
 flagged row is out of the index the fetch walks, so a held backlog costs the other topics'
 fetches little (1.8x at a million held rows, 27x before), and it holds back its key's later
 rows as a delayed row does. A refused topic tried again has the first of its held rows per
-shard unflagged, and a released one all of its rows. Flags outlive the relay that wrote
+shard unflagged (the first no earlier row of its key holds back: one that is would send
+nothing), and a released one all of its rows. Flags outlive the relay that wrote
 them (killed, stopped, or its shards moved), so every ``HEAL_SECONDS`` each relay looks for
 rows of its shards flagged for topics it does not hold and asks Kafka about those topics:
 one it still does not know is held by this relay, its rows left flagged; one it knows now is
@@ -305,8 +306,8 @@ class TopicHolds:
         self._released.add(topic)
         metrics.TOPIC_HELD.labels(topic).set(0)
         log.info("topic %s: none of its records was sent in %.0fs of trying it again (its "
-                 "messages are gone from this relay's shards); no longer held", topic,
-                 TRIAL_SECONDS)
+                 "messages are gone from this relay's shards, or wait behind delayed or "
+                 "undecided ones of their keys); no longer held", topic, TRIAL_SECONDS)
 
     def _hold(self, topic: str, asked: float, since: float | None = None,
               began: str | None = None) -> str:

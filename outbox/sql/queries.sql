@@ -309,7 +309,9 @@ SELECT count(*) AS rows, max(ARRAY[shard, message_id]) AS last FROM noted;
 
 -- name: try_held
 -- Refused topics tried again (relay/holds.py): per shard of :shards, the first of each one's
--- held rows rejoins the fetch's walk. Its key's later rows stay behind their held ones.
+-- held rows the fetch would send rejoins its walk: not one held back by an earlier row of
+-- its key (the fetch's test, probing pending_hold_idx), which would send nothing from the
+-- shard and leave the trial unanswered for its 60 s. Its key's later rows stay behind it.
 UPDATE {schema}.pending SET held = false
 WHERE message_id = ANY(ARRAY(
     SELECT first.message_id
@@ -318,6 +320,13 @@ WHERE message_id = ANY(ARRAY(
     CROSS JOIN LATERAL (
         SELECT f.message_id FROM {schema}.pending AS f
         WHERE f.held AND f.topic = t.topic AND f.shard = s.shard AND f.status = 'PENDING'
+          AND NOT EXISTS (
+              SELECT FROM {schema}.pending AS h
+              WHERE h.topic = f.topic AND h.key = f.key AND h.message_id < f.message_id
+                AND h.key IS NOT NULL
+                AND (h.status = 'DELAYED' OR (h.status = 'PENDING' AND h.resolution = 'UNKNOWN')
+                     OR h.held)
+              OFFSET 0)
         ORDER BY f.message_id LIMIT 1) AS first));
 
 -- name: flagged_topics

@@ -14,8 +14,10 @@ import pytest
 from prometheus_client import REGISTRY
 from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import OperationalError
+from sqlalchemy.orm import Session
 
 from outbox import Outbox, store
+from outbox.encoding import key_hash
 from outbox.relay import holds
 from outbox.schema import SHARDS
 from outbox.settings import Settings
@@ -152,3 +154,28 @@ def test_topics_held_together_are_asked_about_again_together(
         assert held.admit(conn, range(SHARDS), batch) == []
     assert sorted(held.topics) == sorted(topics)
     assert len({hold.retry_at for hold in held._held.values()}) == 1
+
+
+def test_a_refused_topic_is_tried_with_a_row_its_key_does_not_hold_back(
+    engine: Engine, outbox: Outbox, schema: str,
+) -> None:
+    """The first held row of a shard waits behind a delayed row of its key: the trial sends
+    another key's row of that shard, not that one, which the fetch would skip (the shard sent
+    nothing, and the topic waited out the trial's 60 s, then had every row unflagged)."""
+    topic = f"refused-{uuid.uuid4().hex[:8]}"
+    shard_of = {key: key_hash(topic, key.encode()) % SHARDS for key in map(str, range(500))}
+    first = "0"
+    second = next(key for key, shard in shard_of.items()
+                  if shard == shard_of[first] and key != first)
+    with Session(engine) as session, session.begin():
+        outbox.publish(session, topic, {"order": 0}, key=first,
+                       deliver_after=timedelta(hours=1))
+    blocked, free = publish_orders(engine, outbox, topic, [(first, 1), (second, 2)])
+    shards = [shard_of[first]]
+    with engine.begin() as conn:
+        assert store.mark_held(conn, schema, {topic: f"held: Kafka refuses the records of "
+                                                     f"topic {topic} (...)"},
+                               shards, holds.FLAG_BATCH) == 2
+        assert store.try_held(conn, schema, [topic], shards) == 1
+        assert [row.id for row in store.fetch_deliverable(conn, schema, shards, 100)] == [free]
+    assert held_flags(engine, schema, topic) == 1, f"{blocked} stays flagged"
