@@ -1,7 +1,9 @@
-# The two commands of the README: `make demo` (the whole flow) and `make test` (two xdist
-# workers, each with its own PostgreSQL and broker, a test file at a time: 15 to 28 minutes
-# on 2 cores). `make unit`: the fast tier alone; `make bench`: the benchmark table in BENCHMARKS.md.
+# The two commands of the README: `make demo` (the whole flow) and `make test` (WORKERS xdist
+# workers, each with its own PostgreSQL and broker, a test file at a time: about 12 minutes on
+# 2 cores with 3, where 2 left the cores idle half the time and took 15). `make unit`: the fast
+# tier alone; `make bench`: the benchmark table in BENCHMARKS.md.
 VENV := .venv
+WORKERS ?= 3
 
 .PHONY: demo test unit lint bench soak clean
 
@@ -11,7 +13,7 @@ demo:
 
 test:
 	@scripts/bootstrap.sh dev,spark
-	$(VENV)/bin/pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25
+	$(VENV)/bin/pytest -q -n $(WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 
 # Pure functions, settings, CLI parsing and import rules: seconds, no database or broker.
 unit:

@@ -36,7 +36,7 @@ os.environ.setdefault("SPARK_CONF_DIR", str(Path(__file__).with_name("spark-conf
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The files that hold a slow test (20 s or more) first, then the others by how many
     tests they hold, most first; each file's tests in their own order. ``make test`` hands
-    the two workers whole files in this order (``--no-loadscope-reorder``): by its own order,
+    its workers whole files in this order (``--no-loadscope-reorder``): by its own order,
     by count alone, the files of one long test (a Spark cluster, the soak) came last, and one
     worker ran them while the other idled. A worker takes a new file when two of its tests
     are left, so a long test near the end holds its worker while the other runs dry: with
