@@ -48,13 +48,23 @@ DELAYED_NOTE = "delayed"
 #: Range partitions of ``message`` and ``op_record`` kept ready beyond the id sequence.
 PARTITIONS_AHEAD = 2
 _BLOCK = re.compile(r"^-- name: (\w+)\n", re.MULTILINE)
+_COMMENTS = re.compile(r"\A(?:--[^\n]*\n)+")
+_INCLUDE = re.compile(r"\{(\w+)\}")
 
 
 @cache
 def _raw_queries() -> dict[str, str]:
+    """queries.sql's blocks by name; ``{name}`` in a block is the block ``name``'s text,
+    without its comments and final semicolon (one place for SQL two queries share)."""
     source = resources.files("outbox").joinpath("sql/queries.sql").read_text()
     parts = _BLOCK.split(source)[1:]
-    return {name: body.strip() for name, body in zip(parts[::2], parts[1::2], strict=True)}
+    blocks = {name: body.strip() for name, body in zip(parts[::2], parts[1::2], strict=True)}
+
+    def expanded(name: str) -> str:
+        return _INCLUDE.sub(lambda m: _COMMENTS.sub("", expanded(m[1])).removesuffix(";")
+                            if m[1] in blocks else m[0], blocks[name])
+
+    return {name: expanded(name) for name in blocks}
 
 
 @cache
@@ -388,10 +398,8 @@ def _range_sql(schema: str, name: str) -> str:
 
 @cache
 def _batch_sql(schema: str, name: str) -> str:
-    """``fetch_batch`` with ``fetch_deliverable`` as its ids, reading the range ``name``."""
-    ids = _driver_sql("fetch_deliverable", schema).removesuffix(";")
-    return _driver_sql("fetch_batch", schema).replace("{fetch_deliverable}", ids).replace(
-        "{range}", validate_identifier(name))
+    """``fetch_batch`` (``fetch_deliverable`` as its ids) reading the range ``name``."""
+    return _driver_sql("fetch_batch", schema).replace("{range}", validate_identifier(name))
 
 
 class IdRanges(NamedTuple):

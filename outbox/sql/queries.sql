@@ -39,25 +39,31 @@ SELECT {schema}.publish_message(
 -- (store.fetch_deliverable). The ids in flight come as ranges (store.IdRanges), each row
 -- tested by a binary search: as an array the planner weighed each of them (2.8 ms of
 -- planning with 6,000 in flight), and a plan made once compared each row with each of
--- them. The OFFSET 0 keeps the key-hold test a probe of pending_hold_idx per row: as an
--- anti-join, rows holding keys back that came after the statistics looked like one, and
--- each batch read them all, once or once a row (6.2 s a batch of 500 over 100,000 held
--- rows, instead of 2 ms).
+-- them. The OFFSET 0 in held_back keeps the key-hold test a probe of pending_hold_idx per
+-- row: as an anti-join, rows holding keys back that came after the statistics looked like
+-- one, and each batch read them all, once or once a row (6.2 s a batch of 500 over 100,000
+-- held rows, instead of 2 ms).
 SELECT p.message_id
 FROM {schema}.pending AS p
 WHERE p.status = 'PENDING' AND p.resolution = 'COMMIT' AND NOT p.held
   AND p.shard = ANY(CAST(:shards AS smallint[]))
-  AND NOT EXISTS (
-      SELECT FROM {schema}.pending AS h
-      WHERE h.topic = p.topic AND h.key = p.key AND h.message_id < p.message_id
-        AND h.key IS NOT NULL
-        AND (h.status = 'DELAYED' OR (h.status = 'PENDING' AND h.resolution = 'UNKNOWN')
-             OR h.held)
-      OFFSET 0)
+  AND NOT {held_back}
   AND NOT (CAST(:in_flight AS int8multirange) @> p.message_id)
   AND p.topic <> ALL(CAST(:held AS text[]))
 ORDER BY p.message_id
 LIMIT :limit;
+
+-- name: held_back
+-- Whether the pending row p is held back by an earlier row of its key (same topic and key)
+-- that is DELAYED, UNKNOWN or held: a condition of fetch_deliverable and try_held, not a
+-- query of its own.
+EXISTS (
+    SELECT FROM {schema}.pending AS h
+    WHERE h.topic = p.topic AND h.key = p.key AND h.message_id < p.message_id
+      AND h.key IS NOT NULL
+      AND (h.status = 'DELAYED' OR (h.status = 'PENDING' AND h.resolution = 'UNKNOWN')
+           OR h.held)
+    OFFSET 0)
 
 -- name: read_deliverable
 -- Step 2: the messages of those ids (:ids, ascending, from :low to :high), in id order, no
@@ -310,24 +316,18 @@ SELECT count(*) AS rows, max(ARRAY[shard, message_id]) AS last FROM noted;
 -- name: try_held
 -- Refused topics tried again (relay/holds.py): per shard of :shards, the first of each one's
 -- held rows the fetch would send rejoins its walk: not one held back by an earlier row of
--- its key (the fetch's test, probing pending_hold_idx), which would send nothing from the
--- shard and leave the trial unanswered for its 60 s. Its key's later rows stay behind it.
+-- its key (held_back, the fetch's test), which would send nothing from the shard and leave
+-- the trial unanswered for its 60 s. Its key's later rows stay behind it.
 UPDATE {schema}.pending SET held = false
 WHERE message_id = ANY(ARRAY(
     SELECT first.message_id
     FROM unnest(CAST(:topics AS text[])) AS t (topic)
     CROSS JOIN unnest(CAST(:shards AS smallint[])) AS s (shard)
     CROSS JOIN LATERAL (
-        SELECT f.message_id FROM {schema}.pending AS f
-        WHERE f.held AND f.topic = t.topic AND f.shard = s.shard AND f.status = 'PENDING'
-          AND NOT EXISTS (
-              SELECT FROM {schema}.pending AS h
-              WHERE h.topic = f.topic AND h.key = f.key AND h.message_id < f.message_id
-                AND h.key IS NOT NULL
-                AND (h.status = 'DELAYED' OR (h.status = 'PENDING' AND h.resolution = 'UNKNOWN')
-                     OR h.held)
-              OFFSET 0)
-        ORDER BY f.message_id LIMIT 1) AS first));
+        SELECT p.message_id FROM {schema}.pending AS p
+        WHERE p.held AND p.topic = t.topic AND p.shard = s.shard AND p.status = 'PENDING'
+          AND NOT {held_back}
+        ORDER BY p.message_id LIMIT 1) AS first));
 
 -- name: flagged_topics
 -- Topics with rows of :shards flagged held that this relay neither holds nor tries nor is
