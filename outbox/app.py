@@ -23,7 +23,6 @@ from outbox.encoding import (
     CONTROL,
     MAX_MESSAGE_ID,
     EncodedMessage,
-    check_waiting_key,
     cloudevent_headers,
     delivery_time,
     encode,
@@ -129,8 +128,6 @@ class Outbox:
         _check_options("publish", options, _PUBLISH_KEYS)
         message = self._encode(topic, payload, options)
         delivery_time = self._delivery_time(options)
-        if delivery_time:
-            check_waiting_key(message.key, "delayed message")
         statement, params = store.publish(
             self.schema,
             message,
@@ -248,7 +245,6 @@ class Outbox:
     def _prepare_statement(
         self, message: EncodedMessage, options: PrepareOptions
     ) -> tuple[TextClause, dict[str, Any]]:
-        check_waiting_key(message.key, "prepared message")
         check_immunity = options.get("check_immunity")
         if check_immunity is None:
             check_after = self.settings.transaction_timeout

@@ -103,19 +103,6 @@ def encode_key(key: object) -> bytes | None:
     raise InvalidMessage(f"message key must be str, bytes or None, got {type(key).__name__}")
 
 
-#: The longest key of a message that may wait, prepared or delayed: such rows are in a B-tree
-#: index of (topic, key, id), whose entries PostgreSQL caps at 2,704 bytes.
-WAITING_KEY_MAX_BYTES = 2048
-
-
-def check_waiting_key(key: bytes | None, what: str) -> None:
-    """Refuse a key too long for a message that waits (``what``: why it does)."""
-    if key is not None and len(key) > WAITING_KEY_MAX_BYTES:
-        raise InvalidMessage(
-            f"key is {len(key)} bytes, over the {WAITING_KEY_MAX_BYTES} a {what} may have "
-            "(PostgreSQL's index of waiting messages); a plain publish takes longer keys")
-
-
 def encode_headers(headers: object) -> tuple[list[str] | None, list[bytes] | None]:
     if headers is None:
         return None, None

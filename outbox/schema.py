@@ -140,11 +140,12 @@ pending = Table(
         "next_check_at",
         postgresql_where=text("resolution = 'UNKNOWN' AND status IN ('PENDING', 'DELAYED')"),
     ),
-    # Rows that hold back later rows of their key: delayed, awaiting their resolution, or held.
+    # Rows that hold back later rows of their key: delayed, awaiting their resolution, or held;
+    # the key by its first 2,048 bytes (B-tree entries are capped at 2,704 bytes).
     Index(
         "pending_hold_idx",
         "topic",
-        "key",
+        text("substr(key, 1, 2048)"),
         "message_id",
         postgresql_where=text(
             "key IS NOT NULL AND (status = 'DELAYED' "

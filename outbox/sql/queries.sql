@@ -56,10 +56,12 @@ LIMIT :limit;
 -- name: held_back
 -- Whether the pending row p is held back by an earlier row of its key (same topic and key)
 -- that is DELAYED, UNKNOWN or held: a condition of fetch_deliverable and try_held, not a
--- query of its own.
+-- query of its own. pending_hold_idx holds a key by its first 2,048 bytes (revision 0025:
+-- B-tree entries are capped at 2,704 bytes): the probe compares those, then the keys.
 EXISTS (
     SELECT FROM {schema}.pending AS h
-    WHERE h.topic = p.topic AND h.key = p.key AND h.message_id < p.message_id
+    WHERE h.topic = p.topic AND substr(h.key, 1, 2048) = substr(p.key, 1, 2048)
+      AND h.key = p.key AND h.message_id < p.message_id
       AND h.key IS NOT NULL
       AND (h.status = 'DELAYED' OR (h.status = 'PENDING' AND h.resolution = 'UNKNOWN')
            OR h.held)
