@@ -17,7 +17,7 @@ from sqlalchemy import Engine, TextClause
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox import connectors, store
-from outbox.checkers import Checker, synchronous, to_resolution
+from outbox.checkers import Checker, is_coroutine_function, synchronous, to_resolution
 from outbox.connectors import AsyncBind, AsyncTarget, DjangoConnection, Rows, SyncBind, SyncTarget
 from outbox.encoding import (
     CONTROL,
@@ -364,6 +364,11 @@ class Outbox:
         if connectors.is_async(owner):
             return self._send_async(owner, message, statement, params, local_transaction)
         assert not isinstance(owner, AsyncEngine)
+        if is_coroutine_function(local_transaction):  # it would never run, its row committed
+            raise InvalidMessage(
+                "local_transaction is a coroutine function (async def), which a synchronous "
+                f"{type(engine).__name__} cannot await: pass an AsyncEngine, AsyncConnection "
+                "or async psycopg connection, or a plain function")
         message_id = self._execute(owner, statement, params, _message_id)
         prepared = self._message(message, message_id)
         with _noting_unknown(message_id):

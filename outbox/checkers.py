@@ -30,18 +30,23 @@ def synchronous(checker: Any, group: str) -> Checker:
     """``checker`` if the sweeper can call it: a coroutine function (``async def``, also
     behind ``functools.partial`` or a ``__call__``) answers a coroutine nothing awaits, so
     every check would count as inconclusive until the message is discarded."""
-    target = checker
-    while isinstance(target, functools.partial):
-        target = target.func
-    if not callable(target):
+    if not callable(checker):
         raise ConfigurationError(f"the checker of producer group {group!r} is not callable: "
                                  f"{checker!r}")
-    if inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(
-            type(target).__call__):  # an object's own
+    if is_coroutine_function(checker):
         raise ConfigurationError(
             f"the checker of producer group {group!r} is a coroutine function: checkers run "
             "on the sweeper's threads and must be plain functions (def, not async def)")
     return checker  # type: ignore[no-any-return]
+
+
+def is_coroutine_function(func: Callable[..., object]) -> bool:
+    """Whether calling ``func`` only makes a coroutine: ``async def``, also behind
+    ``functools.partial`` or as an object's own ``__call__``."""
+    while isinstance(func, functools.partial):
+        func = func.func
+    return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(
+        type(func).__call__)
 
 
 def to_resolution(answer: object, who: str) -> Resolution:

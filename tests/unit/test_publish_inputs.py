@@ -3,6 +3,7 @@ the caller's transaction) are refused with one line before any statement is sent
 
 from __future__ import annotations
 
+import functools
 import logging
 from datetime import UTC, datetime, timedelta, tzinfo
 
@@ -136,6 +137,21 @@ def test_send_in_transaction_refuses_a_non_callable_before_writing(
 ) -> None:
     with pytest.raises(InvalidMessage, match="local_transaction must be callable"):
         outbox.send_in_transaction(engine, "orders", {"id": 1}, "not callable")  # type: ignore[call-overload]
+    assert connections == []
+
+
+def test_send_in_transaction_refuses_a_coroutine_function_it_cannot_await_before_writing(
+    engine: Engine, outbox: Outbox, connections: list[str]
+) -> None:
+    """A synchronous engine cannot await ``async def``: the prepare row was committed, the
+    coroutine never ran, and the error blamed its answer (``answered <coroutine ...>``)."""
+    async def charge(message: object) -> str:
+        return "COMMIT"
+
+    for local in (charge, functools.partial(charge)):
+        with pytest.raises(InvalidMessage, match=r"coroutine function \(async def\), which a "
+                                                 r"synchronous Engine cannot await"):
+            outbox.send_in_transaction(engine, "orders", {"id": 1}, local)  # type: ignore[call-overload]
     assert connections == []
 
 
