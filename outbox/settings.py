@@ -262,8 +262,8 @@ def _names(cls: type[BaseSettings]) -> set[str]:
     return names
 
 
-class DatabaseSettings(_Base):
-    """Where the outbox tables are, and who is speaking (every component)."""
+class _Identity(_Base):
+    """Where the outbox tables are, and who is speaking (every part, the library included)."""
 
     database_url: str = Field(
         default="", description="PostgreSQL URL, e.g. postgresql://user:pass@host:5432/db"
@@ -274,12 +274,6 @@ class DatabaseSettings(_Base):
         validation_alias="OUTBOX_SCHEMA",
     )
     worker_id: str = Field(default_factory=default_worker_id, min_length=1, max_length=200)
-    database_tcp_timeout: float = Field(
-        default=30.0, ge=1, le=3600,
-        description="seconds a connection to PostgreSQL may go silent (sent data "
-        "unacknowledged, keepalive probes unanswered, a connection attempt) before it is "
-        "dropped and made again; the URL's own libpq parameters win")
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
 
     @field_validator("database_url", mode="before")
     @classmethod
@@ -288,11 +282,6 @@ class DatabaseSettings(_Base):
         database's name."""
         return value.strip() if isinstance(value, str) else value
 
-    @field_validator("log_level", mode="before")
-    @classmethod
-    def _level(cls, value: object) -> object:
-        return value.upper() if isinstance(value, str) else value
-
     @field_validator("schema_name")
     @classmethod
     def _schema(cls, value: str) -> str:
@@ -300,11 +289,6 @@ class DatabaseSettings(_Base):
             return validate_identifier(value)
         except ConfigurationError as exc:
             raise ValueError(str(exc)) from None
-
-    @property
-    def sqlalchemy_url(self) -> str:
-        self.require("database_url")
-        return sqlalchemy_url(self.database_url, self.database_tcp_timeout)
 
     @field_validator("worker_id")
     @classmethod
@@ -316,6 +300,29 @@ class DatabaseSettings(_Base):
             raise ValueError(f"{value!r} is not printable ASCII without spaces (it names the "
                              "daemon's sessions in PostgreSQL)")
         return value
+
+
+class DatabaseSettings(_Identity):
+    """The same, and how a process of the outbox's own connects and logs (every part but the
+    library, which uses the application's connections and logging: a bad value of these
+    must not stop an application that imports it)."""
+
+    database_tcp_timeout: float = Field(
+        default=30.0, ge=1, le=3600,
+        description="seconds a connection to PostgreSQL may go silent (sent data "
+        "unacknowledged, keepalive probes unanswered, a connection attempt) before it is "
+        "dropped and made again; the URL's own libpq parameters win")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _level(cls, value: object) -> object:
+        return value.upper() if isinstance(value, str) else value
+
+    @property
+    def sqlalchemy_url(self) -> str:
+        self.require("database_url")
+        return sqlalchemy_url(self.database_url, self.database_tcp_timeout)
 
 
 class KafkaSettings(_Base):
@@ -482,7 +489,7 @@ _SECURITY_NAMES: dict[str, dict[str, str]] = {
 }
 
 
-class PublishSettings(DatabaseSettings):
+class PublishSettings(_Identity):
     """What ``Outbox`` (the library applications import) needs."""
 
     max_payload_bytes: int = Field(default=1024 * 1024, gt=0)

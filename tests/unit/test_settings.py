@@ -121,6 +121,21 @@ def test_each_component_takes_only_its_own_settings() -> None:
         load_settings(PublishSettings, relay_batch_size=5)
 
 
+def test_the_library_ignores_what_only_the_outbox_s_own_processes_read(tmp_path: Path) -> None:
+    """A log level or connection timeout meant for the relay, wrong in the environment or the
+    shared file, stopped every application that made an ``Outbox()`` (the library logs
+    through the application's logging and publishes on its connections); the relay still
+    refuses them."""
+    from outbox import Outbox
+
+    config = tmp_path / "outbox.toml"
+    config.write_text('database_tcp_timeout = 0\n')
+    os.environ.update(OUTBOX_CONFIG=str(config), OUTBOX_LOG_LEVEL="chatty")
+    assert Outbox().settings.schema_name == "outbox"
+    with pytest.raises(ConfigurationError, match=r"database_tcp_timeout: .*; log_level: "):
+        load_settings(RelaySettings)
+
+
 def test_a_component_reads_its_keys_from_a_file_shared_with_the_others(tmp_path: Path) -> None:
     config = tmp_path / "outbox.toml"
     config.write_text('schema_name = "shop"\ncheck_max = 3\nrelay_batch_size = 9\n')
