@@ -144,8 +144,10 @@ class Outbox:
 
     def _encode(self, topic: str, payload: Any, options: PublishOptions) -> EncodedMessage:
         headers = options.get("headers")
-        event_type = options.get("cloudevent_type")
-        source = options.get("cloudevent_source") or self.cloudevents_source
+        event_type, source = (
+            None if options.get(name) is None else _name(options.get(name), name, InvalidMessage)
+            for name in ("cloudevent_type", "cloudevent_source"))
+        source = source or self.cloudevents_source
         if event_type or source:
             # the caller's own headers win, as they do over trace headers
             headers = merged_headers(cloudevent_headers(event_type or topic, source), headers)
@@ -437,13 +439,14 @@ class Outbox:
         return register
 
 
-def _name(value: Any, what: str) -> str:
-    """A producer group or CloudEvents source: refused at once when it is not a usable str
-    (an empty one would silently mean the default, or no CloudEvents at all)."""
+def _name(value: Any, what: str, error: type[Exception] = ConfigurationError) -> str:
+    """A producer group or a CloudEvents source or type: refused at once when it is not a
+    usable str (an empty one would silently mean the default, or no CloudEvents at all;
+    bytes would be sent as they are, where consumers read text)."""
     if not isinstance(value, str) or not value or CONTROL.search(value) \
             or store.as_text(value) != value:  # a lone surrogate: the driver refuses it
-        raise ConfigurationError(f"{what} must be a non-empty str without control "
-                                 f"characters or lone surrogates, got {value!r}")
+        raise error(f"{what} must be a non-empty str without control characters or lone "
+                    f"surrogates, got {value!r}")
     return value
 
 

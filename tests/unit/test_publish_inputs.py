@@ -155,6 +155,20 @@ def test_send_in_transaction_refuses_a_coroutine_function_it_cannot_await_before
     assert connections == []
 
 
+@pytest.mark.parametrize("option", ["cloudevent_type", "cloudevent_source"])
+@pytest.mark.parametrize("value", [b"order.placed", "a\nb", 5, ""])
+def test_a_cloudevent_s_type_and_source_are_refused_unless_usable_text(
+    engine: Engine, outbox: Outbox, connections: list[str], option: str, value: object
+) -> None:
+    """Bytes were sent as they were (invalid UTF-8 and newlines too), and other values were
+    refused as a header named ``ce_type`` the caller never passed, told to pass bytes."""
+    with pytest.raises(InvalidMessage, match=f"^{option} must be a non-empty str without "
+                                             "control characters"):
+        publish_and_commit(engine, outbox, topic="orders", payload={"id": 1},
+                           **{"cloudevent_source": "urn:shop", option: value})
+    assert connections == []
+
+
 def test_a_delay_within_the_maximum_is_accepted_up_to_the_database(
     engine: Engine, outbox: Outbox, connections: list[str]
 ) -> None:
