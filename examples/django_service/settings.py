@@ -10,6 +10,9 @@ SECRET_KEY = "example-only"
 DEBUG = False
 ALLOWED_HOSTS = ["*"]
 USE_TZ = True
+# Django sets the process's time zone from this (America/Chicago when unset): the sweeper
+# started through this project logs in UTC, as the relay and other sweepers do.
+TIME_ZONE = "UTC"
 ROOT_URLCONF = "examples.django_service.urls"
 INSTALLED_APPS = ["examples.django_service.orders"]
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
