@@ -18,6 +18,7 @@ from kafka.partitioner.default import DefaultPartitioner, murmur2
 from outbox.exceptions import ServiceUnavailable
 from outbox.relay.transport import Delivery, Headers, unknown_offset
 from outbox.settings import RelaySettings
+from outbox.tls_probe import require_tls_answer
 
 PRODUCER_DEFAULTS: dict[str, Any] = {
     "acks": "all",
@@ -141,6 +142,7 @@ class NamedProducer(KafkaProducer):  # type: ignore[misc]  # kafka-python is unt
 
 def make_producer(settings: RelaySettings, **overrides: Any) -> KafkaProducer:
     settings.require("kafka_bootstrap")
+    require_tls_answer(settings)  # kafka-python's handshake has no deadline
     try:
         return NamedProducer(**producer_config(settings, **overrides))
     except KafkaTimeoutError:

@@ -43,6 +43,7 @@ from outbox.settings import ReconcileSettings
 from outbox.spark import carry, findings, queries, report, runs, sources
 from outbox.spark.kafka_source import high_watermarks
 from outbox.spark.runs import RunOutcome
+from outbox.tls_probe import require_tls_answer
 
 log = logging.getLogger("outbox.reconcile")
 #: Message ids listed per finding in the report and summary (all are in the Parquet files).
@@ -153,6 +154,7 @@ def preflight(settings: ReconcileSettings, *, since: datetime | None = None,
 
 def _topic_ends(settings: ReconcileSettings, topics: set[str]) -> dict[tuple[str, int], int]:
     """The next offset of each partition of ``topics``; one line if no broker lets us in."""
+    require_tls_answer(settings)  # kafka-python's handshake has no deadline
     try:
         return high_watermarks(settings.kafka_bootstrap, sorted(topics),
                                settings.kafka_python_connection())

@@ -12,6 +12,7 @@ from sqlalchemy import Engine, text
 from outbox.cli import LOCK_WAIT_SECONDS
 from outbox.dev import services as devservices
 from outbox.settings import Settings
+from tests.conftest import both_transports
 from tests.processes import outbox_env, run_outbox
 
 
@@ -98,6 +99,19 @@ def test_a_tls_file_that_is_missing_is_named_at_once(settings: Settings, command
     result = run_outbox(None, *command, env=env)
     assert_one_line_error(result, "kafka_ssl_cafile '/nonexistent/ca.pem' "
                                   "(OUTBOX_KAFKA_SSL_CAFILE): no such file")
+
+
+@both_transports
+def test_tls_against_a_plaintext_listener_is_one_line_within_the_connect_timeout(
+    settings: Settings
+) -> None:
+    """kafka-python waited for the listener's half of the handshake for good (14 minutes,
+    SIGTERM and SIGINT only logged), where librdkafka gave up at its connect timeout."""
+    env = outbox_env(settings, OUTBOX_KAFKA_SECURITY_PROTOCOL="SSL",
+                     OUTBOX_KAFKA_CONNECT_TIMEOUT_MS="3000")
+    result = run_outbox(None, "relay", env=env)  # a hang fails at run_outbox's 120 s
+    assert_one_line_error(result, f"no Kafka broker answers at {settings.kafka_bootstrap} "
+                                  "over SSL", "OUTBOX_KAFKA_SECURITY_PROTOCOL")
 
 
 @pytest.mark.parametrize("command", [["relay"], ["status"], ["resume", "1"], ["db", "upgrade"]])
