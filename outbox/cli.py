@@ -53,14 +53,16 @@ class Shared:
 
     database_url: str | None = None
     schema: str | None = None
-    #: The database URL the command actually uses, for error lines (masked there).
+    #: The database URL and schema the command actually uses, for error lines (the URL
+    #: masked there).
     used_url: str = ""
+    used_schema: str = "outbox"
 
     def settings(self, cls: type[S], *, require_database: bool = True, **overrides: Any) -> S:
         """``cls`` from the group's options, the command's own ``overrides``, then OUTBOX_*."""
         settings = load_settings(cls, database_url=self.database_url, schema=self.schema,
                                  **overrides)
-        self.used_url = settings.database_url
+        self.used_url, self.used_schema = settings.database_url, settings.schema_name
         if require_database:
             settings.require("database_url")
             from outbox.pooling import refuse_transaction_pooling
@@ -86,7 +88,8 @@ class OutboxGroup(click.Group):
 
 def error_line(ctx: click.Context, exc: Exception) -> str | None:
     """The one line for an error a user can fix; None for a bug (a traceback)."""
-    url = mask_url(ctx.obj.used_url if isinstance(ctx.obj, Shared) else "")
+    shared = ctx.obj if isinstance(ctx.obj, Shared) else Shared()
+    url = mask_url(shared.used_url)
     if isinstance(exc, OutboxError):
         return f"outbox: error: {exc}"
     if isinstance(exc, OperationalError):
@@ -96,7 +99,7 @@ def error_line(ctx: click.Context, exc: Exception) -> str | None:
                 "read-only (a standby, or default_transaction_read_only on the database or "
                 "role): point the URL at the primary (?target_session_attrs=read-write)")
     if isinstance(exc, DBAPIError):
-        hint = setup_error(exc)
+        hint = setup_error(exc, shared.used_schema)
         return None if hint is None else f"outbox: error: {hint}"
     return None
 

@@ -117,10 +117,12 @@ def upgrade_command(schema: str) -> str:
     return "outbox db upgrade" if schema == "outbox" else f"outbox --schema {schema} db upgrade"
 
 
-def setup_error(exc: BaseException) -> str | None:
-    """One line for a database error that is a setup mistake, not an outage; else None."""
+def setup_error(exc: BaseException, schema: str = "outbox") -> str | None:
+    """One line for a database error that is a setup mistake, not an outage; else None.
+    ``schema``: the one the failed command used, which the line's command migrates."""
     what = _SETUP_SQLSTATES.get(sqlstate(exc) or "")
     if what is None:
         return None
-    return (f"{what} ({first_line(exc)}): run `outbox db upgrade` (with --create-roles for "
-            "the roles) and grant this login the role it needs (docs/operations.md)")
+    return (f"{what} ({first_line(exc)}): run `{upgrade_command(schema)}` (with "
+            "--create-roles for the roles) and grant this login the role it needs "
+            "(docs/operations.md)")

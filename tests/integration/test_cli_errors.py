@@ -101,6 +101,16 @@ def test_a_tls_file_that_is_missing_is_named_at_once(settings: Settings, command
                                   "(OUTBOX_KAFKA_SSL_CAFILE): no such file")
 
 
+@pytest.mark.parametrize("command", [["resume", "1"], ["discarded"], ["prune"]])
+def test_a_schema_never_migrated_is_named_in_the_command_that_migrates_it(
+    settings: Settings, command: list[str]
+) -> None:
+    """The line said `outbox db upgrade`, which migrates the default schema, not this one."""
+    schema = f"never_{uuid.uuid4().hex[:8]}"
+    result = run_outbox(None, "--schema", schema, *command, env=outbox_env(settings))
+    assert_one_line_error(result, f"does not exist): run `outbox --schema {schema} db upgrade`")
+
+
 @both_transports
 def test_tls_against_a_plaintext_listener_is_one_line_within_the_connect_timeout(
     settings: Settings
