@@ -29,6 +29,7 @@ from sqlalchemy.exc import DBAPIError
 from outbox import migrations, store
 from outbox.exceptions import (
     LOCK_NOT_AVAILABLE,
+    ConfigurationError,
     MigrationBlocked,
     MigrationRefused,
     SchemaNotMigrated,
@@ -112,6 +113,8 @@ def upgrade(url: str, schema: str, revision: str = "head",
     partitions the next message ids need (the relay's retention keeps doing so)."""
     from alembic import command
 
+    _require_revision(revision)
+
     def migrating(conn: Connection) -> None:
         _refuse_newer(schema, store.schema_version(conn, schema))
         config = alembic_config(url, schema, conn)
@@ -126,8 +129,16 @@ def upgrade(url: str, schema: str, revision: str = "head",
 def downgrade(url: str, schema: str, revision: str) -> None:
     from alembic import command
 
+    _require_revision(revision)
     _patiently(url, schema, lambda conn: command.downgrade(
         alembic_config(url, schema, conn), revision))
+
+
+def _require_revision(revision: str) -> None:
+    """An empty revision failed deep in Alembic, with a traceback (an AssertionError)."""
+    if not isinstance(revision, str) or not revision.strip():
+        raise ConfigurationError(f"revision {revision!r} names none: give a revision id such "
+                                 "as 0003, 'head' or 'base'")
 
 
 IncludeName = Callable[[str | None, str, MutableMapping[str, str | None]], bool]

@@ -111,6 +111,15 @@ def test_a_schema_never_migrated_is_named_in_the_command_that_migrates_it(
     assert_one_line_error(result, f"does not exist): run `outbox --schema {schema} db upgrade`")
 
 
+@pytest.mark.parametrize("command", [["db", "upgrade", "--revision"], ["db", "downgrade"]])
+@pytest.mark.parametrize("revision", ["", " "])
+def test_an_empty_revision_is_one_line(settings: Settings, command: list[str], revision: str
+                                       ) -> None:
+    """It ended in a traceback of 87 lines (an AssertionError deep in Alembic)."""
+    result = run_outbox(None, *command, revision, env=outbox_env(settings))
+    assert_one_line_error(result, f"revision {revision!r} names none")
+
+
 @both_transports
 def test_tls_against_a_plaintext_listener_is_one_line_within_the_connect_timeout(
     settings: Settings
