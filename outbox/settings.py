@@ -343,6 +343,14 @@ class KafkaSettings(_Base):
     kafka_ssl_cafile: str | None = Field(default=None, description="CA bundle to verify Kafka")
     kafka_ssl_certfile: str | None = Field(default=None, description="client certificate")
     kafka_ssl_keyfile: str | None = Field(default=None, description="client private key")
+
+    @field_validator("kafka_ssl_cafile", "kafka_ssl_certfile", "kafka_ssl_keyfile",
+                     mode="before")
+    @classmethod
+    def _unset_if_empty(cls, value: object) -> object:
+        """An empty variable (``OUTBOX_KAFKA_SSL_CAFILE=``, as Compose passes one) is unset:
+        the security check took it for unset, the clients for a file named ''."""
+        return None if isinstance(value, str) and not value.strip() else value
     kafka_delivery_timeout_ms: int = Field(
         default=120_000, ge=1000, le=INT32_MAX,
         description="how long the producer retries a send (at least 1 s)"
@@ -454,6 +462,8 @@ def _bootstrap_problem(entry: str) -> str | None:
         if rest and not rest.startswith(":"):
             return f"bad entry {entry!r}"
         port = rest[1:] if rest else None
+    elif ";" in entry:
+        return f"{entry!r} holds a space or a semicolon (entries are separated by commas)"
     elif entry.count(":") > 1:
         return f"IPv6 address {entry!r} without brackets"
     else:
@@ -461,6 +471,8 @@ def _bootstrap_problem(entry: str) -> str | None:
         port = after if colon else None
     if not host:
         return "an empty host" if entry else "an empty entry"
+    if any(c.isspace() or c == ";" for c in host):
+        return f"{entry!r} holds a space or a semicolon (entries are separated by commas)"
     if port is not None and not (ascii_digits(port) and 0 < int(port) < 65536):
         return f"port {port!r} of {entry!r} is not a number from 1 to 65535"
     return None
@@ -530,11 +542,12 @@ class RelaySettings(DatabaseSettings, KafkaSettings):
         default=10.0, ge=1, le=3600,
         description="a dead relay's shards are taken over after this (1 s to 1 h)"
     )
-    relay_max_attempts: int = Field(
-        default=5, gt=0, description="permanent rejections before a message is parked"
+    relay_max_attempts: int = Field(  # each a pass at once, without a log line: bounded
+        default=5, gt=0, le=100,
+        description="permanent rejections before a message is parked"
     )
-    relay_stop_timeout: float = Field(
-        default=20.0, gt=0, le=3600,
+    relay_stop_timeout: float = Field(  # under a second, even an idle relay abandoned its
+        default=20.0, ge=1, le=3600,    # work and kept its shards until their leases lapsed
         description="seconds a stopping relay waits for the batches in flight; then it "
         "abandons them (they stay pending), as a second signal does"
     )

@@ -169,6 +169,8 @@ def test_invalid_values_are_one_line_per_field() -> None:
     ("PLAINTEXT://kafka:9092", "'PLAINTEXT://kafka:9092' is a listener: write kafka:9092"),
     ("k1:\uff19\uff10\uff19\uff12", "port '\uff19\uff10\uff19\uff12'"),  # full-width
     ("k1:\u00b2", "port '\u00b2'"),  # a superscript two: int() of it raised
+    ("k1 k2:9092", "'k1 k2:9092' holds a space or a semicolon"),  # failed as no broker
+    ("k1:9092;k2:9092", "'k1:9092;k2:9092' holds a space or a semicolon"),  # "IPv6 address"
 ])
 def test_a_bootstrap_list_is_checked_when_the_settings_load(bootstrap: str, problem: str
                                                             ) -> None:
@@ -193,6 +195,27 @@ def test_sizes_beyond_what_the_clients_and_functions_take_are_refused(field: str
     2 MB) parked every message."""
     with pytest.raises(ConfigurationError, match=field):
         load_settings(RelaySettings, **{field: value})
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("relay_max_attempts", 101), ("relay_stop_timeout", 0.5),
+])
+def test_relay_bounds_that_kept_it_from_working_are_refused(field: str, value: float) -> None:
+    """A million attempts retried a rejected record in a loop without a pause or a log line
+    (15,930 passes in 9 s); a stop timeout of 0.001 s abandoned an idle relay's work and
+    left its shards to lapse."""
+    with pytest.raises(ConfigurationError, match=field):
+        load_settings(RelaySettings, **{field: value})
+
+
+def test_an_empty_tls_file_variable_is_unset() -> None:
+    """``OUTBOX_KAFKA_SSL_CAFILE=`` (Compose passes empty variables) passed the security
+    check as unset, then stopped the relay after it had reached PostgreSQL: ``no such
+    file``."""
+    os.environ.update(OUTBOX_KAFKA_SSL_CAFILE="", OUTBOX_KAFKA_SSL_CERTFILE=" ")
+    settings = load_settings(RelaySettings, kafka_bootstrap="k1:9092")
+    assert (settings.kafka_ssl_cafile, settings.kafka_ssl_certfile) == (None, None)
+    assert "ssl_cafile" not in settings.kafka_security()
 
 
 @pytest.mark.parametrize(("given", "error"), [
