@@ -419,6 +419,8 @@ def resume(shared: Shared, ids: tuple[int, ...], resume_all: bool) -> None:
 
     if not ids and not resume_all:
         raise click.UsageError("give message ids, or --all")
+    if ids and resume_all:  # ran as --all, and said the ids were not resumed
+        raise click.UsageError("give message ids or --all, not both")
     settings = shared.settings(DatabaseSettings)
     with database(settings) as conn, conn.begin():
         resumed = store.resume(conn, settings.schema_name, f"cli:{settings.worker_id}",

@@ -42,6 +42,13 @@ def test_resume_without_ids_is_a_usage_error() -> None:
     assert "give message ids, or --all" in result.output
 
 
+def test_resume_with_ids_and_all_is_a_usage_error() -> None:
+    """It ran as --all, then said the ids given were not resumed."""
+    result = outbox("--database-url", "postgresql://nowhere/x", "resume", "3", "--all")
+    assert result.exit_code == 2
+    assert "give message ids or --all, not both" in result.output
+
+
 def test_a_limit_beyond_a_bigint_is_a_usage_error() -> None:
     """PostgreSQL would refuse it as a LIMIT (bigint out of range), after connecting."""
     result = outbox("--database-url", "postgresql://nowhere/x", "discarded",
