@@ -34,6 +34,18 @@ def table_locked(engine: Engine, schema: str) -> Iterator[None]:
         yield
 
 
+@contextmanager
+def unpooled(engine: Engine) -> Iterator[Connection]:
+    """A connection of the shared engine that is not handed back to its pool, so the
+    session settings a test commits on it end with it (a lock_timeout left on a pooled
+    session cut off a later test's backlog count: test_observability, seen once)."""
+    with engine.connect() as conn:
+        try:
+            yield conn
+        finally:
+            conn.invalidate()
+
+
 def failed_step(held: holds.TopicHolds, conn: Connection, engine: Engine, schema: str) -> None:
     with table_locked(engine, schema), pytest.raises(OperationalError, match="lock timeout"):
         held.revisit(conn, range(SHARDS))
@@ -49,7 +61,7 @@ def test_a_step_whose_transaction_fails_is_written_by_the_next(
     topic = f"denied-{uuid.uuid4().hex[:8]}"
     publish_orders(engine, outbox, topic, HELD)
     held = holds.TopicHolds(settings, transport=None)  # type: ignore[arg-type]  # never asked
-    with engine.connect() as conn:
+    with unpooled(engine) as conn:
         conn.execute(text("SET lock_timeout = '200ms'"))
         conn.commit()
         held.refused(topic, "TopicAuthorizationFailedError: denied")
