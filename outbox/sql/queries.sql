@@ -583,13 +583,17 @@ ORDER BY 1;
 
 -- name: relays
 -- The live relays, their shards, the messages they have in flight and, while one is paused,
--- for how long and why.
+-- for how long and why. Live: seen within :lease_seconds (the reader's setting), or holding
+-- a lease not expired, for a relay given a longer lease beats less often (it was counted
+-- alive and dead in turn by `outbox status`).
 SELECT r.worker_id, r.in_flight, extract(epoch FROM now() - r.seen_at) AS seen_seconds_ago,
        extract(epoch FROM now() - r.paused_since) AS paused_seconds, r.paused_reason,
-       (SELECT count(*) FROM {schema}.relay_lease AS l
-        WHERE l.owner = r.worker_id AND l.expires_at > now()) AS shards
+       l.shards
 FROM {schema}.relay_member AS r
-WHERE r.seen_at > now() - make_interval(secs => :lease_seconds)
+CROSS JOIN LATERAL (
+    SELECT count(*) AS shards FROM {schema}.relay_lease AS l
+    WHERE l.owner = r.worker_id AND l.expires_at > now()) AS l
+WHERE r.seen_at > now() - make_interval(secs => :lease_seconds) OR l.shards > 0
 ORDER BY r.worker_id;
 
 -- name: ensure_partitions

@@ -16,7 +16,7 @@ from prometheus_client import generate_latest, start_http_server
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
-from outbox import Outbox
+from outbox import Outbox, store
 from outbox.dev import services as devservices
 from outbox.settings import Settings
 from tests.conftest import publish_orders, running_relay, wait_delivered, wait_until
@@ -196,3 +196,23 @@ def test_a_slow_backlog_count_is_cut_off_and_the_next_waits_twenty_times_as_long
         assert "the backlog is counted again" in caplog.text
         assert conn.execute(text("SHOW statement_timeout")).scalar_one() == "0", \
             "the cut-off is the count's transaction's alone"
+
+
+def test_a_relay_with_a_longer_lease_than_the_reader_s_is_alive_between_its_beats(
+    engine: Engine, schema: str
+) -> None:
+    """`outbox status` judged relays by its own ``relay_lease_seconds``: a relay started with
+    ``--lease-seconds 60`` beats every 20 s and was counted alive and dead in turn. A relay
+    holding a lease not expired is alive, whenever it last beat."""
+    with engine.begin() as conn:
+        conn.execute(text(
+            f"INSERT INTO {schema}.relay_member (worker_id, seen_at, in_flight) "
+            f"VALUES ('patient', now() - interval '15 seconds', 0), "
+            f"('gone', now() - interval '15 seconds', 0)"))
+        conn.execute(text(
+            f"INSERT INTO {schema}.relay_lease (shard, owner, expires_at) "
+            f"SELECT shard, 'patient', now() + interval '45 seconds' FROM generate_series(0, 2) "
+            f"AS shard ON CONFLICT (shard) DO UPDATE SET owner = EXCLUDED.owner, "
+            f"expires_at = EXCLUDED.expires_at"))
+        assert [(r["worker_id"], r["shards"]) for r in store.relays(conn, schema, 10)] == [
+            ("patient", 3)]
