@@ -24,9 +24,11 @@ DEFAULT_PORT = 9092
 
 def require_tls_answer(settings: KafkaSettings) -> None:
     """Raise ``settings.kafka_unreachable()`` if TLS is on and no bootstrap broker completes
-    a handshake (or answers one with an error) within ``kafka_connect_timeout_ms``."""
+    a handshake (or answers one with an error) within ``kafka_connect_timeout_ms``; first,
+    the ConfigurationError of a TLS file that cannot be read."""
     if not settings.kafka_security_protocol.endswith("SSL"):
         return
+    settings.kafka_security()  # a TLS file missing is named first, not taken for silence
     context = ssl.create_default_context()
     context.check_hostname = False  # only whether it speaks TLS: the client verifies
     context.verify_mode = ssl.CERT_NONE
