@@ -144,9 +144,12 @@ class Outbox:
 
     def _encode(self, topic: str, payload: Any, options: PublishOptions) -> EncodedMessage:
         headers = options.get("headers")
-        event_type, source = (
-            None if options.get(name) is None else _name(options.get(name), name, InvalidMessage)
-            for name in ("cloudevent_type", "cloudevent_source"))
+        event_type = options.get("cloudevent_type")
+        source = options.get("cloudevent_source")
+        if event_type is not None:
+            _name(event_type, "cloudevent_type", InvalidMessage)
+        if source is not None:
+            _name(source, "cloudevent_source", InvalidMessage)
         source = source or self.cloudevents_source
         if event_type or source:
             # the caller's own headers win, as they do over trace headers

@@ -343,14 +343,6 @@ class KafkaSettings(_Base):
     kafka_ssl_cafile: str | None = Field(default=None, description="CA bundle to verify Kafka")
     kafka_ssl_certfile: str | None = Field(default=None, description="client certificate")
     kafka_ssl_keyfile: str | None = Field(default=None, description="client private key")
-
-    @field_validator("kafka_ssl_cafile", "kafka_ssl_certfile", "kafka_ssl_keyfile",
-                     mode="before")
-    @classmethod
-    def _unset_if_empty(cls, value: object) -> object:
-        """An empty variable (``OUTBOX_KAFKA_SSL_CAFILE=``, as Compose passes one) is unset:
-        the security check took it for unset, the clients for a file named ''."""
-        return None if isinstance(value, str) and not value.strip() else value
     kafka_delivery_timeout_ms: int = Field(
         default=120_000, ge=1000, le=INT32_MAX,
         description="how long the producer retries a send (at least 1 s)"
@@ -376,6 +368,14 @@ class KafkaSettings(_Base):
                 raise ValueError(f"{problem} in {value!r}: write host:port,host:port "
                                  "(an IPv6 address as [address]:port)")
         return ",".join(entries)
+
+    @field_validator("kafka_ssl_cafile", "kafka_ssl_certfile", "kafka_ssl_keyfile",
+                     mode="before")
+    @classmethod
+    def _unset_if_empty(cls, value: object) -> object:
+        """An empty variable (``OUTBOX_KAFKA_SSL_CAFILE=``, as Compose passes one) is unset:
+        the security check took it for unset, the clients for a file named ''."""
+        return None if isinstance(value, str) and not value.strip() else value
 
     @model_validator(mode="after")
     def _security(self) -> Self:
@@ -451,19 +451,30 @@ class KafkaSettings(_Base):
             f"check {', '.join(check[:-1])} and {check[-1]}")
 
 
+def split_host(entry: str) -> tuple[str, int | None]:
+    """``host[:port]`` (``[v6]:port``): a bootstrap entry, or a URL's ``host`` parameter."""
+    if entry.startswith("["):
+        host, _, rest = entry[1:].partition("]")
+        return host, int(rest[1:]) if ascii_digits(rest[1:]) else None
+    if entry.count(":") == 1:
+        host, _, port = entry.partition(":")
+        return host, int(port) if ascii_digits(port) else None
+    return entry, None  # a name, or an IPv6 address alone
+
+
 def _bootstrap_problem(entry: str) -> str | None:
     """What is wrong with one ``host[:port]`` of a bootstrap list, or None."""
     _, separator, address = entry.partition("://")
     if separator:  # a broker's listener, as in its server.properties
         return (f"{entry!r} is a listener: write {address} (the protocol is "
                 "OUTBOX_KAFKA_SECURITY_PROTOCOL)")
+    if any(c.isspace() or c == ";" for c in entry):
+        return f"{entry!r} holds a space or a semicolon (entries are separated by commas)"
     if entry.startswith("["):
         host, _, rest = entry[1:].partition("]")
         if rest and not rest.startswith(":"):
             return f"bad entry {entry!r}"
         port = rest[1:] if rest else None
-    elif ";" in entry:
-        return f"{entry!r} holds a space or a semicolon (entries are separated by commas)"
     elif entry.count(":") > 1:
         return f"IPv6 address {entry!r} without brackets"
     else:
@@ -471,8 +482,6 @@ def _bootstrap_problem(entry: str) -> str | None:
         port = after if colon else None
     if not host:
         return "an empty host" if entry else "an empty entry"
-    if any(c.isspace() or c == ";" for c in host):
-        return f"{entry!r} holds a space or a semicolon (entries are separated by commas)"
     if port is not None and not (ascii_digits(port) and 0 < int(port) < 65536):
         return f"port {port!r} of {entry!r} is not a number from 1 to 65535"
     return None

@@ -17,7 +17,7 @@ import socket
 import ssl
 import time
 
-from outbox.settings import KafkaSettings
+from outbox.settings import KafkaSettings, split_host
 
 DEFAULT_PORT = 9092
 
@@ -33,12 +33,12 @@ def require_tls_answer(settings: KafkaSettings) -> None:
     context.check_hostname = False  # only whether it speaks TLS: the client verifies
     context.verify_mode = ssl.CERT_NONE
     deadline = time.monotonic() + settings.kafka_connect_timeout_ms / 1000
-    for host, port in _brokers(settings.kafka_bootstrap):
+    for host, port in map(split_host, settings.kafka_bootstrap.split(",")):
         left = deadline - time.monotonic()
         if left <= 0:
             break
         try:
-            with socket.create_connection((host, port), timeout=left) as raw:
+            with socket.create_connection((host, port or DEFAULT_PORT), timeout=left) as raw:
                 raw.settimeout(max(deadline - time.monotonic(), 0.001))
                 with context.wrap_socket(raw, server_hostname=host):
                     return
@@ -48,15 +48,3 @@ def require_tls_answer(settings: KafkaSettings) -> None:
             continue
     raise settings.kafka_unreachable()
 
-
-def _brokers(bootstrap: str) -> list[tuple[str, int]]:
-    """``host[:port]`` entries (IPv6 in brackets), as the settings validated them."""
-    brokers = []
-    for entry in bootstrap.split(","):
-        if entry.startswith("["):
-            host, _, rest = entry[1:].partition("]")
-            port = rest[1:]
-        else:
-            host, _, port = entry.partition(":")
-        brokers.append((host, int(port) if port else DEFAULT_PORT))
-    return brokers

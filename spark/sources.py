@@ -17,7 +17,7 @@ from sqlalchemy.engine import make_url
 from outbox import store
 from outbox.encoding import ascii_digits
 from outbox.exceptions import ConfigurationError
-from outbox.settings import sqlalchemy_url
+from outbox.settings import split_host, sqlalchemy_url
 from outbox.spark.kafka_source import (
     CLIENTS,
     FORMAT,
@@ -69,7 +69,7 @@ def jdbc_options(database_url: str, tcp_timeout: float | None = None) -> dict[st
     tcp = {name: params.pop(name) for name in LIBPQ_TCP_PARAMETERS if name in params}
     listed = url.query.get("host", ())
     hosts = [_host_port(url.host, url.port)] if url.host else [
-        _host_port(*_split_host(entry)) for entry in
+        _host_port(*split_host(entry)) for entry in
         ((listed,) if isinstance(listed, str) else listed)]
     if not hosts or not url.database:
         raise ConfigurationError("the database URL needs a host and a database name for JDBC")
@@ -99,17 +99,6 @@ def jdbc_options(database_url: str, tcp_timeout: float | None = None) -> dict[st
     if url.password:
         options["password"] = str(url.password)
     return options
-
-
-def _split_host(entry: str) -> tuple[str, int | None]:
-    """``host[:port]`` (``[v6]:port``) of a URL's ``host`` parameter."""
-    if entry.startswith("["):
-        host, _, rest = entry[1:].partition("]")
-        return host, int(rest[1:]) if ascii_digits(rest[1:]) else None
-    if entry.count(":") == 1:
-        host, _, port = entry.partition(":")
-        return host, int(port) if ascii_digits(port) else None
-    return entry, None  # a name, or an IPv6 address alone
 
 
 def _host_port(host: str, port: int | None) -> str:
