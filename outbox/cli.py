@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 import click
+import psycopg
 from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError, OperationalError
 
@@ -92,7 +93,7 @@ def error_line(ctx: click.Context, exc: Exception) -> str | None:
     url = mask_url(shared.used_url)
     if isinstance(exc, OutboxError):
         return f"outbox: error: {exc}"
-    if isinstance(exc, OperationalError):
+    if isinstance(exc, OperationalError | psycopg.OperationalError):  # the pooler probe's
         return f"outbox: error: cannot use PostgreSQL at {url}: {first_line(exc)}"
     if isinstance(exc, DBAPIError) and sqlstate(exc) == READ_ONLY_TRANSACTION:
         return (f"outbox: error: PostgreSQL at {url} refused a write: it is "
@@ -196,11 +197,11 @@ def _migrate(shared: Shared, direction: str, revision: str) -> DatabaseSettings:
     settings = shared.settings(DatabaseSettings)
     if direction == "upgrade":  # its first ranges of history are partition_size ids each
         partition_size = shared.settings(RelaySettings).partition_size
-        migrate.upgrade(settings.database_url, settings.schema_name, revision, partition_size)
+        migrate.upgrade(settings.sqlalchemy_url, settings.schema_name, revision, partition_size)
     else:
-        migrate.downgrade(settings.database_url, settings.schema_name, revision)
-    click.echo(f"schema {settings.schema_name} is at revision "
-               f"{migrate.current(settings.database_url, settings.schema_name)}")
+        migrate.downgrade(settings.sqlalchemy_url, settings.schema_name, revision)
+    now = migrate.current(settings.sqlalchemy_url, settings.schema_name)
+    click.echo(f"schema {settings.schema_name} is at revision {now or 'base (no outbox tables)'}")
     return settings
 
 
@@ -216,9 +217,9 @@ def upgrade(shared: Shared, revision: str, create_roles: bool) -> None:
     if create_roles:
         from outbox import migrate
 
-        roles = migrate.create_roles(settings.database_url, settings.schema_name)
+        roles = migrate.create_roles(settings.sqlalchemy_url, settings.schema_name)
         click.echo(f"roles {', '.join(roles)} granted; GRANT them to your login roles")
-        for grant in migrate.missing_grants(settings.database_url, settings.schema_name):
+        for grant in migrate.missing_grants(settings.sqlalchemy_url, settings.schema_name):
             click.echo(f"outbox: warning: this role may not grant what {settings.schema_name}"
                        f"_reconcile needs (outbox reconcile refuses to run under it until "
                        f"then); a superuser must run: {grant}", err=True)
@@ -239,7 +240,7 @@ def current(shared: Shared) -> None:
     from outbox import migrate
 
     settings = shared.settings(DatabaseSettings)
-    click.echo(migrate.current(settings.database_url, settings.schema_name) or "(none)")
+    click.echo(migrate.current(settings.sqlalchemy_url, settings.schema_name) or "(none)")
 
 
 @main.command()

@@ -42,14 +42,16 @@ def refuse_transaction_pooling(url: str, who: str) -> None:
     session, so B gets another and A answers from its own at once. In transaction mode A's
     session went back to the pool after its statement: B's transaction takes it (pools hand
     back the last one returned), and A then answers from another session, or waits for one.
-    When the pool has no session for B either, or the server cannot be reached (the
-    command says so itself), nothing is concluded, and the next call looks again."""
+    When the pool has no session for B either, or a statement fails, nothing is concluded,
+    and the next call looks again. When A cannot connect, its error is raised: the command
+    would only wait as long again to be told the same (``psycopg.OperationalError``)."""
     if url in _OWN_SESSIONS:
         return
-    try:
-        own = _own_sessions(url)
-    except psycopg.Error:
-        return
+    with store.connect(url, autocommit=True, prepare_threshold=None) as a:
+        try:
+            own = _own_sessions(url, a)
+        except psycopg.Error:
+            return
     if own:
         _OWN_SESSIONS.add(url)
     elif own is False:
@@ -60,17 +62,16 @@ def refuse_transaction_pooling(url: str, who: str) -> None:
             "pool in session mode (docs/operations.md, \"Connection poolers\")")
 
 
-def _own_sessions(url: str) -> bool | None:
+def _own_sessions(url: str, a: psycopg.Connection[Any]) -> bool | None:
     """Whether each connection to ``url`` keeps a server session; None when B got none."""
-    with store.connect(url, autocommit=True, prepare_threshold=None) as a:
-        first = _pid(a.execute(_PID).fetchone())
-        if a.info.backend_pid == first:
-            return True  # no pooler between
-        with store.connect(url, autocommit=True, prepare_threshold=None) as b:
-            held = _answer_within(b.pgconn, b"BEGIN; " + _PID, PROBE_SECONDS)
-            if held is None:
-                return None  # no server session to spare
-            return held != first and _answer_within(a.pgconn, _PID, PROBE_SECONDS) == first
+    first = _pid(a.execute(_PID).fetchone())
+    if a.info.backend_pid == first:
+        return True  # no pooler between
+    with store.connect(url, autocommit=True, prepare_threshold=None) as b:
+        held = _answer_within(b.pgconn, b"BEGIN; " + _PID, PROBE_SECONDS)
+        if held is None:
+            return None  # no server session to spare
+        return held != first and _answer_within(a.pgconn, _PID, PROBE_SECONDS) == first
 
 
 def _pid(row: Any) -> int:

@@ -12,6 +12,7 @@ from sqlalchemy import Engine, text
 from outbox.cli import LOCK_WAIT_SECONDS
 from outbox.dev import services as devservices
 from outbox.settings import Settings
+from tests.blackhole import mute_server
 from tests.conftest import both_transports
 from tests.processes import outbox_env, run_outbox
 
@@ -210,3 +211,20 @@ def test_a_command_that_writes_to_a_read_only_database_says_so(
             conn.execute(text(f"DROP ROLE {login}"))
     assert_one_line_error(result, "refused a write: it is read-only",
                           "target_session_attrs=read-write")
+
+
+@pytest.mark.parametrize("command", [["relay"], ["sweep"], ["status"], ["resume", "1"],
+                                     ["discarded"], ["prune"], ["db", "current"],
+                                     ["db", "upgrade"]])
+def test_a_database_that_never_answers_is_waited_for_once(settings: Settings,
+                                                           command: list[str]) -> None:
+    """Each connection waits OUTBOX_DATABASE_TCP_TIMEOUT, and a command tries one: the relay
+    tried three (the CLI's pooler probe, the relay's own, then its work), the short commands
+    two, and `db current` and `db upgrade` waited without the timeout (136 s)."""
+    with mute_server() as (port, taken):
+        env = outbox_env(settings, OUTBOX_DATABASE_URL=f"postgresql://app:pw@127.0.0.1:{port}/x",
+                         OUTBOX_DATABASE_TCP_TIMEOUT="2", OUTBOX_SQL_CHECKERS='{"g": "SELECT 1"}')
+        result = run_outbox(None, *command, env=env)
+        assert_one_line_error(result, f"cannot use PostgreSQL at postgresql://app:***@127.0.0.1:"
+                                      f"{port}/x", "timeout")
+        assert len(taken) == 1

@@ -247,6 +247,7 @@ def test_upgrade_downgrade_upgrade_through_the_cli(
 
         down = run_outbox(None, "db", "downgrade", "base", env=env)
         assert down.returncode == 0, down.stderr
+        assert down.stdout.strip() == f"schema {schema} is at revision base (no outbox tables)"
         assert set(inspect(engine).get_table_names(schema=schema)) == {VERSION_TABLE}
         assert run_outbox(None, "db", "current", env=env).stdout.strip() == "(none)"
 
