@@ -29,10 +29,12 @@ from outbox.exceptions import (
 )
 from outbox.settings import (
     CONFIG_ENV,
+    ConsoleSettings,
     DatabaseSettings,
     ReconcileSettings,
     RelaySettings,
     Settings,
+    StatusSettings,
     SweepSettings,
     load_settings,
     mask_url,
@@ -283,7 +285,7 @@ def status(shared: Shared, as_json: bool) -> None:
     from outbox import store
     from outbox.migrate import require_current
 
-    settings = shared.settings(Settings)
+    settings = shared.settings(StatusSettings)
     with database(settings) as conn:
         require_current(conn, settings.schema_name)
         topics = store.status_by_topic(conn, settings.schema_name)
@@ -334,7 +336,7 @@ def _print_topics(topics: list[dict[str, Any]]) -> None:
         click.echo("(no undelivered messages and no deliveries in the last minute)")
 
 
-def _overdue(settings: SweepSettings) -> float:
+def _overdue(settings: StatusSettings) -> float:
     """How long past due an UNKNOWN message may wait before a working sweeper claims it."""
     from outbox.relay.sweeper import CLAIM_MARGIN
 
@@ -534,7 +536,7 @@ def console(shared: Shared, host: str | None, port: int | None, allow_actions: b
             f"console needs the console extra ({exc}): pip install "
             "'transactional-outbox[console]'") from None
 
-    settings = shared.settings(Settings, console_host=host, console_port=port,
+    settings = shared.settings(ConsoleSettings, console_host=host, console_port=port,
                                console_actions=allow_actions, log_level=log_level)
     token = settings.console_token.get_secret_value().strip()
     if settings.console_actions and len(token) < MIN_TOKEN_LENGTH:

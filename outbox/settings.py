@@ -535,7 +535,34 @@ PARTITION_SIZE = 1_000_000
 RELAY_BATCH_BYTES = 16 * 1024 * 1024
 
 
-class RelaySettings(DatabaseSettings, KafkaSettings):
+class _Leases(_Base):
+    """How long a relay's shards stay its own: the relay's, and ``outbox status``'s."""
+
+    relay_lease_seconds: float = Field(
+        default=10.0, ge=1, le=3600,
+        description="a dead relay's shards are taken over after this (1 s to 1 h)"
+    )
+
+
+class _CheckTiming(_Base):
+    """When a check-back is overdue: the sweeper's, and ``outbox status``'s."""
+
+    checker_timeout: float = Field(
+        default=5.0, gt=0, le=3600,
+        description="seconds a checker may take before it counts as UNKNOWN"
+    )
+    sweep_poll_interval: float = Field(
+        default=1.0, ge=0.01, le=3600,
+        description="longest the sweeper sleeps before looking for due rows"
+    )
+
+
+class StatusSettings(DatabaseSettings, _Leases, _CheckTiming):
+    """What ``outbox status`` and the console read, and no more: a bad setting of the
+    relay's Kafka or of a reconciliation does not stop a look at the outbox."""
+
+
+class RelaySettings(DatabaseSettings, KafkaSettings, _Leases):
     """The relay daemon: batches, leases, parking, metrics and retention."""
 
     relay_batch_size: int = Field(default=2000, gt=0, le=100_000,
@@ -546,10 +573,6 @@ class RelaySettings(DatabaseSettings, KafkaSettings):
     )
     relay_poll_interval: float = Field(
         default=1.0, ge=0.01, le=3600, description="seconds between polls when no NOTIFY arrives"
-    )
-    relay_lease_seconds: float = Field(
-        default=10.0, ge=1, le=3600,
-        description="a dead relay's shards are taken over after this (1 s to 1 h)"
     )
     relay_max_attempts: int = Field(  # each a pass at once, without a log line: bounded
         default=5, gt=0, le=100,
@@ -592,7 +615,7 @@ class RelaySettings(DatabaseSettings, KafkaSettings):
     )
 
 
-class SweepSettings(DatabaseSettings):
+class SweepSettings(DatabaseSettings, _CheckTiming):
     """The check-back sweeper (RocketMQ's names and defaults)."""
 
     check_interval: float = Field(
@@ -602,17 +625,9 @@ class SweepSettings(DatabaseSettings):
     check_max: int = Field(
         default=15, gt=0, description="inconclusive check-backs before a message is discarded"
     )
-    checker_timeout: float = Field(
-        default=5.0, gt=0, le=3600,
-        description="seconds a checker may take before it counts as UNKNOWN"
-    )
     sweep_concurrency: int = Field(default=8, gt=0, le=256, description="checks run at once")
     sweep_batch_size: int = Field(default=500, gt=0, le=100_000,
                                   description="most messages claimed per sweep round")
-    sweep_poll_interval: float = Field(
-        default=1.0, ge=0.01, le=3600,
-        description="longest the sweeper sleeps before looking for due rows"
-    )
     sweep_metrics_port: int | None = Field(
         default=None, ge=0, le=65535, description="serve the sweeper's metrics on this port"
     )
@@ -667,7 +682,7 @@ class ReconcileSettings(DatabaseSettings, KafkaSettings):
     )
 
 
-class ConsoleSettings(DatabaseSettings):
+class ConsoleSettings(StatusSettings):
     """The operator console (``outbox console``, the ``console`` extra)."""
 
     console_host: str = Field(

@@ -36,7 +36,7 @@ from outbox.console.overview import (
 from outbox.encoding import ascii_digits
 from outbox.exceptions import ConfigurationError
 from outbox.migrate import require_current
-from outbox.settings import Settings
+from outbox.settings import ConsoleSettings
 
 log = logging.getLogger("outbox.console")
 #: Most messages one resume form may name.
@@ -52,7 +52,7 @@ SECURITY_HEADERS = {
 class Console:
     """The page's state: settings, one small engine, the templates and the backlog trend."""
 
-    def __init__(self, settings: Settings, overdue_seconds: float) -> None:
+    def __init__(self, settings: ConsoleSettings, overdue_seconds: float) -> None:
         self.settings, self.overdue_seconds = settings, overdue_seconds
         self.engine = store.engine(settings.sqlalchemy_url, pool_size=2, max_overflow=2,
                                     pool_pre_ping=True)
@@ -136,7 +136,7 @@ def _ids(values: list[str]) -> list[int]:
     return sorted({int(v) for v in values})
 
 
-def create_app(settings: Settings, overdue_seconds: float) -> Starlette:
+def create_app(settings: ConsoleSettings, overdue_seconds: float) -> Starlette:
     """The console for ``settings``; refuses at once a schema that is not migrated."""
     console = Console(settings, overdue_seconds)
     with console.engine.connect() as conn:
@@ -171,7 +171,7 @@ class _TrustedHosts(TrustedHostMiddleware):
 LOOPBACK_NAMES = ["localhost", "127.0.0.1", "[::1]"]
 
 
-def allowed_hosts(settings: Settings) -> list[str]:
+def allowed_hosts(settings: ConsoleSettings) -> list[str]:
     """The Host headers the console answers: a page on a name of an attacker's that resolves
     to 127.0.0.1 (DNS rebinding) would otherwise read it from the operator's own browser."""
     if settings.console_allowed_hosts:
@@ -181,7 +181,7 @@ def allowed_hosts(settings: Settings) -> list[str]:
     return ["*"]
 
 
-def serve(settings: Settings, overdue_seconds: float) -> None:
+def serve(settings: ConsoleSettings, overdue_seconds: float) -> None:
     """Serve the console until SIGTERM or Ctrl-C."""
     import uvicorn
 

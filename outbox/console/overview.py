@@ -13,7 +13,7 @@ from typing import Any
 from sqlalchemy import Connection
 
 from outbox import store
-from outbox.settings import Settings
+from outbox.settings import ConsoleSettings
 
 #: Deliveries and latency are shown over this window (and per minute of it).
 WINDOW_SECONDS = 3600.0
@@ -50,7 +50,7 @@ class Overview:
     trend: list[tuple[float, int]] = field(default_factory=list)
 
 
-def read(conn: Connection, settings: Settings, held: HeldFilter, overdue_seconds: float,
+def read(conn: Connection, settings: ConsoleSettings, held: HeldFilter, overdue_seconds: float,
          deliveries: Deliveries) -> Overview:
     """Everything the page shows, in one read-only transaction (one consistent snapshot;
     the hour's delivery totals may be up to WHOLE_WINDOW_EVERY older)."""

@@ -20,7 +20,7 @@ from outbox import Outbox, store
 from outbox.dev import services as devservices
 from outbox.settings import Settings
 from tests.conftest import publish_orders, running_relay, wait_delivered, wait_until
-from tests.processes import run_outbox, start_outbox
+from tests.processes import outbox_env, run_outbox, start_outbox
 
 
 def test_status_reports_each_state_per_topic(
@@ -216,3 +216,17 @@ def test_a_relay_with_a_longer_lease_than_the_reader_s_is_alive_between_its_beat
             f"expires_at = EXCLUDED.expires_at"))
         assert [(r["worker_id"], r["shards"]) for r in store.relays(conn, schema, 10)] == [
             ("patient", 3)]
+
+
+def test_status_reads_only_the_settings_it_uses(settings: Settings) -> None:
+    """A reconciliation's, the sweeper's checkers' or the relay's Kafka setting that was bad
+    stopped `outbox status` (with pydantic's wording), in the shell where an operator looks
+    at what is wrong; one it uses is still refused."""
+    unrelated = outbox_env(settings, OUTBOX_RECONCILE_THRESHOLDS="{not json",
+                           OUTBOX_SQL_CHECKERS='{"g": ""}', OUTBOX_KAFKA_BOOTSTRAP="a b:9092",
+                           OUTBOX_RELAY_BATCH_SIZE="0", OUTBOX_CONSOLE_PORT="-1")
+    result = run_outbox(None, "status", env=unrelated)
+    assert result.returncode == 0, result.stderr
+    assert f"schema {settings.schema_name}: 0 relays alive" in result.stdout
+    used = run_outbox(None, "status", env={**unrelated, "OUTBOX_RELAY_LEASE_SECONDS": "0"})
+    assert used.returncode == 2 and "relay_lease_seconds" in used.stderr, used.stderr
