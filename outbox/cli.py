@@ -31,6 +31,7 @@ from outbox.settings import (
     CONFIG_ENV,
     ConsoleSettings,
     DatabaseSettings,
+    KafkaSettings,
     ReconcileSettings,
     RelaySettings,
     Settings,
@@ -67,6 +68,8 @@ class Shared:
                                  **overrides)
         self.used_url, self.used_schema = settings.database_url, settings.schema_name
         if require_database:
+            if isinstance(settings, KafkaSettings):
+                settings.kafka_security()  # a TLS file missing is named before any wait
             settings.require("database_url")
             from outbox.pooling import refuse_transaction_pooling
 

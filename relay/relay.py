@@ -49,7 +49,7 @@ from outbox.relay.transport import (
     Transport,
     UnsendableRecord,
     is_permanent,
-    make_transport,
+    make_transport_unless,
     refuses_topic,
 )
 from outbox.relay.wakeup import BUSY_BEFORE_RISING, Wakeup
@@ -204,7 +204,8 @@ class Relay:
 
     def _run(self) -> None:
         try:
-            transport = self._producer = self._transport or make_transport(self.settings)
+            transport = self._producer = self._transport or make_transport_unless(
+                self.settings, self.stopping)
         except ServiceUnavailable:  # no broker answered: a stop asked for meanwhile is no error
             if not self.stopping.is_set():
                 raise
@@ -290,7 +291,7 @@ class Relay:
         failure = self._kafka_failure
         if self._transport is not None or not (failure or self._producer.broken()):
             return self._producer
-        fresh = make_transport(self.settings)  # no broker yet: the next pass tries again
+        fresh = make_transport_unless(self.settings, self.stopping)  # none: the next pass
         if self.lifecycle.in_outage or isinstance(failure, TriedRefused):  # no line per retry
             log.debug("relay %s: started a new Kafka producer after %s", self.worker_id,
                       describe(failure) if failure else "it stopped")

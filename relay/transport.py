@@ -12,7 +12,9 @@ outage.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Collection, Sequence
+from concurrent.futures import Future, wait
 from typing import Protocol
 
 from kafka.errors import (
@@ -33,7 +35,7 @@ from kafka.errors import (
     UnsupportedVersionError,
 )
 
-from outbox.exceptions import ConfigurationError
+from outbox.exceptions import ConfigurationError, ServiceUnavailable
 from outbox.settings import RelaySettings
 
 Headers = Sequence[tuple[str, bytes]]
@@ -197,3 +199,33 @@ def make_transport(settings: RelaySettings) -> Transport:
     from outbox.relay.producer import KafkaPythonTransport
 
     return KafkaPythonTransport(settings)
+
+
+#: How often a wait for a broker looks whether it was told to stop.
+STOP_CHECK_SECONDS = 0.2
+
+
+def make_transport_unless(settings: RelaySettings, stopping: threading.Event) -> Transport:
+    """:func:`make_transport`, made in a thread of its own so that ``stopping`` ends the wait
+    for a broker with :class:`ServiceUnavailable`: that wait lasts ``kafka_connect_timeout_ms``
+    (15 s by default, longer than Docker's grace between SIGTERM and SIGKILL) while no broker
+    answers. A transport made after the stop is closed."""
+    made: Future[Transport] = Future()
+
+    def make() -> None:
+        try:
+            made.set_result(make_transport(settings))
+        except BaseException as exc:  # the caller's to raise
+            made.set_exception(exc)
+
+    threading.Thread(target=make, daemon=True, name=f"kafka-connect-{settings.worker_id}").start()
+    while not stopping.is_set():
+        if wait([made], STOP_CHECK_SECONDS).done:
+            return made.result()
+    made.add_done_callback(_close_unwanted)
+    raise ServiceUnavailable("stopped before Kafka answered")
+
+
+def _close_unwanted(made: Future[Transport]) -> None:
+    if made.exception() is None:
+        made.result().close(timeout=0)

@@ -93,8 +93,10 @@ def test_invalid_settings(settings: Settings, variable: str, value: str, fragmen
 @COMMANDS
 def test_a_tls_file_that_is_missing_is_named_at_once(settings: Settings, command: list[str]
                                                      ) -> None:
-    """The clients waited the whole connect timeout for the broker, then said none answers."""
+    """The clients waited the whole connect timeout for the broker, then said none answers;
+    a relay said so only once PostgreSQL had answered (here it cannot: nothing listens)."""
     env = outbox_env(settings, OUTBOX_KAFKA_SECURITY_PROTOCOL="SSL",
+                     OUTBOX_DATABASE_URL=f"postgresql://app:pw@127.0.0.1:{devservices.free_port()}/x",
                      OUTBOX_KAFKA_SSL_CAFILE="/nonexistent/ca.pem",
                      OUTBOX_KAFKA_CONNECT_TIMEOUT_MS="60000")
     result = run_outbox(None, *command, env=env)
