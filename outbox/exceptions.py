@@ -97,8 +97,9 @@ def sqlstate(exc: BaseException) -> str | None:
 #: A statement gave up waiting for a lock (``lock_timeout``).
 LOCK_NOT_AVAILABLE = "55P03"
 #: SQLSTATEs (and classes) of a server that cannot run any statement now: connection
-#: trouble, insufficient resources, a shutdown, a conflict with another session.
-_OUTAGE_SQLSTATES = ("08", "53", "57P", "40", LOCK_NOT_AVAILABLE)
+#: trouble, insufficient resources, a shutdown, a conflict with another session, a system
+#: error (I/O), a standby refusing a write (a failover's old primary).
+_OUTAGE_SQLSTATES = ("08", "53", "57P", "40", "58", LOCK_NOT_AVAILABLE, "25006")
 
 
 def server_trouble(exc: BaseException) -> bool:

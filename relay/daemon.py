@@ -20,7 +20,7 @@ from prometheus_client import Gauge, start_http_server
 from sqlalchemy import Engine
 from tenacity import RetryCallState, Retrying, retry_if_exception
 
-from outbox.exceptions import ConfigurationError, describe, setup_error
+from outbox.exceptions import ConfigurationError, describe, server_trouble, setup_error, sqlstate
 
 #: While an outage lasts, it is said again this often (with its latest reason).
 REMIND_SECONDS = 300.0
@@ -130,7 +130,12 @@ class Lifecycle:
             self._said_at = now
             if self._gauge is not None:  # under the lock: a recovery between cannot undo it
                 self._gauge.set(1)
-        if began is None:
+        if isinstance(reason, Exception) and statement_fault(reason):
+            self.log.error("%s failed: %s; the statement itself failed, not the server: this "
+                           "recurs until its cause is fixed (docs/operations.md, \"Errors "
+                           "that recur\"); retrying with backoff", self.name, text,
+                           exc_info=reason)
+        elif began is None:
             self.log.warning("%s %s", self.name, self._paused.format(reason=text))
         else:
             self.log.warning("%s still paused after %.0fs: %s", self.name, now - began, text)
@@ -164,6 +169,13 @@ class Lifecycle:
         with self._lock:
             since = self._outage_since
         return 0.0 if since is None else time.monotonic() - since
+
+
+def statement_fault(exc: Exception) -> bool:
+    """A database error of the statement's own (a value it cannot store, a constraint, a
+    trigger's exception, a limit of an index), not of a server that cannot work now: a
+    retry meets it again, so it is said as an error, with its traceback."""
+    return sqlstate(exc) is not None and not server_trouble(exc)
 
 
 def _kind(reason: BaseException | str | None) -> str:

@@ -908,3 +908,30 @@ def test_a_relay_whose_leases_lapsed_for_a_moment_delivers_as_soon_as_they_are_r
             time.sleep(4)  # the renewal waits past 80% of the lease: the leases lapse
         publish_orders(engine, outbox, topic, [("k", 1)])
         wait_delivered(engine, schema, 2, timeout=15)
+
+
+def test_an_error_of_the_statement_itself_is_said_once_as_an_error_with_its_traceback(
+    engine: Engine, outbox: Outbox, settings: Settings, schema: str, topic: str,
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    """An index's size limit (revision 0024's held keys), a value a column refuses, a
+    trigger's exception: a retry meets each again. The relay said "paused: ...; retrying
+    with backoff", as of a database away, and nothing pointed at the statement."""
+    caplog.set_level(logging.WARNING, logger="outbox.relay")
+    with engine.begin() as conn:
+        conn.execute(text(
+            f"CREATE FUNCTION {schema}.refuse() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+            "RAISE EXCEPTION 'refused by the test'; END $$"))
+        conn.execute(text(f"CREATE TRIGGER refuse BEFORE INSERT ON {schema}.op_record "
+                          f"FOR EACH ROW EXECUTE FUNCTION {schema}.refuse()"))
+    publish_orders(engine, outbox, topic, [("k", 1)])
+    with running_relay(settings):
+        wait_until(lambda: "refused by the test" in caplog.text, 30, "the statement to fail")
+        time.sleep(2)  # passes meet it again
+        said = [r for r in caplog.records if "refused by the test" in r.getMessage()]
+        assert len(said) == 1 and said[0].levelno == logging.ERROR, said
+        assert said[0].exc_info and "the statement itself failed" in said[0].getMessage()
+        with engine.begin() as conn:
+            conn.execute(text(f"DROP TRIGGER refuse ON {schema}.op_record"))
+        wait_delivered(engine, schema, 1, timeout=60)
+        wait_until(lambda: "delivering again" in caplog.text, 30, "the relay to say so")
