@@ -23,7 +23,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from outbox.exceptions import ServiceUnavailable
+from outbox.exceptions import ConfigurationError, ServiceUnavailable, first_line
 
 #: Not named like the outbox schema: PostgreSQL's default search_path ("$user", public) would
 #: then put the application's own tables into it, unlike a production database.
@@ -72,7 +72,11 @@ class Services:
 
     @classmethod
     def load(cls, path: Path) -> Services:
-        return cls(**json.loads(path.read_text()))
+        try:
+            return cls(**json.loads(path.read_text()))
+        except (ValueError, TypeError) as exc:  # not JSON, or not the fields `up` writes
+            raise ConfigurationError(f"{path} is not a state file `outbox dev up` wrote "
+                                     f"({first_line(exc)})") from None
 
 
 def free_port() -> int:
@@ -251,7 +255,9 @@ def reap_orphans() -> list[str]:
             os.kill(postmaster, signal.SIGQUIT)  # PostgreSQL's immediate shutdown
             _wait_gone(postmaster)
         state = Path(root, STATE_FILE)
-        tansu = Services.load(state).tansu_pid if state.exists() else 0
+        tansu = 0
+        with contextlib.suppress(ConfigurationError):
+            tansu = Services.load(state).tansu_pid if state.exists() else 0
         if _runs(tansu, "tansu"):
             os.kill(tansu, signal.SIGTERM)
             _wait_gone(tansu)
@@ -277,7 +283,7 @@ def _runs(pid: int, mark: str) -> bool:
 
 def stop(services: Services) -> None:
     """Stop what ``start`` launched and remove its folder; safe to call twice."""
-    if services.tansu_pid:
+    if _runs(services.tansu_pid, "tansu"):  # its pid may be another process's by now
         with contextlib.suppress(ProcessLookupError):
             os.kill(services.tansu_pid, signal.SIGTERM)
             _wait_gone(services.tansu_pid)

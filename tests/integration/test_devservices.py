@@ -91,3 +91,29 @@ def test_application_tables_land_in_public_as_in_production(services: Services) 
         where = conn.execute("SELECT relnamespace::regnamespace::text FROM pg_class "
                              "WHERE relname = 'orders'").fetchone()
     assert where == ("public",)
+
+
+def test_dev_down_signals_no_process_but_the_broker_it_started(tmp_path: Path) -> None:
+    """The broker gone, its recorded pid may be another process's by now: `dev down` sent it
+    SIGTERM, then waited on it."""
+    stranger = subprocess.Popen(["sleep", "60"])
+    state = tmp_path / "state.json"
+    try:
+        Services(root=str(tmp_path / "gone"), pg_bindir="/nonexistent", pg_port=1, kafka_port=1,
+                 tansu_pid=stranger.pid).save(state)
+        down = run_outbox(None, "dev", "down", "--state-file", str(state))
+        assert down.returncode == 0, down.stderr
+        assert stranger.poll() is None, "an unrelated process was signalled"
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+def test_a_state_file_dev_up_did_not_write_is_one_line(tmp_path: Path) -> None:
+    state = tmp_path / "state.json"
+    for text in ('{"root": "/tmp/x"}', "not json"):
+        state.write_text(text)
+        for command in ("down", "env"):
+            result = run_outbox(None, "dev", command, "--state-file", str(state))
+            assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+            assert f"{state} is not a state file `outbox dev up` wrote" in result.stderr
