@@ -215,12 +215,15 @@ class Sweeper:
         finally:
             executor.shutdown(wait=False, cancel_futures=True)
             self._let_answers_land(running)
-            self.stuck = sorted({item.claim.message.id for future, item in running.items()
-                                 if not future.done()})
+            left = [item.claim.message for future, item in running.items()
+                    if not future.done()]
+            self.stuck = sorted({message.id for message in left})
             if self.stuck:
-                log.warning("sweeper %s: %s (a Python checker cannot be stopped); they are "
-                            "left to run and their messages are checked again",
-                            self.settings.worker_id, self._unfinished())
+                why = ("a Python checker cannot be stopped" if any(
+                    not isinstance(self.checkers[m.producer_group], SqlChecker) for m in left)
+                    else "a SQL checker's statement ends at its checker_timeout")
+                log.warning("sweeper %s: %s (%s); they are left to run and their messages are "
+                            "checked again", self.settings.worker_id, self._unfinished(), why)
             self._engine.dispose()
             log.info("sweeper %s stopped after %d check-backs", self.settings.worker_id,
                      sum(self.counts.outcomes.values()))

@@ -79,13 +79,15 @@ def ops(engine: Engine, schema: str, message_id: int) -> list[tuple[str, str]]:
             {"id": message_id})]
 
 
-def checks_open(engine: Engine, settings: Settings) -> int:
-    """The sweeper's sessions idle in a transaction for over a second: checks in hand."""
+def checks_open(engine: Engine, settings: Settings, state: str = "idle in transaction"
+                ) -> int:
+    """The sweeper's sessions in ``state`` for over a second: checks in hand (a Python
+    checker's idle in its transaction, a SQL checker's statement active)."""
     with engine.connect() as conn:
         return int(conn.execute(text(
             "SELECT count(*) FROM pg_stat_activity WHERE application_name = :name "
-            "AND state = 'idle in transaction' AND now() - state_change > interval '1s'"),
-            {"name": f"outbox-sweeper:{settings.worker_id}"[:63]}).scalar_one())
+            "AND state = :state AND now() - state_change > interval '1s'"),
+            {"name": f"outbox-sweeper:{settings.worker_id}"[:63], "state": state}).scalar_one())
 
 
 def wait_status(engine: Engine, schema: str, message_id: int, status: str,
@@ -897,18 +899,26 @@ def test_sweep_command_exits_on_a_setup_error_though_a_checker_never_answers(
     assert "outbox: error: a table is missing" in output, output
 
 
+@pytest.mark.parametrize(("checker", "why"), [
+    (("--app", "tests.checker_app:stuck"), "a Python checker cannot be stopped"),
+    ((), "a SQL checker's statement ends at its checker_timeout"),
+], ids=["python", "sql"])
 def test_a_second_sigterm_abandons_the_checks_the_sweeper_waits_for(
-    engine: Engine, fast: Settings, schema: str
+    engine: Engine, fast: Settings, schema: str, roles: list[str], checker: tuple[str, ...],
+    why: str
 ) -> None:
     """On the first SIGTERM the sweeper lets running checks land their answers, for up to
     the checker timeout; a second one abandons them, as it does the relay's work. It was not
-    heard: the process waited out the whole timeout (here a minute) all the same."""
+    heard: the process waited out the whole timeout (here a minute) all the same. (Abandoned
+    SQL checks were said to be a Python checker's, which cannot be stopped.)"""
     message_id = prepare(engine, Outbox(settings=fast, producer_group="stuck-orders"))
-    sweeper = start_outbox(fast, "sweep", "--app", "tests.checker_app:stuck",
-                           "--check-interval", "0.1", "--checker-timeout", "60",
-                           OUTBOX_WORKER_ID=fast.worker_id)
+    sweeper = start_outbox(fast, "sweep", *checker, "--check-interval", "0.1",
+                           "--checker-timeout", "60", OUTBOX_WORKER_ID=fast.worker_id,
+                           OUTBOX_SQL_CHECKERS='{"stuck-orders": '
+                           '"SELECT \'UNKNOWN\' FROM pg_sleep(60)"}' if not checker else "{}")
     try:
-        wait_until(lambda: checks_open(engine, fast) == 1, 30, "the check to start")
+        wait_until(lambda: checks_open(engine, fast, "active" if not checker else "idle in "
+                                       "transaction") == 1, 30, "the check to start")
         sweeper.send_signal(signal.SIGTERM)
         wait_until(lambda: "signal again to abandon it" in Path(sweeper.log).read_text(), 10,
                    "the first signal to be heard")
@@ -919,7 +929,7 @@ def test_a_second_sigterm_abandons_the_checks_the_sweeper_waits_for(
             sweeper.kill()
             sweeper.communicate()
     assert sweeper.returncode == 0, output
-    assert f"checks of messages {message_id} were abandoned" in output, output
+    assert f"checks of messages {message_id} were abandoned ({why})" in output, output
     assert row(engine, schema, message_id).check_count == 0  # not counted: checked again
 
 
