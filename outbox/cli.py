@@ -20,6 +20,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 
 from outbox.encoding import MAX_MESSAGE_ID, ascii_digits
 from outbox.exceptions import (
+    INSUFFICIENT_PRIVILEGE,
     LOCK_NOT_AVAILABLE,
     ConfigurationError,
     OutboxError,
@@ -104,6 +105,12 @@ def error_line(ctx: click.Context, exc: Exception) -> str | None:
         return (f"outbox: error: PostgreSQL at {url} refused a write: it is "
                 "read-only (a standby, or default_transaction_read_only on the database or "
                 "role): point the URL at the primary (?target_session_attrs=read-write)")
+    if isinstance(exc, DBAPIError) and sqlstate(exc) == INSUFFICIENT_PRIVILEGE \
+            and ctx.invoked_subcommand == "db":  # setup_error's hint would name this command
+        return (f"outbox: error: this login may not migrate schema {shared.used_schema} "
+                f"({first_line(exc)}): run `outbox db` as the role that owns the schema, or "
+                "one with CREATE on the database (docs/operations.md, \"Least-privilege "
+                "roles\")")
     if isinstance(exc, DBAPIError):
         hint = setup_error(exc, shared.used_schema)
         return None if hint is None else f"outbox: error: {hint}"

@@ -75,8 +75,10 @@ MISSING_OBJECTS = {"42P01": ("a table is missing", "has no outbox tables"),
                    "3F000": ("the schema is missing", "does not exist"),
                    "42883": ("a function is missing", "is older than this version of outbox")}
 
+#: A role lacks a privilege for the statement.
+INSUFFICIENT_PRIVILEGE = "42501"
 #: SQLSTATEs that no retry can fix: the role lacks a privilege, or an object is missing.
-_SETUP_SQLSTATES = {"42501": "the database role lacks a privilege",
+_SETUP_SQLSTATES = {INSUFFICIENT_PRIVILEGE: "the database role lacks a privilege",
                     **{state: missing for state, (missing, _) in MISSING_OBJECTS.items()}}
 
 
@@ -113,9 +115,10 @@ def server_trouble(exc: BaseException) -> bool:
     return state.startswith(_OUTAGE_SQLSTATES)
 
 
-def upgrade_command(schema: str) -> str:
-    """The command that migrates ``schema``, as a user types it."""
-    return "outbox db upgrade" if schema == "outbox" else f"outbox --schema {schema} db upgrade"
+def upgrade_command(schema: str, action: str = "upgrade") -> str:
+    """The command that migrates ``schema`` (``action``: another ``db`` command and its
+    arguments), as a user types it."""
+    return f"outbox db {action}" if schema == "outbox" else f"outbox --schema {schema} db {action}"
 
 
 def setup_error(exc: BaseException, schema: str = "outbox") -> str | None:

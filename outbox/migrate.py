@@ -117,6 +117,7 @@ def upgrade(url: str, schema: str, revision: str = "head",
 
     def migrating(conn: Connection) -> None:
         _refuse_newer(schema, store.schema_version(conn, schema))
+        _refuse_older(schema, store.schema_version(conn, schema), revision)
         config = alembic_config(url, schema, conn)
         config.attributes["partition_size"] = partition_size
         command.upgrade(config, revision)
@@ -260,6 +261,15 @@ def _refuse_newer(schema: str, version: str | None) -> None:
             f"outbox schema {schema!r} is at revision {version}, newer than this outbox "
             f"(its newest is {head()}): run the outbox version that upgraded it, or downgrade "
             "the schema with that version first")
+
+
+def _refuse_older(schema: str, version: str | None, revision: str) -> None:
+    """An upgrade to a revision the schema is past did nothing and exited 0."""
+    ours = revisions()
+    if version in ours and revision in ours and ours.index(revision) < ours.index(version):
+        raise MigrationRefused(
+            f"schema {schema!r} is at revision {version}, past {revision}: an upgrade does not "
+            f"go back; `{upgrade_command(schema, f'downgrade {revision}')}` does")
 
 
 def current(url: str, schema: str) -> str | None:

@@ -36,11 +36,13 @@ def login_url(engine: Engine, settings: Settings) -> Iterator[str]:
     [
         (("db", "upgrade", "--revision", "nosuchrev"), "nosuchrev"),
         (("db", "downgrade", "nosuchrev"), "nosuchrev"),
+        (("db", "upgrade", "--revision", "0001"), "an upgrade does not go back; `outbox "),
         (("relay",), "relay_lease_seconds"),
         (("sweep",), "checker_timeout"),
         (("sweep", "--metrics-port", "99999"), "sweep_metrics_port"),
     ],
-    ids=["upgrade-unknown-revision", "downgrade-unknown-revision", "lease-inf", "timeout-inf",
+    ids=["upgrade-unknown-revision", "downgrade-unknown-revision", "upgrade-to-an-older-one",
+         "lease-inf", "timeout-inf",
          "port-beyond-65535"],
 )
 def test_bad_values_get_one_line(settings: Settings, args: tuple[str, ...], fragment: str
@@ -90,7 +92,7 @@ def test_a_metrics_port_in_use_gets_one_line(settings: Settings) -> None:
 
 
 @pytest.mark.parametrize("args", [("status",), ("resume", "1"), ("prune",), ("discarded",),
-                                  ("db", "upgrade")])
+                                  ("db", "upgrade"), ("db", "downgrade", "base")])
 def test_a_role_without_grants_gets_one_line(settings: Settings, login_url: str,
                                              args: tuple[str, ...]) -> None:
     result = run_outbox(None, *args, env=outbox_env(settings, OUTBOX_DATABASE_URL=login_url))
@@ -98,6 +100,9 @@ def test_a_role_without_grants_gets_one_line(settings: Settings, login_url: str,
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert ("lacks a privilege" in result.stderr or "is not migrated" in result.stderr
             or "permission denied" in result.stderr), result.stderr
+    if args[0] == "db":  # it said to run `outbox db upgrade`: the command that just failed
+        assert "may not migrate schema" in result.stderr and "run `outbox db upgrade`" \
+            not in result.stderr, result.stderr
 
 
 def test_a_relay_under_the_application_role_stops_instead_of_retrying(
