@@ -25,6 +25,7 @@ from outbox.exceptions import (
     ConfigurationError,
     OutboxError,
     first_line,
+    read_only,
     setup_error,
     sqlstate,
 )
@@ -102,9 +103,7 @@ def error_line(ctx: click.Context, exc: Exception) -> str | None:
     if isinstance(exc, OperationalError | psycopg.OperationalError):  # the pooler probe's
         return f"outbox: error: cannot use PostgreSQL at {url}: {first_line(exc)}"
     if isinstance(exc, DBAPIError) and sqlstate(exc) == READ_ONLY_TRANSACTION:
-        return (f"outbox: error: PostgreSQL at {url} refused a write: it is "
-                "read-only (a standby, or default_transaction_read_only on the database or "
-                "role): point the URL at the primary (?target_session_attrs=read-write)")
+        return f"outbox: error: {read_only(url)}"
     if isinstance(exc, DBAPIError) and sqlstate(exc) == INSUFFICIENT_PRIVILEGE \
             and ctx.invoked_subcommand == "db":  # setup_error's hint would name this command
         return (f"outbox: error: this login may not migrate schema {shared.used_schema} "

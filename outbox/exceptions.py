@@ -115,6 +115,13 @@ def server_trouble(exc: BaseException) -> bool:
     return state.startswith(_OUTAGE_SQLSTATES)
 
 
+def read_only(url: str) -> str:
+    """The line for a server that refuses writes; ``url`` masked."""
+    return (f"PostgreSQL at {url} refuses writes: it is read-only (a standby, or "
+            "default_transaction_read_only on the database or role): point the URL at the "
+            "primary (?target_session_attrs=read-write)")
+
+
 def upgrade_command(schema: str, action: str = "upgrade") -> str:
     """The command that migrates ``schema`` (``action``: another ``db`` command and its
     arguments), as a user types it."""

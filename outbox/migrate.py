@@ -34,6 +34,7 @@ from outbox.exceptions import (
     MigrationRefused,
     SchemaNotMigrated,
     first_line,
+    read_only,
     sqlstate,
     upgrade_command,
 )
@@ -280,6 +281,14 @@ def current(url: str, schema: str) -> str | None:
             conn, opts={"version_table": VERSION_TABLE, "version_table_schema": schema}
         )
         return context.get_current_revision()
+
+
+def require_writable(conn: Connection, url: str) -> None:
+    """A relay or sweeper on a read-only server (a standby, a role's
+    default_transaction_read_only) ran for good, delivering nothing, and said only once
+    that it could not renew its leases. ``url``: masked, for the line."""
+    if conn.execute(store.query("read_only", "outbox")).scalar_one():
+        raise ConfigurationError(read_only(url))
 
 
 def require_current(conn: Connection, schema: str) -> None:

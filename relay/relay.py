@@ -33,7 +33,7 @@ from sqlalchemy.exc import DBAPIError
 from outbox import store
 from outbox.encoding import CONTENT_TYPE_HEADER, ID_HEADER
 from outbox.exceptions import ServiceUnavailable, describe
-from outbox.migrate import require_current
+from outbox.migrate import require_current, require_writable
 from outbox.pooling import refuse_transaction_pooling
 from outbox.relay import metrics
 from outbox.relay.daemon import Abandoned, Lifecycle
@@ -194,6 +194,7 @@ class Relay:
         refuse_transaction_pooling(self.settings.sqlalchemy_url, f"relay {self.worker_id}")
         with self._engine.connect() as conn:
             require_current(conn, self.schema)
+            require_writable(conn, mask_url(self.settings.database_url))
         self._identity.hold()
         try:
             self._run()

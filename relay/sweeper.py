@@ -38,7 +38,7 @@ from outbox import store
 from outbox.app import Outbox
 from outbox.checkers import Checker, SqlChecker, synchronous, to_resolution
 from outbox.exceptions import CheckerRefused, ConfigurationError, first_line, server_trouble
-from outbox.migrate import require_current
+from outbox.migrate import require_current, require_writable
 from outbox.pooling import refuse_transaction_pooling
 from outbox.relay.daemon import Lifecycle
 from outbox.schema import Resolution, Status
@@ -202,6 +202,7 @@ class Sweeper:
                                    f"sweeper {self.settings.worker_id}")
         with self._engine.connect() as conn:
             require_current(conn, self.schema)
+            require_writable(conn, mask_url(self.settings.database_url))
             conn.rollback()
             self._refuse_bad_sql_checkers(conn)
         log.info("sweeper %s started: database %s, schema %s, checkers for %s",

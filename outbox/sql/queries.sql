@@ -653,6 +653,9 @@ SELECT to_regclass(:table) IS NOT NULL;
 -- name: schema_version
 SELECT version_num FROM {schema}.outbox_alembic_version;
 
+-- name: read_only
+SELECT current_setting('transaction_read_only')::boolean;
+
 -- name: decide
 -- An application's decision on an UNKNOWN message (RocketMQ's endTransaction), through the
 -- SECURITY DEFINER function of revision 0005 (the application's role may not change pending

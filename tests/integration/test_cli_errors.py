@@ -194,11 +194,13 @@ def test_a_short_command_behind_a_table_lock_says_who_holds_it(
     assert waited < 60
 
 
+@pytest.mark.parametrize("command", [["resume", "--all"], ["relay"], ["sweep"]])
 def test_a_command_that_writes_to_a_read_only_database_says_so(
-    settings: Settings, engine: Engine
+    settings: Settings, engine: Engine, command: list[str]
 ) -> None:
     """A role (or database) with default_transaction_read_only, as a DBA freezes writes: a
-    command that writes gets one line, not a traceback."""
+    command that writes gets one line, not a traceback. A relay ran for good, delivering
+    nothing, and said once that it could not renew its leases."""
     login = f"frozen_{uuid.uuid4().hex[:8]}"
     with engine.begin() as conn:
         conn.execute(text(f"CREATE ROLE {login} LOGIN SUPERUSER PASSWORD 'pw'"))
@@ -206,12 +208,12 @@ def test_a_command_that_writes_to_a_read_only_database_says_so(
     try:
         url = settings.database_url.replace(
             f"{devservices.DB_USER}:{devservices.DB_PASSWORD}@", f"{login}:pw@")
-        result = run_outbox(None, "resume", "--all",
-                            env=outbox_env(settings, OUTBOX_DATABASE_URL=url))
+        result = run_outbox(None, *command, env=outbox_env(
+            settings, OUTBOX_DATABASE_URL=url, OUTBOX_SQL_CHECKERS='{"g": "SELECT 1"}'))
     finally:
         with engine.begin() as conn:
             conn.execute(text(f"DROP ROLE {login}"))
-    assert_one_line_error(result, "refused a write: it is read-only",
+    assert_one_line_error(result, "refuses writes: it is read-only",
                           "target_session_attrs=read-write")
 
 
