@@ -302,12 +302,14 @@ class LeaseKeeper(threading.Thread):
     def run(self) -> None:
         interval = self._leases.lease_seconds / 3
         while not self._halt.is_set():
+            ticked = False  # on this connection: a failure may be of its session alone
             try:
                 with self._engine.connect() as conn:
                     while not self._halt.is_set():
                         with self._ticking:
                             if not self._aside:
                                 self._leases.tick(conn, self._in_flight(), self._paused())
+                        ticked = True
                         self._backlog.observe(conn)
                         if self._failing:
                             log.info("relay %s: lease renewals work again", self._leases.worker_id)
@@ -321,6 +323,9 @@ class LeaseKeeper(threading.Thread):
                     self.first_tick.set()
                     self._leases.changed.set()  # the main loop raises it, not after its poll
                     break
+                self._engine.dispose()
+                if ticked:  # its session ended (a server restarted since): a new one, at once
+                    continue
                 if not self._failing:
                     log.warning("relay %s cannot renew its leases (%s); retrying every %.1fs",
                                 self._leases.worker_id, first_line(exc), interval)
@@ -328,6 +333,5 @@ class LeaseKeeper(threading.Thread):
                     # unrenewed, they lapse: none is delivered from here (for the alert on
                     # uncovered shards); the next renewal sets the gauge again
                     metrics.OWNED_SHARDS.set(0)
-                self._engine.dispose()
                 self._halt.wait(interval)
         self._engine.dispose()

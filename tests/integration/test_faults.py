@@ -935,3 +935,25 @@ def test_an_error_of_the_statement_itself_is_said_once_as_an_error_with_its_trac
             conn.execute(text(f"DROP TRIGGER refuse ON {schema}.op_record"))
         wait_delivered(engine, schema, 1, timeout=60)
         wait_until(lambda: "delivering again" in caplog.text, 30, "the relay to say so")
+
+
+def test_a_lease_keeper_whose_session_ended_renews_on_a_new_one_at_once(
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    """After a PostgreSQL restart the relay said it delivered again; then the lease keeper,
+    on the connection it kept across ticks, said it could not renew its leases, set its
+    shard gauge to 0 (a false OutboxShardsUncovered alert) and waited a third of a lease
+    before trying a new connection."""
+    caplog.set_level(logging.INFO, logger="outbox.relay")
+    with isolated_services() as iso, running_relay(iso.settings):
+        wait_until(lambda: REGISTRY.get_sample_value("outbox_relay_owned_shards") == SHARDS,
+                   30, "the relay to own every shard")
+        with iso.engine.connect() as conn:
+            ended = conn.execute(text(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE pid <> "
+                "pg_backend_pid() AND backend_type = 'client backend' AND datname = "
+                "current_database()")).scalar_one()
+        assert ended >= 2
+        time.sleep(iso.settings.relay_lease_seconds)  # three of the keeper's ticks
+        assert "cannot renew its leases" not in caplog.text
+        assert REGISTRY.get_sample_value("outbox_relay_owned_shards") == SHARDS
