@@ -229,9 +229,10 @@ class _ConfigFile(TomlConfigSettingsSource):
     """The TOML file holds every component's keys: each takes its own; unknown keys fail."""
 
     def __call__(self) -> dict[str, Any]:
-        values = super().__call__()
-        known = _names(Settings)
-        unknown = sorted(set(values) - known)
+        # In any case, as the variables: pydantic folds only the keys of the class it loads.
+        known = {name.lower(): name for name in _names(Settings)}
+        values = {known.get(key.lower(), key): value for key, value in super().__call__().items()}
+        unknown = sorted(set(values) - set(known.values()))
         if unknown:
             raise ConfigurationError(
                 f"invalid settings: unknown key {unknown[0]!r} in config file "

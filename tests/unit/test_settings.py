@@ -20,6 +20,7 @@ from outbox.settings import (
     ReconcileSettings,
     RelaySettings,
     Settings,
+    StatusSettings,
     SweepSettings,
     load_settings,
     mask_url,
@@ -345,3 +346,15 @@ def test_a_settings_error_does_not_echo_the_input() -> None:
         Settings(database_url="postgresql://app:s3cret@db/shop", kafka_sasl_password="k4fka")
     assert "kafka_sasl_password set" in str(error.value)
     assert "s3cret" not in str(error.value) and "k4fka" not in str(error.value), error.value
+
+
+def test_a_key_in_the_file_is_read_in_any_case_by_every_component(tmp_path: Path) -> None:
+    """A component took a key in capitals only if it was one of its own: `RELAY_BATCH_SIZE`
+    was the relay's, and the sweeper and `outbox status` refused it as unknown."""
+    config = tmp_path / "outbox.toml"
+    config.write_text("RELAY_BATCH_SIZE = 9\nRelay_Lease_Seconds = 30\n")
+    os.environ["OUTBOX_CONFIG"] = str(config)
+    relay = load_settings(RelaySettings)
+    assert (relay.relay_batch_size, relay.relay_lease_seconds) == (9, 30)
+    assert load_settings(StatusSettings).relay_lease_seconds == 30
+    assert load_settings(SweepSettings).check_max == 15
