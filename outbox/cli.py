@@ -5,12 +5,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from types import FrameType
 from typing import Any, NoReturn, TypeVar
 
 import click
@@ -269,6 +271,7 @@ def relay(shared: Shared, kafka_bootstrap: str | None, batch_size: int | None,
           poll_interval: float | None, lease_seconds: float | None, metrics_port: int | None,
           log_level: str | None) -> None:
     """Deliver committed messages to Kafka until SIGTERM or Ctrl-C."""
+    _stop_at_once_until_running("relay")
     from outbox.relay.daemon import run_until_signalled, serve_metrics
     from outbox.relay.relay import Relay
 
@@ -282,6 +285,20 @@ def relay(shared: Shared, kafka_bootstrap: str | None, batch_size: int | None,
     if settings.relay_metrics_port is not None:
         serve_metrics(settings.relay_metrics_port, logging.getLogger("outbox.relay"))
     run_until_signalled(daemon)
+
+
+def _stop_at_once_until_running(name: str) -> None:
+    """Until ``run_until_signalled`` takes the signals over, SIGTERM, Ctrl-C or SIGHUP ends
+    a starting daemon (its imports, settings, the database's first answer) at once, exit 0,
+    with a line: SIGTERM killed it without a word (exit 143), Ctrl-C printed a traceback of
+    whatever it was importing."""
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        click.echo(f"outbox: {name} stopped before it started "
+                   f"({signal.Signals(signum).name})", err=True)
+        raise SystemExit(0)
+
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, on_signal)
 
 
 @main.command()
@@ -470,6 +487,7 @@ def sweep(shared: Shared, app_path: str | None, check_interval: float | None,
 
     Checkers come from --app (Python) and OUTBOX_SQL_CHECKERS (SQL queries, as JSON).
     """
+    _stop_at_once_until_running("sweeper")
     from outbox.relay.daemon import run_until_signalled, serve_metrics
     from outbox.relay.sweeper import Sweeper, load_app
 

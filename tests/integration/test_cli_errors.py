@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 import uuid
 
@@ -13,8 +14,8 @@ from outbox.cli import LOCK_WAIT_SECONDS
 from outbox.dev import services as devservices
 from outbox.settings import Settings
 from tests.blackhole import mute_server
-from tests.conftest import both_transports
-from tests.processes import outbox_env, run_outbox
+from tests.conftest import both_transports, wait_until
+from tests.processes import outbox_env, run_outbox, start_outbox
 
 
 def assert_one_line_error(result: object, *fragments: str) -> None:
@@ -232,3 +233,25 @@ def test_a_database_that_never_answers_is_waited_for_once(settings: Settings,
         assert_one_line_error(result, f"cannot use PostgreSQL at postgresql://app:***@127.0.0.1:"
                                       f"{port}/x", "timeout")
         assert len(taken) == 1
+
+
+@pytest.mark.parametrize("command", ["relay", "sweep"])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_while_a_daemon_starts_stops_it_at_once_with_a_line(
+    settings: Settings, command: str, signum: signal.Signals
+) -> None:
+    """Here the database takes the connection and never answers (30 s): SIGTERM killed the
+    starting daemon without a word (exit 143), SIGINT printed `Aborted!` (exit 1), or a
+    traceback when it came during the imports."""
+    with mute_server() as (port, taken):
+        daemon = start_outbox(settings, command, OUTBOX_SQL_CHECKERS='{"g": "SELECT 1"}',
+                              OUTBOX_DATABASE_URL=f"postgresql://app:pw@127.0.0.1:{port}/x")
+        try:
+            wait_until(lambda: len(taken) == 1, 30, "the daemon to connect")
+            daemon.send_signal(signum)
+            output, _ = daemon.communicate(timeout=10)
+        finally:
+            daemon.kill()
+    name = "sweeper" if command == "sweep" else command
+    assert (daemon.returncode, output.strip()) == (
+        0, f"outbox: {name} stopped before it started ({signum.name})")
