@@ -36,8 +36,8 @@ from outbox.exceptions import (
     MessageNotFound,
     NotInTransaction,
     SchemaNotMigrated,
+    db_command,
     sqlstate,
-    upgrade_command,
 )
 from outbox.message import Message, PrepareOptions, PublishOptions, TransactionResult
 from outbox.schema import Resolution
@@ -473,7 +473,7 @@ def _unmigrated(schema: str) -> Iterator[None]:
         missing = MISSING_OBJECTS.get(sqlstate(exc) or "")
         if missing is not None:
             raise SchemaNotMigrated(
-                f"outbox schema {schema!r} {missing[1]}: run `{upgrade_command(schema)}` "
+                f"outbox schema {schema!r} {missing[1]}: run `{db_command(schema)}` "
                 "(or outbox.migrate.upgrade) against this database first"
             ) from exc
         raise

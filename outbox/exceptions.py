@@ -122,7 +122,7 @@ def read_only(url: str) -> str:
             "primary (?target_session_attrs=read-write)")
 
 
-def upgrade_command(schema: str, action: str = "upgrade") -> str:
+def db_command(schema: str, action: str = "upgrade") -> str:
     """The command that migrates ``schema`` (``action``: another ``db`` command and its
     arguments), as a user types it."""
     return f"outbox db {action}" if schema == "outbox" else f"outbox --schema {schema} db {action}"
@@ -134,6 +134,6 @@ def setup_error(exc: BaseException, schema: str = "outbox") -> str | None:
     what = _SETUP_SQLSTATES.get(sqlstate(exc) or "")
     if what is None:
         return None
-    return (f"{what} ({first_line(exc)}): run `{upgrade_command(schema)}` (with "
+    return (f"{what} ({first_line(exc)}): run `{db_command(schema)}` (with "
             "--create-roles for the roles) and grant this login the role it needs "
             "(docs/operations.md)")

@@ -33,10 +33,10 @@ from outbox.exceptions import (
     MigrationBlocked,
     MigrationRefused,
     SchemaNotMigrated,
+    db_command,
     first_line,
     read_only,
     sqlstate,
-    upgrade_command,
 )
 from outbox.schema import VERSION_TABLE
 from outbox.settings import PARTITION_SIZE, sqlalchemy_url, validate_identifier
@@ -270,7 +270,7 @@ def _refuse_older(schema: str, version: str | None, revision: str) -> None:
     if version in ours and revision in ours and ours.index(revision) < ours.index(version):
         raise MigrationRefused(
             f"schema {schema!r} is at revision {version}, past {revision}: an upgrade does not "
-            f"go back; `{upgrade_command(schema, f'downgrade {revision}')}` does")
+            f"go back; `{db_command(schema, f'downgrade {revision}')}` does")
 
 
 def current(url: str, schema: str) -> str | None:
@@ -283,11 +283,11 @@ def current(url: str, schema: str) -> str | None:
         return context.get_current_revision()
 
 
-def require_writable(conn: Connection, url: str) -> None:
+def require_writable(conn: Connection, schema: str, url: str) -> None:
     """A relay or sweeper on a read-only server (a standby, a role's
     default_transaction_read_only) ran for good, delivering nothing, and said only once
     that it could not renew its leases. ``url``: masked, for the line."""
-    if conn.execute(store.query("read_only", "outbox")).scalar_one():
+    if conn.execute(store.query("read_only", schema)).scalar_one():
         raise ConfigurationError(read_only(url))
 
 
@@ -298,5 +298,5 @@ def require_current(conn: Connection, schema: str) -> None:
     if version != head():
         state = "not migrated" if version is None else f"at revision {version}, not {head()}"
         raise SchemaNotMigrated(
-            f"outbox schema {schema!r} is {state}: run `{upgrade_command(schema)}` first"
+            f"outbox schema {schema!r} is {state}: run `{db_command(schema)}` first"
         )

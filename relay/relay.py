@@ -194,7 +194,7 @@ class Relay:
         refuse_transaction_pooling(self.settings.sqlalchemy_url, f"relay {self.worker_id}")
         with self._engine.connect() as conn:
             require_current(conn, self.schema)
-            require_writable(conn, mask_url(self.settings.database_url))
+            require_writable(conn, self.schema, mask_url(self.settings.database_url))
         self._identity.hold()
         try:
             self._run()

@@ -202,7 +202,7 @@ class Sweeper:
                                    f"sweeper {self.settings.worker_id}")
         with self._engine.connect() as conn:
             require_current(conn, self.schema)
-            require_writable(conn, mask_url(self.settings.database_url))
+            require_writable(conn, self.schema, mask_url(self.settings.database_url))
             conn.rollback()
             self._refuse_bad_sql_checkers(conn)
         log.info("sweeper %s started: database %s, schema %s, checkers for %s",
