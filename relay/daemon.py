@@ -22,6 +22,8 @@ from tenacity import RetryCallState, Retrying, retry_if_exception
 
 from outbox.exceptions import ConfigurationError, describe, server_trouble, setup_error, sqlstate
 
+#: SQLSTATE of a statement cancelled: by a timeout, or by ``pg_cancel_backend``.
+QUERY_CANCELED = "57014"
 #: While an outage lasts, it is said again this often (with its latest reason).
 REMIND_SECONDS = 300.0
 
@@ -174,8 +176,10 @@ class Lifecycle:
 def statement_fault(exc: Exception) -> bool:
     """A database error of the statement's own (a value it cannot store, a constraint, a
     trigger's exception, a limit of an index), not of a server that cannot work now: a
-    retry meets it again, so it is said as an error, with its traceback."""
-    return sqlstate(exc) is not None and not server_trouble(exc)
+    retry meets it again, so it is said as an error, with its traceback. A statement
+    cancelled (a timeout, an operator's ``pg_cancel_backend``) says nothing of a next one."""
+    state = sqlstate(exc)
+    return state is not None and state != QUERY_CANCELED and not server_trouble(exc)
 
 
 def _kind(reason: BaseException | str | None) -> str:

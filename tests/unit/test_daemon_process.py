@@ -116,3 +116,17 @@ def test_database_errors_of_another_sqlstate_are_another_cause(
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 2, said
     assert "too many clients" in said[1]
+
+
+@pytest.mark.parametrize(("orig", "fault"), [
+    (psycopg.errors.UniqueViolation("duplicate key"), True),
+    (psycopg.errors.RaiseException("refused by a trigger"), True),
+    (psycopg.errors.ProgramLimitExceeded("index row size 3040 exceeds maximum 2704"), True),
+    (psycopg.OperationalError("server closed the connection unexpectedly"), False),
+    (psycopg.errors.AdminShutdown("terminating connection"), False),
+    (psycopg.errors.TooManyConnections("too many clients"), False),
+    (psycopg.errors.ReadOnlySqlTransaction("read-only transaction"), False),
+    (psycopg.errors.QueryCanceled("canceling statement due to statement timeout"), False),
+], ids=lambda value: type(value).__name__ if isinstance(value, Exception) else str(value))
+def test_an_error_of_the_statement_is_told_from_an_outage(orig: Exception, fault: bool) -> None:
+    assert daemon.statement_fault(OperationalError("SELECT 1", {}, orig)) is fault
