@@ -238,11 +238,11 @@ def upgrade(shared: Shared, revision: str, create_roles: bool) -> None:
                        f"then); a superuser must run: {grant}", err=True)
 
 
-@db.command()
+@db.command(context_settings={"ignore_unknown_options": True})  # -1 is a REVISION
 @click.argument("revision")
 @pass_shared
 def downgrade(shared: Shared, revision: str) -> None:
-    """Downgrade the outbox tables to REVISION ('base' removes them)."""
+    """Downgrade the outbox tables to REVISION ('-1' is one back, 'base' removes them)."""
     _migrate(shared, "downgrade", revision)
 
 

@@ -245,6 +245,11 @@ def test_upgrade_downgrade_upgrade_through_the_cli(
         assert tables == {table.name for table in target_metadata().sorted_tables} | {VERSION_TABLE}
         assert "alembic_version" not in inspect(engine).get_table_names(schema="public")
 
+        back = run_outbox(None, "db", "downgrade", "-1", env=env)  # Alembic's relative step
+        assert back.returncode == 0, back.stderr
+        previous = f"{int(migrate.head()) - 1:04d}"
+        assert back.stdout.strip() == f"schema {schema} is at revision {previous}"
+
         down = run_outbox(None, "db", "downgrade", "base", env=env)
         assert down.returncode == 0, down.stderr
         assert down.stdout.strip() == f"schema {schema} is at revision base (no outbox tables)"
