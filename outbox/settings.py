@@ -33,6 +33,7 @@ from sqlalchemy.engine import make_url
 
 from outbox.encoding import DEFAULT_MAX_DELAY, ascii_digits
 from outbox.exceptions import ConfigurationError, ServiceUnavailable
+from outbox.spark import catalogue
 
 #: Environment variable naming the TOML config file (also set by ``outbox --config``).
 CONFIG_ENV = "OUTBOX_CONFIG"
@@ -670,6 +671,15 @@ class ReconcileSettings(DatabaseSettings, KafkaSettings):
     reconcile_read_topics: bool = Field(
         default=False, description="also read the Kafka topics, not only the outbox tables"
     )
+
+    @field_validator("reconcile_thresholds")
+    @classmethod
+    def _known_findings(cls, value: dict[str, int | None]) -> dict[str, int | None]:
+        try:
+            catalogue.thresholds(value)
+        except ConfigurationError as exc:
+            raise ValueError(str(exc)) from None
+        return value
     reconcile_partitions: int = Field(
         default=8, gt=0, le=1024, description="parallel JDBC reads per table at most (one per "
         "core of the Spark session, more only to keep a read at 2.5M rows)"
