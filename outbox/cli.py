@@ -433,9 +433,13 @@ def down(state_file: Path) -> None:
     if not state_file.exists():
         click.echo(f"nothing recorded in {state_file}; nothing to stop", err=True)
         return
-    devservices.stop(devservices.Services.load(state_file))
+    stopped = devservices.stop(devservices.Services.load(state_file))
     state_file.unlink()
-    click.echo("stopped the embedded PostgreSQL and Kafka broker", err=True)
+    if stopped:
+        click.echo(f"stopped the embedded {' and '.join(stopped)}", err=True)
+    else:
+        click.echo(f"nothing recorded in {state_file} was running (stopped by a reboot or a "
+                   "kill); forgot it", err=True)
 
 
 @main.command()

@@ -281,16 +281,21 @@ def _runs(pid: int, mark: str) -> bool:
         return False
 
 
-def stop(services: Services) -> None:
-    """Stop what ``start`` launched and remove its folder; safe to call twice."""
+def stop(services: Services) -> list[str]:
+    """Stop what ``start`` launched and remove its folder; safe to call twice. Returns the
+    names of the servers that were still running."""
+    stopped = []
     if _runs(services.tansu_pid, "tansu"):  # its pid may be another process's by now
         with contextlib.suppress(ProcessLookupError):
             os.kill(services.tansu_pid, signal.SIGTERM)
             _wait_gone(services.tansu_pid)
+            stopped.append("Kafka broker")
     if os.path.exists(os.path.join(services.pg_data, "postmaster.pid")):
-        with contextlib.suppress(ServiceUnavailable):
+        with contextlib.suppress(ServiceUnavailable):  # pg_ctl fails on a stale pid file
             stop_postgres(services, mode="immediate")
+            stopped.insert(0, "PostgreSQL")
     shutil.rmtree(services.root, ignore_errors=True)
+    return stopped
 
 
 def _wait_gone(pid: int, timeout: float = 5) -> None:

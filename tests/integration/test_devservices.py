@@ -41,7 +41,8 @@ def test_dev_up_prints_settings_and_dev_down_stops_everything(tmp_path: Path) ->
         assert services.root not in devservices.reap_orphans(), "kept until dev down"
     finally:
         down = run_outbox(None, "dev", "down", "--state-file", str(state))
-    assert down.returncode == 0, down.stderr
+    assert (down.returncode, down.stderr) == (
+        0, "stopped the embedded PostgreSQL and Kafka broker\n")
     assert not state.exists()
     assert run_outbox(None, "dev", "env", "--state-file", str(state)).returncode == 2
     assert not os.path.exists(services.root)
@@ -104,6 +105,9 @@ def test_dev_down_signals_no_process_but_the_broker_it_started(tmp_path: Path) -
         down = run_outbox(None, "dev", "down", "--state-file", str(state))
         assert down.returncode == 0, down.stderr
         assert stranger.poll() is None, "an unrelated process was signalled"
+        assert down.stderr == (f"nothing recorded in {state} was running (stopped by a reboot "
+                               "or a kill); forgot it\n"), "not 'stopped ...'"
+        assert not state.exists()
     finally:
         stranger.kill()
         stranger.wait()
