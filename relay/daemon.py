@@ -59,6 +59,8 @@ class Lifecycle:
         self.stopping = threading.Event()
         #: Stop at once; work in hand is left for the next owner.
         self.abandon = threading.Event()
+        #: Its last line is said: a signal finds nothing left to finish or abandon.
+        self.stopped = threading.Event()
         self._lock = threading.Lock()
         self._outage_since: float | None = None
         self._reason = ""  #: the outage's cause last said
@@ -68,6 +70,11 @@ class Lifecycle:
         self.stopping.set()
         if abandon:
             self.abandon.set()
+
+    def say_stopped(self, message: str, *args: object) -> None:
+        """Log the daemon's last line (INFO); a signal after it is ignored."""
+        self.stopped.set()
+        self.log.info(message, *args)
 
     def pause(self, seconds: float) -> None:
         """Sleep, but wake at once when told to stop."""
@@ -205,6 +212,8 @@ def run_until_signalled(daemon: Daemon) -> None:
     lifecycle = daemon.lifecycle
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
+        if lifecycle.stopped.is_set():  # it said "stopped": the process is on its way out
+            return
         again = lifecycle.stopping.is_set()
         lifecycle.log.info(
             "%s: %s", signal.Signals(signum).name,

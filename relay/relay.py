@@ -235,8 +235,8 @@ class Relay:
             self._producer.close(timeout=0 if self.lifecycle.abandon.is_set() else 10)
             self._engine.dispose()
             self._fetching_engine.dispose()
-            log.info("relay %s stopped after delivering %d messages", self.worker_id,
-                     self.delivered)
+            self.lifecycle.say_stopped("relay %s stopped after delivering %d messages",
+                                       self.worker_id, self.delivered)
 
     def _leave(self) -> None:
         if self.lifecycle.abandon.is_set():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import signal
 from collections.abc import Iterator
 
@@ -49,6 +50,29 @@ def test_a_daemon_runs_with_its_start_up_objects_frozen_out_of_the_collector(
     daemon = Recording()
     run_until_signalled(daemon)
     assert daemon.frozen > 1000
+
+
+class SignalledTwice(Recording):
+    """A daemon signalled once while it runs and once more after its last line."""
+
+    def run(self) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        self.lifecycle.say_stopped("recording stopped after %d things", 3)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_signal_after_the_daemon_said_it_stopped_is_ignored(
+    restored: None, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A second SIGTERM after "stopped after delivering N" logged "abandoning the work in
+    hand": there was none left."""
+    daemon = SignalledTwice()
+    with caplog.at_level(logging.INFO, logger="test"):
+        run_until_signalled(daemon)
+    assert [r.getMessage() for r in caplog.records] == [
+        "SIGTERM: finishing the work in hand, then stopping (signal again to abandon it)",
+        "recording stopped after 3 things"]
+    assert daemon.lifecycle.stopping.is_set() and not daemon.lifecycle.abandon.is_set()
 
 
 def test_the_backoff_starts_short_again_after_the_daemon_recovered(
