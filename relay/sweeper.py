@@ -226,8 +226,8 @@ class Sweeper:
                 log.warning("sweeper %s: %s (%s); they are left to run and their messages are "
                             "checked again", self.settings.worker_id, self._unfinished(), why)
             self._engine.dispose()
-            log.info("sweeper %s stopped after %d check-backs", self.settings.worker_id,
-                     sum(self.counts.outcomes.values()))
+            self.lifecycle.say_stopped("sweeper %s stopped after %d check-backs",
+                                       self.settings.worker_id, sum(self.counts.outcomes.values()))
 
     def _let_answers_land(self, running: dict[Future[None], _Running]) -> None:
         """Wait up to the checker timeout for running checks to record their answers; a
@@ -467,8 +467,9 @@ class Sweeper:
                 with self._lock:
                     self.counts.discarded += 1
                 log.warning("message %d (producer group %r) discarded after %d inconclusive "
-                            "check-backs; `outbox resume %d` checks it again",
-                            row.id, row.producer_group, row.check_count, row.id)
+                            "check-back%s; `outbox resume %d` checks it again", row.id,
+                            row.producer_group, row.check_count,
+                            "" if row.check_count == 1 else "s", row.id)
             elif row.resolution != Resolution.UNKNOWN:
                 log.info("message %d (producer group %r) resolved %s by check-back %d",
                          row.id, row.producer_group, row.resolution, row.check_count)

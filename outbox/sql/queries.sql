@@ -737,9 +737,9 @@ WITH unlocked AS (
 ), recorded AS (
     INSERT INTO {schema}.op_record (message_id, action, actor, detail)
     SELECT id, status, :actor,
-           CASE WHEN status = 'DISCARDED'
-                THEN check_count || ' inconclusive check-backs, the last: ' || detail
-                ELSE 'check-back ' || check_count || ': ' || detail END
+           CASE WHEN status = 'ROLLED_BACK' THEN 'check-back ' || check_count || ': ' || detail
+                WHEN check_count = 1 THEN '1 inconclusive check-back: ' || detail
+                ELSE check_count || ' inconclusive check-backs, the last: ' || detail END
     FROM changed WHERE status IN ('ROLLED_BACK', 'DISCARDED')
 )
 SELECT id, producer_group, resolution, status, check_count,

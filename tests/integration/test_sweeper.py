@@ -581,19 +581,22 @@ def test_status_counts_messages_no_sweeper_checks(
 # --- operator: discarded, resume, late decisions -------------------------------------------
 
 def test_discarded_messages_are_listed(
-    engine: Engine, orders: Outbox, fast: Settings, schema: str
+    engine: Engine, orders: Outbox, fast: Settings, schema: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     message_id = prepare(engine, orders, "payments", key="customer-7")
     later = prepare(engine, orders, "payments", key="customer-8")
-    with sweeping(fast, {GROUP: answering(None)}, check_max=1):
+    with caplog.at_level(logging.WARNING, logger="outbox.sweeper"), \
+            sweeping(fast, {GROUP: answering(None)}, check_max=1):
         wait_status(engine, schema, message_id, "DISCARDED")
         wait_status(engine, schema, later, "DISCARDED")
+    assert (f"message {message_id} (producer group 'orders') discarded after 1 inconclusive "
+            f"check-back; `outbox resume {message_id}` checks it again") in caplog.messages
 
     listed = run_outbox(fast, "discarded", "--limit", "1")
     assert listed.returncode == 0, listed.stderr
     line = listed.stdout.strip()
     assert line.startswith(f"{message_id}\tgroup=orders\ttopic=payments\tkey=customer-7\t")
-    assert line.endswith("1 inconclusive check-backs, the last: checker answered UNKNOWN")
+    assert line.endswith("\t1 inconclusive check-back: checker answered UNKNOWN"), line
     # the summary said "1 discarded" of the two
     assert listed.stderr.startswith("the oldest 1 of more (--limit) discarded"), listed.stderr
     assert run_outbox(fast, "discarded").stderr.startswith("2 discarded; ")
