@@ -33,7 +33,6 @@ from sqlalchemy.engine import make_url
 
 from outbox.encoding import DEFAULT_MAX_DELAY, ascii_digits
 from outbox.exceptions import ConfigurationError, ServiceUnavailable
-from outbox.spark import catalogue
 
 #: Environment variable naming the TOML config file (also set by ``outbox --config``).
 CONFIG_ENV = "OUTBOX_CONFIG"
@@ -183,6 +182,7 @@ class _Base(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         """Flags (init) > environment > the config file named by OUTBOX_CONFIG > defaults."""
+        _one_schema_variable(os.environ)
         sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
         config_file = os.environ.get(CONFIG_ENV)
         if config_file:
@@ -224,6 +224,16 @@ class _Base(BaseSettings):
                     f"{name} is not set: pass --{name.replace('_', '-')} or set "
                     f"OUTBOX_{name.upper()}"
                 )
+
+
+def _one_schema_variable(environ: Mapping[str, str]) -> None:
+    """``OUTBOX_SCHEMA`` names the schema; ``OUTBOX_SCHEMA_NAME``, from the field's name, is
+    read too. Two that name different schemas are refused: one silently won."""
+    given = {environ.get("OUTBOX_SCHEMA"), environ.get("OUTBOX_SCHEMA_NAME")} - {None}
+    if len(given) > 1:
+        raise ConfigurationError(
+            f"OUTBOX_SCHEMA={environ['OUTBOX_SCHEMA']!r} and OUTBOX_SCHEMA_NAME="
+            f"{environ['OUTBOX_SCHEMA_NAME']!r} name different schemas: set OUTBOX_SCHEMA only")
 
 
 class _ConfigFile(TomlConfigSettingsSource):
@@ -675,8 +685,10 @@ class ReconcileSettings(DatabaseSettings, KafkaSettings):
     @field_validator("reconcile_thresholds")
     @classmethod
     def _known_findings(cls, value: dict[str, int | None]) -> dict[str, int | None]:
+        from outbox import findings
+
         try:
-            catalogue.thresholds(value)
+            findings.thresholds(value)
         except ConfigurationError as exc:
             raise ValueError(str(exc)) from None
         return value

@@ -17,8 +17,8 @@ from typing import Any
 from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
 
+from outbox.findings import BY_NAME
 from outbox.schema import Resolution, Status
-from outbox.spark.catalogue import BY_NAME
 from outbox.spark.queries import POSITION_OFFSET_BITS
 
 

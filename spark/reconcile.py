@@ -38,9 +38,10 @@ from sqlalchemy import Engine, NullPool, func, select
 
 from outbox import store
 from outbox.exceptions import ConfigurationError
+from outbox.findings import FINDINGS, thresholds
 from outbox.migrate import require_current
 from outbox.settings import ReconcileSettings
-from outbox.spark import carry, catalogue, findings, queries, report, runs, sources
+from outbox.spark import carry, findings, queries, report, runs, sources
 from outbox.spark.kafka_source import high_watermarks
 from outbox.spark.runs import RunOutcome
 from outbox.tls_probe import require_tls_answer
@@ -134,7 +135,7 @@ def preflight(settings: ReconcileSettings, *, since: datetime | None = None,
     role that can hold the window back, a window given by hand that lies in the past, an
     output folder it can write, and with ``reconcile_read_topics`` a broker that lets it in
     (within ``kafka_connect_timeout_ms``). ``run`` checks them all again."""
-    catalogue.thresholds(settings.reconcile_thresholds)
+    thresholds(settings.reconcile_thresholds)
     engine = store.engine(settings.sqlalchemy_url, poolclass=NullPool)
     try:
         with engine.connect() as conn:
@@ -180,7 +181,7 @@ def _run(spark: SparkSession, settings: ReconcileSettings, engine: Engine,
          since: datetime | None, until: datetime | None) -> Result:
     started_at = datetime.now(UTC)
     clock_start = time.monotonic()
-    limits = catalogue.thresholds(settings.reconcile_thresholds)
+    limits = thresholds(settings.reconcile_thresholds)
     output_root = _output_root(settings)
     schema = settings.schema_name
     cached: list[DataFrame] = []
@@ -265,7 +266,7 @@ def _run(spark: SparkSession, settings: ReconcileSettings, engine: Engine,
                 max(parts, spark.sparkContext.defaultParallelism)))
             found.write.mode("error").parquet(str(output / "findings"))
             counts, samples = _count(found, checked=[
-                f.name for f in catalogue.FINDINGS if records is not None or not f.needs_topics])
+                f.name for f in FINDINGS if records is not None or not f.needs_topics])
         log.info("findings: %s (%.1fs)", ", ".join(
             f"{name} {n}" for name, n in counts.items() if n) or "none",
             time.monotonic() - clock_start)
@@ -326,7 +327,7 @@ def _findings_summary(counts: dict[str, int], samples: dict[str, list[int]],
         {"name": f.name, "title": f.title, "checked": f.name in counts,
          "count": counts.get(f.name, 0), "threshold": limits[f.name],
          "exceeded": f.name in exceeded, "sample_ids": samples.get(f.name, [])}
-        for f in catalogue.FINDINGS
+        for f in FINDINGS
     ]
 
 

@@ -358,3 +358,17 @@ def test_a_key_in_the_file_is_read_in_any_case_by_every_component(tmp_path: Path
     assert (relay.relay_batch_size, relay.relay_lease_seconds) == (9, 30)
     assert load_settings(StatusSettings).relay_lease_seconds == 30
     assert load_settings(SweepSettings).check_max == 15
+
+
+def test_the_schema_s_two_variables_naming_different_schemas_are_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``OUTBOX_SCHEMA`` won over ``OUTBOX_SCHEMA_NAME`` without a word."""
+    monkeypatch.setenv("OUTBOX_SCHEMA_NAME", "orders_outbox")
+    assert load_settings(DatabaseSettings).schema_name == "orders_outbox"
+    monkeypatch.setenv("OUTBOX_SCHEMA", "orders_outbox")
+    assert load_settings(DatabaseSettings).schema_name == "orders_outbox"
+    monkeypatch.setenv("OUTBOX_SCHEMA", "outbox")
+    with pytest.raises(ConfigurationError, match="OUTBOX_SCHEMA='outbox' and OUTBOX_SCHEMA_NAME="
+                       "'orders_outbox' name different schemas: set OUTBOX_SCHEMA only"):
+        load_settings(DatabaseSettings)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from outbox import findings as catalogue
 from outbox.exceptions import ConfigurationError
 from outbox.settings import ReconcileSettings, Settings, load_settings
-from outbox.spark import catalogue
 
 
 def test_defaults_fail_on_errors_and_only_report_states_to_watch() -> None:

@@ -1,5 +1,5 @@
-"""The findings a reconciliation reports, their default thresholds and the overrides'
-check: plain data, so the settings check ``reconcile_thresholds`` without PySpark."""
+"""The findings a reconciliation reports and their default thresholds: plain data, so the
+settings check ``reconcile_thresholds`` without PySpark (spark/findings.py finds them)."""
 
 from __future__ import annotations
 
