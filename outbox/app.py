@@ -518,7 +518,10 @@ def _check_decision(row: Any, message_id: int, resolution: Resolution,
                     schema: str) -> None:
     """Deciding again the same way is a no-op; the other way is a conflict."""
     if row is None:
-        raise MessageNotFound(f"no message {message_id} in outbox schema {schema!r}")
+        raise MessageNotFound(
+            f"no message {message_id} in outbox schema {schema!r}: never written, rolled back "
+            "with its transaction, pruned, or not committed yet (a decision through another "
+            "connection sees a prepare row only once its transaction commits)")
     if row.decided or row.was_resolution == resolution:
         return
     raise DecisionConflict(

@@ -37,6 +37,14 @@ def synchronous(checker: Any, group: str) -> Checker:
         raise ConfigurationError(
             f"the checker of producer group {group!r} is a coroutine function: checkers run "
             "on the sweeper's threads and must be plain functions (def, not async def)")
+    try:
+        inspect.signature(checker).bind(None, None)
+    except TypeError as exc:  # every call would raise it: inconclusive, then discarded
+        raise ConfigurationError(
+            f"the checker of producer group {group!r} cannot be called as "
+            f"checker(message, connection): {exc}") from None
+    except ValueError:  # no signature to read (some built-ins): the first check tells
+        pass
     return checker  # type: ignore[no-any-return]
 
 

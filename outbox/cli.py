@@ -55,6 +55,13 @@ READ_ONLY_TRANSACTION = "25006"
 MIN_TOKEN_LENGTH = 16
 
 
+class _MessageId(click.IntRange):
+    name = "message id"  # click's own said "'abc' is not a valid integer range"
+
+
+MESSAGE_ID = _MessageId(1, MAX_MESSAGE_ID)
+
+
 @dataclass
 class Shared:
     """The group's options, for every command (``click`` context object)."""
@@ -443,7 +450,7 @@ def down(state_file: Path) -> None:
 
 
 @main.command()
-@click.argument("ids", nargs=-1, type=click.IntRange(1, MAX_MESSAGE_ID))
+@click.argument("ids", nargs=-1, type=MESSAGE_ID)
 @click.option("--all", "resume_all", is_flag=True, help="every PARKED and DISCARDED message")
 @pass_shared
 def resume(shared: Shared, ids: tuple[int, ...], resume_all: bool) -> None:

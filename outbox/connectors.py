@@ -21,6 +21,7 @@ from psycopg.pq import PipelineStatus, TransactionStatus
 from psycopg.raw_cursor import RawCursorMixin
 from psycopg.rows import namedtuple_row
 from sqlalchemy import Connection, Engine, TextClause
+from sqlalchemy.exc import UnboundExecutionError
 from sqlalchemy.ext.asyncio import (
     AsyncConnection,
     AsyncEngine,
@@ -182,10 +183,21 @@ def _require_sqlalchemy_transaction(in_transaction: bool, connection: Session | 
     """``connection`` is the session itself when it has no transaction (nothing to ask)."""
     if isinstance(connection, AsyncConnection):
         connection = connection.sync_connection  # type: ignore[assignment]
-    if not isinstance(connection, Connection):
-        _require_transaction(False, "postgresql")
+    if isinstance(connection, Session | AsyncSession):
+        _require_transaction(False, _dialect_of(connection))
         return
+    assert isinstance(connection, Connection)
     _require_transaction(in_transaction and not _autocommit(connection), connection.dialect.name)
+
+
+def _dialect_of(session: Session | AsyncSession) -> str:
+    """The database a session without a transaction would talk to (SQLite is refused as
+    such, not as a session without a transaction)."""
+    sync = session.sync_session if isinstance(session, AsyncSession) else session
+    try:
+        return sync.get_bind().dialect.name
+    except UnboundExecutionError:  # no engine at all: the transaction is what is missing
+        return "postgresql"
 
 
 def _psycopg_of(connection: Session | Connection) -> psycopg.Connection[Any] | None:
@@ -297,8 +309,8 @@ def _require_transaction(in_transaction: bool, dialect: str) -> None:
             "publish(), prepare(), commit() and rollback() need an open transaction, so "
             "they commit or roll back with your data: call them inside `with session.begin():` "
             "(or `async with ...`, psycopg's `conn.transaction()`, Django's "
-            "`transaction.atomic()`), not in autocommit mode; a commit() or rollback() may "
-            "be given an Engine instead, which commits it at once"
+            "`transaction.atomic()`), not in autocommit mode; with SQLAlchemy, a commit() or "
+            "rollback() may be given an Engine instead, which commits it at once"
         )
 
 

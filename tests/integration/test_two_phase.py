@@ -196,6 +196,19 @@ def test_prepare_rolled_back_with_the_business_transaction_leaves_nothing(
         outbox.commit(engine, message_id)
 
 
+def test_a_decision_through_another_connection_before_the_prepare_commits_says_why(
+    engine: Engine, outbox: Outbox, schema: str
+) -> None:
+    """It said only "no message N", as for an id never written."""
+    with Session(engine) as session, session.begin():
+        message_id = outbox.prepare(session, "orders", {"n": 1})
+        with pytest.raises(MessageNotFound, match=f"no message {message_id} in outbox schema "
+                           f"'{schema}': .*or not committed yet"):
+            outbox.commit(engine, message_id)
+        outbox.commit(session, message_id)  # the same transaction sees its own row
+    assert message_row(engine, schema, message_id).resolution == "COMMIT"
+
+
 class Id:
     """An integer type of some other library (numpy's, for one): it has ``__index__``."""
 

@@ -49,6 +49,13 @@ def test_resume_with_ids_and_all_is_a_usage_error() -> None:
     assert "give message ids or --all, not both" in result.output
 
 
+def test_a_message_id_that_is_not_a_number_is_called_one() -> None:
+    """Click said "'abc' is not a valid integer range"."""
+    result = outbox("--database-url", "postgresql://nowhere/x", "resume", "abc")
+    assert result.exit_code == 2
+    assert "Invalid value for '[IDS]...': 'abc' is not a valid message id." in result.output
+
+
 def test_a_limit_beyond_a_bigint_is_a_usage_error() -> None:
     """PostgreSQL would refuse it as a LIMIT (bigint out of range), after connecting."""
     result = outbox("--database-url", "postgresql://nowhere/x", "discarded",

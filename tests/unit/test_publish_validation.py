@@ -117,6 +117,37 @@ def test_a_checker_the_sweeper_cannot_call_is_refused_at_once(checker: object) -
         checkers_for(SweepSettings(), {"shop": "COMMIT"})  # type: ignore[dict-item]
 
 
+def one_argument(message: object) -> str:
+    return "COMMIT"
+
+
+def keyword_only(message: object, *, conn: object) -> str:
+    return "COMMIT"
+
+
+@pytest.mark.parametrize("checker", [one_argument, keyword_only, lambda: "COMMIT"])
+def test_a_checker_that_cannot_take_a_message_and_a_connection_is_refused_at_once(
+    checker: object,
+) -> None:
+    """``def answer(message)`` was registered; each check raised TypeError, counted as
+    inconclusive, until the message was discarded."""
+    outbox = Outbox(settings=PublishSettings(), producer_group="shop")
+    with pytest.raises(ConfigurationError, match=r"checker of producer group 'shop' cannot be "
+                       r"called as checker\(message, connection\): "):
+        outbox.checker(checker)  # type: ignore[call-overload]
+    assert outbox.checkers == {}
+    with pytest.raises(ConfigurationError, match="cannot be called as"):
+        checkers_for(SweepSettings(), {"shop": checker})  # type: ignore[dict-item]
+
+
+def test_a_checker_with_defaults_or_varargs_is_taken() -> None:
+    outbox = Outbox(settings=PublishSettings(), producer_group="shop")
+    outbox.checker("a")(lambda message, conn, retries=3: "COMMIT")
+    outbox.checker("b")(lambda *args: "COMMIT")
+    outbox.checker("c")(functools.partial(lambda extra, message, conn: "COMMIT", 1))
+    assert set(outbox.checkers) == {"a", "b", "c"}
+
+
 class Order:
     """A mapped class's stand-in: ``binds`` routes by it."""
 
@@ -137,6 +168,18 @@ def test_a_session_routing_to_several_engines_is_refused(
                                                      match="routes to several engines"):
             outbox.publish(session, "orders", {"id": 1})
     assert connections == []
+
+
+def test_a_session_of_another_database_is_refused_as_such(outbox: Outbox) -> None:
+    """A new session of SQLite was told to open a transaction; once it had one, that it is
+    not PostgreSQL. It is told that at once."""
+    lite = create_engine("sqlite://")
+    with Session(lite) as session:
+        with pytest.raises(ConfigurationError, match="the outbox needs PostgreSQL, but this "
+                           "session uses sqlite"):
+            outbox.publish(session, "orders", {"id": 1})
+        with session.begin(), pytest.raises(ConfigurationError, match="uses sqlite"):
+            outbox.publish(session, "orders", {"id": 1})
 
 
 def test_processes_forked_from_one_outbox_place_keyless_messages_apart(outbox: Outbox) -> None:
