@@ -6,6 +6,7 @@ messages when the console runs with actions on (``guard`` decides); GET ``/healt
 
 from __future__ import annotations
 
+import errno
 import logging
 import secrets
 import signal
@@ -37,6 +38,9 @@ from outbox.encoding import ascii_digits
 from outbox.exceptions import ConfigurationError
 from outbox.migrate import require_current
 from outbox.settings import ConsoleSettings
+
+#: What a port in use or one below 1024 says; any other bind error is the host's.
+PORT_ERRORS = frozenset({errno.EADDRINUSE, errno.EACCES})
 
 log = logging.getLogger("outbox.console")
 #: Most messages one resume form may name.
@@ -104,6 +108,10 @@ class Console:
         with self.engine.connect() as conn, conn.begin():
             resumed = store.resume(conn, self.settings.schema_name, f"console:{operator}", ids)
         missing = sorted(set(ids) - {message_id for message_id, _ in resumed})
+        if not resumed:  # as `outbox resume` exits 1: the page said "Resumed by ..."
+            return self.render(request, "outcome.html", status=409, refused=(
+                "not resumed (unknown, or neither PARKED nor DISCARDED): "
+                + ", ".join(map(str, missing))))
         return self.render(request, "outcome.html", resumed=resumed, missing=missing,
                            operator=operator)
 
@@ -114,7 +122,7 @@ class Console:
         with self.engine.connect() as conn:
             runs = store.reconcile_runs(conn, self.settings.schema_name, 1, run_id)
         if not runs:
-            return self.render(request, "outcome.html", status=404,
+            return self.render(request, "outcome.html", status=404, title="report",
                                refused=f"no reconciliation run {run_id}")
         path = Path(runs[0]["output_path"], "report.txt")
         try:
@@ -209,5 +217,7 @@ def _listen(host: str, port: int) -> socket.socket:
     except OSError as exc:
         listening.close()
         raise ConfigurationError(f"cannot serve the console on {host}:{port}: "
-                                 f"{exc.strerror or exc}; choose another --port") from None
+                                 f"{exc.strerror or exc}; choose another "
+                                 f"{'--port' if exc.errno in PORT_ERRORS else '--host'}"
+                                 ) from None
     return listening

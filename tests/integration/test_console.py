@@ -253,6 +253,26 @@ def test_resume_a_selection_is_recorded_with_the_operators_name(
     assert count_status(engine, schema, "PARKED") == 0
 
 
+def test_a_resume_that_resumes_nothing_says_not_done(settings: Settings) -> None:
+    """The page was headed "Resumed by console:alice" above "not resumed ...: 1"; `outbox
+    resume 1` exits 1 for the same."""
+    with with_actions(settings) as url, httpx.Client(base_url=url) as client:
+        reply = client.post("/resume", data=form_of(client, ids=["999999"]))
+        missing = client.get("/runs/99999/report")
+    assert reply.status_code == 409, reply.text
+    assert "<h2>Not done</h2>" in reply.text and "Resumed by" not in reply.text
+    assert "not resumed (unknown, or neither PARKED nor DISCARDED): 999999" in reply.text
+    assert missing.status_code == 404
+    assert "<title>report" in missing.text, missing.text[:300]
+
+
+def test_a_console_host_that_does_not_resolve_names_the_host(settings: Settings) -> None:
+    """It said "Name or service not known; choose another --port"."""
+    ran = run_outbox(settings, "console", "--host", "nosuch.invalid", "--port", "0")
+    assert ran.returncode == 2, ran.stderr
+    assert ran.stderr.strip().endswith("; choose another --host"), ran.stderr
+
+
 def test_actions_need_a_token_and_the_console_needs_its_extra(settings: Settings) -> None:
     no_token = run_outbox(settings, "console", "--allow-actions")
     blocked = "import sys; sys.modules['starlette'] = None; from outbox.cli import main; main()"
