@@ -667,7 +667,8 @@ class ReconcileSettings(DatabaseSettings, KafkaSettings):
     """The Spark reconciliation job."""
 
     reconcile_output_dir: str = Field(
-        default="reconcile-output", description="where reconciliation runs write their files"
+        default="reconcile-output", min_length=1,  # empty: the run wrote to the working folder
+        description="where reconciliation runs write their files"
     )
     reconcile_sla_seconds: float = Field(
         default=300.0, gt=0, le=3650 * 86400,

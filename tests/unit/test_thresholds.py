@@ -41,3 +41,10 @@ def test_the_settings_refuse_a_threshold_of_no_finding(cls: type[Settings]) -> N
         load_settings(cls, reconcile_thresholds={"discarded": -1})
     assert load_settings(cls, reconcile_thresholds={"discarded": 3}).reconcile_thresholds == {
         "discarded": 3}
+
+
+def test_an_empty_output_folder_is_refused() -> None:
+    """``--output-dir ""`` wrote the run's folder into the working directory, silently."""
+    with pytest.raises(ConfigurationError, match="reconcile_output_dir: String should have at "
+                       "least 1 character"):
+        load_settings(ReconcileSettings, reconcile_output_dir="")
