@@ -29,15 +29,17 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import psycopg
 from kafka.errors import KafkaTimeoutError
 from py4j.protocol import Py4JJavaError
 from pyspark.errors import PythonException
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from sqlalchemy import Engine, NullPool, func, select
+from sqlalchemy.exc import DBAPIError
 
 from outbox import store
-from outbox.exceptions import ConfigurationError
+from outbox.exceptions import ConfigurationError, describe, server_trouble
 from outbox.findings import FINDINGS, thresholds
 from outbox.migrate import require_current
 from outbox.settings import ReconcileSettings
@@ -108,7 +110,11 @@ _ERROR_LINE = re.compile(r"^(?:[\w$]+\.)*\w*(?:Error|Exception|Timeout\w*): .+")
 def job_failure(exc: BaseException) -> str | None:
     """The innermost error line of a Spark job that failed as it ran (an executor lost Kafka,
     or the database's JDBC read failed: an outage, not a bug), or None for any other error.
-    Its tracebacks ran to 400 lines, with the exit code of a run that found too much."""
+    Its tracebacks ran to 400 lines, with the exit code of a run that found too much. The
+    database lost by the job's own connections is an outage too (it exited 2, a usage
+    error's code)."""
+    if isinstance(exc, psycopg.Error | DBAPIError) and server_trouble(exc):
+        return describe(exc)
     if not isinstance(exc, PythonException | Py4JJavaError):
         return None
     lines = [line.strip() for line in str(exc).splitlines()]

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import psycopg
 import pytest
 from click.testing import CliRunner
 from kafka import KafkaProducer
@@ -652,6 +653,11 @@ def test_a_job_that_fails_as_it_runs_says_one_line_and_exits_4(
         spark.range(1).select(F.udf(lose_kafka)("id")).collect()
     assert job.job_failure(failed.value) == "ConnectionError: Kafka at 127.0.0.1:9 went away"
     assert job.job_failure(ValueError("a bug")) is None, "a bug keeps its traceback"
+    lost = psycopg.OperationalError("consuming input failed: server closed the connection "
+                                    "unexpectedly")
+    assert job.job_failure(lost) == ("OperationalError: consuming input failed: server closed "
+                                     "the connection unexpectedly"), "it exited 2"
+    assert job.job_failure(psycopg.errors.UniqueViolation("duplicate key")) is None
 
     def run(*_: object, **__: object) -> job.Result:
         raise failed.value
