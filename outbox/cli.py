@@ -132,15 +132,19 @@ LOCK_WAIT_SECONDS = 5
 
 @contextlib.contextmanager
 def database(settings: DatabaseSettings) -> Iterator[Connection]:
-    """One connection for a short command, its engine disposed afterwards. Its wait for a
-    lock is bounded: a command that printed nothing for as long as an upgrade ran looked
-    hung."""
+    """One connection for a short command, its engine disposed afterwards, to a schema at
+    the code's revision (against an older one, discarded and resume said there was nothing,
+    prune that a function was missing). Its wait for a lock is bounded: a command that
+    printed nothing for as long as an upgrade ran looked hung."""
     from outbox import store
+    from outbox.migrate import require_current
 
     engine = store.engine(settings.sqlalchemy_url, settings={
         **store.SESSION_SETTINGS, "lock_timeout": f"{LOCK_WAIT_SECONDS}s"})
     try:
         with engine.connect() as conn:
+            require_current(conn, settings.schema_name)
+            conn.rollback()
             yield conn
     except DBAPIError as exc:
         if sqlstate(exc) != LOCK_NOT_AVAILABLE:
@@ -316,11 +320,9 @@ def status(shared: Shared, as_json: bool) -> None:
     import json
 
     from outbox import store
-    from outbox.migrate import require_current
 
     settings = shared.settings(StatusSettings)
     with database(settings) as conn:
-        require_current(conn, settings.schema_name)
         topics = store.status_by_topic(conn, settings.schema_name)
         relays = store.relays(conn, settings.schema_name, settings.relay_lease_seconds)
         check_backs = store.check_backlog(conn, settings.schema_name, _overdue(settings))
@@ -385,6 +387,8 @@ def prune(shared: Shared, retention_hours: float | None) -> None:
     from outbox.relay.retention import prune as prune_all
 
     settings = shared.settings(RelaySettings, retention_hours=retention_hours)
+    with database(settings):  # refuses a schema behind the code, as status does
+        pass
     click.echo(prune_all(settings).summary(settings.retention_hours))
 
 

@@ -10,6 +10,7 @@ import uuid
 import pytest
 from sqlalchemy import Engine, text
 
+from outbox import migrate
 from outbox.cli import LOCK_WAIT_SECONDS
 from outbox.dev import services as devservices
 from outbox.settings import Settings
@@ -44,6 +45,24 @@ def test_against_an_unmigrated_schema(settings: Settings, command: list[str]) ->
     result = run_outbox(None, *command, env=outbox_env(settings, OUTBOX_SCHEMA=absent))
     # the command that migrates this schema, not the default one
     assert_one_line_error(result, "is not migrated", f"`outbox --schema {absent} db upgrade`")
+
+
+def test_the_short_commands_refuse_a_schema_behind_the_code(settings: Settings, engine: Engine
+                                                            ) -> None:
+    """Against a schema at 0010, discarded and resume --all said there was nothing to do
+    (exit 0), prune that a function was missing; status already refused it."""
+    older = f"older_{uuid.uuid4().hex[:6]}"
+    migrate.upgrade(settings.database_url, older, "0010")
+    try:
+        env = outbox_env(settings, OUTBOX_SCHEMA=older)
+        for command in (["status"], ["discarded"], ["resume", "--all"], ["resume", "1"],
+                        ["prune"]):
+            assert_one_line_error(run_outbox(None, *command, env=env),
+                                  f"outbox schema '{older}' is at revision 0010, not "
+                                  f"{migrate.head()}: run `outbox --schema {older} db upgrade`")
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text(f"DROP SCHEMA {older} CASCADE"))
 
 
 @COMMANDS
@@ -112,7 +131,8 @@ def test_a_schema_never_migrated_is_named_in_the_command_that_migrates_it(
     """The line said `outbox db upgrade`, which migrates the default schema, not this one."""
     schema = f"never_{uuid.uuid4().hex[:8]}"
     result = run_outbox(None, "--schema", schema, *command, env=outbox_env(settings))
-    assert_one_line_error(result, f"does not exist): run `outbox --schema {schema} db upgrade`")
+    assert_one_line_error(result, f"outbox schema '{schema}' is not migrated: run `outbox "
+                                  f"--schema {schema} db upgrade` first")
 
 
 @pytest.mark.parametrize("command", [["db", "upgrade", "--revision"], ["db", "downgrade"]])

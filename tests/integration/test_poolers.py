@@ -48,7 +48,7 @@ def test_a_daemon_run_from_python_refuses_a_pooler_in_transaction_mode(
     """api.md's "Running the daemons from Python" passes no CLI: such a relay hung for good."""
     pooled = settings.model_copy(update={"database_url": transaction_pool})
     made = Relay(pooled) if daemon == "relay" else Sweeper(
-        pooled, {"shop": lambda message: Resolution.COMMIT})
+        pooled, {"shop": lambda message, conn: Resolution.COMMIT})
     failures: list[BaseException] = []
 
     def run() -> None:
