@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from jinja2 import Environment, PackageLoader, select_autoescape
+from sqlalchemy.exc import DBAPIError
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.trustedhost import TrustedHostMiddleware
@@ -35,7 +36,7 @@ from outbox.console.overview import (
     read,
 )
 from outbox.encoding import ascii_digits
-from outbox.exceptions import ConfigurationError
+from outbox.exceptions import ConfigurationError, describe, server_trouble
 from outbox.migrate import require_current
 from outbox.settings import ConsoleSettings
 
@@ -83,9 +84,23 @@ class Console:
             response.set_cookie(guard.CSRF_COOKIE, csrf, httponly=True, samesite="strict")
         return response
 
+    def database_away(self, request: Request, exc: Exception) -> Response:
+        """PostgreSQL does not answer: the page says so (503), and the log in one line; it
+        answered a bare 500 and logged three chained tracebacks a request. Any other
+        database error is a bug, and keeps its traceback."""
+        if not server_trouble(exc):
+            raise exc
+        reason = describe(exc)
+        log.warning("cannot read schema %s: %s", self.settings.schema_name, reason)
+        return self.render(request, "outcome.html", status=503, title="unavailable", refused=(
+            f"PostgreSQL does not answer ({reason}); this page reads it again when reloaded"))
+
     def page(self, request: Request) -> Response:
         held = HeldFilter(topic=request.query_params.get("topic") or None,
                           key=request.query_params.get("key") or None)
+        if held.topic is not None and "\x00" in held.topic:  # PostgreSQL's text refuses it
+            return self.render(request, "outcome.html", status=400, title="console",
+                               refused="refused: a topic has no NUL character")
         with self.engine.connect() as conn:
             view = read(conn, self.settings, held, self.overdue_seconds, self.deliveries)
         view.trend = self.trend.add(sum(view.totals.values()))
@@ -161,7 +176,8 @@ def create_app(settings: ConsoleSettings, overdue_seconds: float) -> Starlette:
         Route("/healthz", lambda _request: PlainTextResponse("ok"), methods=["GET"]),
     ]
     return Starlette(routes=routes, middleware=[
-        Middleware(_TrustedHosts, allowed_hosts=allowed_hosts(settings))])
+        Middleware(_TrustedHosts, allowed_hosts=allowed_hosts(settings))],
+        exception_handlers={DBAPIError: console.database_away})
 
 
 class _TrustedHosts(TrustedHostMiddleware):

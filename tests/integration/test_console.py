@@ -39,6 +39,7 @@ from tests.conftest import (
 from tests.integration import test_reconcile
 from tests.integration.test_cli_errors import assert_one_line_error
 from tests.processes import outbox_env, run_outbox, start_outbox
+from tests.tcp_proxy import TcpProxy
 
 #: The suite's one local SparkSession (test_reconcile.py's fixture).
 spark = test_reconcile.spark
@@ -264,6 +265,31 @@ def test_a_resume_that_resumes_nothing_says_not_done(settings: Settings) -> None
     assert "not resumed (unknown, or neither PARKED nor DISCARDED): 999999" in reply.text
     assert missing.status_code == 404
     assert "<title>report" in missing.text, missing.text[:300]
+
+
+def test_a_database_that_stops_answering_is_said_on_the_page(settings: Settings) -> None:
+    """With PostgreSQL away the console answered a bare "Internal Server Error" and logged
+    three chained tracebacks a request; a topic filter holding NUL was a 500 too."""
+    url = make_url(settings.database_url)
+    proxy = TcpProxy(url.port or 5432)
+    proxied = settings.model_copy(update={"database_url": url.set(
+        host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)})
+    logs: list[str] = []
+    try:
+        with running_console(proxied, logs=logs) as console:
+            assert httpx.get(console, params={"topic": "a\x00b"}).status_code == 400
+            proxy.cut()
+            away = httpx.get(console, timeout=30)
+            proxy.restore()
+            back = httpx.get(console, timeout=30)
+    finally:
+        proxy.close()
+    assert away.status_code == 503, away.text[:500]
+    assert "PostgreSQL does not answer (OperationalError: " in away.text
+    assert back.status_code == 200, back.text[:500]
+    assert "Traceback" not in logs[0], logs[0]
+    assert f"WARNING outbox.console: cannot read schema {settings.schema_name}: " \
+           "OperationalError: " in logs[0]
 
 
 def test_a_console_host_that_does_not_resolve_names_the_host(settings: Settings) -> None:
