@@ -48,6 +48,6 @@ def operator_of(settings: ConsoleSettings, form: Mapping[str, str], cookie: str 
         raise Refused(403, "refused: wrong or missing token")
     operator = form.get("operator", "").strip()
     if not OPERATOR.fullmatch(operator):
-        raise Refused(400, "refused: give your name as operator (letters, digits, _ . @ -; "
-                      "at most 64)")
+        raise Refused(400, "refused: give your name as operator (ASCII letters, digits, "
+                      "_ . @ -; at most 64)")  # it said "letters", and refused "élève"
     return operator
