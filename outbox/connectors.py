@@ -183,16 +183,17 @@ def _require_sqlalchemy_transaction(in_transaction: bool, connection: Session | 
     """``connection`` is the session itself when it has no transaction (nothing to ask)."""
     if isinstance(connection, AsyncConnection):
         connection = connection.sync_connection  # type: ignore[assignment]
-    if isinstance(connection, Session | AsyncSession):
+    if not isinstance(connection, Connection):  # the publish path does no more than this
         _require_transaction(False, _dialect_of(connection))
         return
-    assert isinstance(connection, Connection)
     _require_transaction(in_transaction and not _autocommit(connection), connection.dialect.name)
 
 
-def _dialect_of(session: Session | AsyncSession) -> str:
+def _dialect_of(session: Session | AsyncSession | AsyncConnection) -> str:
     """The database a session without a transaction would talk to (SQLite is refused as
     such, not as a session without a transaction)."""
+    if isinstance(session, AsyncConnection):
+        return session.dialect.name
     sync = session.sync_session if isinstance(session, AsyncSession) else session
     try:
         return sync.get_bind().dialect.name
