@@ -112,7 +112,8 @@ def find(inputs: Inputs, facts: DataFrame, unknown: DataFrame | None,
     ``claims``: (id, topic, partition, offset) of each DELIVERED op record of the messages
     :func:`to_look_up` flags ``several``; ``recorded_since``: of those it flags
     ``unrecorded``, the ones recorded once the tables were read;
-    ``judged``: the same as ``claims`` for new records' messages of earlier windows.
+    ``judged``: the same as ``claims`` for new records' messages of earlier windows, with
+    ``checked`` (see :func:`copied_after_judged`).
     """
     rules = [
         undelivered_after_sla(inputs.cutoff),
@@ -136,7 +137,7 @@ def find(inputs: Inputs, facts: DataFrame, unknown: DataFrame | None,
             op_record_position_mismatch(facts, claims, inputs.records),
         ]
     if inputs.records is not None and judged is not None:
-        found.append(copied_after_judged(inputs.records, judged))
+        found += copied_after_judged(inputs.records, judged)
     return reduce(DataFrame.unionByName, found)
 
 
@@ -278,20 +279,35 @@ def stray_records(records: DataFrame, unknown: DataFrame | None) -> DataFrame:
         message_id="outbox_id")
 
 
-def copied_after_judged(records: DataFrame, judged: DataFrame) -> DataFrame:
-    """New copies of messages of an earlier window, which an earlier run judged: each copy
-    at none of its message's DELIVERED op records (``judged``) is one copy more."""
+def copied_after_judged(records: DataFrame, judged: DataFrame) -> list[DataFrame]:
+    """New copies of messages of an earlier window, which an earlier run judged (from the
+    tables alone, if it read no topic), checked against their DELIVERED op records
+    (``judged``, with ``checked``: the position lies where this run read its partition).
+
+    A checked op record whose position holds no record of its message is misplaced; a copy
+    at none of the op records is one copy more, unless its message has as many misplaced
+    op records as such copies (the op record names the wrong place, as for one message of
+    the window with one op record and one copy: :func:`op_record_position_mismatch`)."""
     claimed = judged.select("topic", F.col("id").alias("outbox_id"), "partition", "offset")
+    held = records.select("topic", "outbox_id", "partition", "offset")
+    wrong = judged.where("checked").join(
+        held.withColumnRenamed("outbox_id", "id"), ["id", "topic", "partition", "offset"],
+        "left_anti").select("id", "topic", "partition", "offset")
     first_claim = judged.groupBy("topic", F.col("id").alias("outbox_id")).agg(
         F.min(_position(F.col("partition"), F.col("offset"))).alias("op_at"))
     extra = records.where("fresh").join(
         F.broadcast(first_claim), ["topic", "outbox_id"], "inner"
     ).join(F.broadcast(claimed), ["topic", "outbox_id", "partition", "offset"], "left_anti")
-    return _finding(
-        extra, "delivered_more_than_once",
+    explained = extra.groupBy("topic", "outbox_id").agg(F.count(F.lit(1)).alias("extra")).join(
+        wrong.groupBy("topic", F.col("id").alias("outbox_id")).agg(
+            F.count(F.lit(1)).alias("wrong")), ["topic", "outbox_id"]
+    ).where(F.col("extra") <= F.col("wrong"))
+    copies = _finding(
+        extra.join(explained, ["topic", "outbox_id"], "left_anti"), "delivered_more_than_once",
         F.format_string("a copy found after its window was judged; its DELIVERED op record "
                         "is at %d/%d", _partition_of("op_at"), _offset_of("op_at")),
         message_id="outbox_id")
+    return [copies, _misplaced(wrong, records)]
 
 
 def op_record_position_mismatch(facts: DataFrame, claims: DataFrame, records: DataFrame
@@ -310,8 +326,13 @@ def op_record_position_mismatch(facts: DataFrame, claims: DataFrame, records: Da
     held = records.join(F.broadcast(claims.select("topic", F.col("id").alias("outbox_id"))),
                         ["topic", "outbox_id"], "left_semi").select(
         F.col("outbox_id").alias("id"), "topic", "partition", "offset")
-    wrong = single.unionByName(claims.join(held, ["id", "topic", "partition", "offset"],
-                                           "left_anti"))
+    return _misplaced(single.unionByName(
+        claims.join(held, ["id", "topic", "partition", "offset"], "left_anti")), records)
+
+
+def _misplaced(wrong: DataFrame, records: DataFrame) -> DataFrame:
+    """op_record_position_mismatch of the op records ``wrong`` (id, topic, partition,
+    offset), each with what its position holds among ``records``."""
     there = records.select("topic", "partition", "offset", F.col("outbox_id").alias("found_id"))
     found = wrong.join(there, ["topic", "partition", "offset"], "left")
     return _finding(

@@ -333,12 +333,15 @@ def pruned_below(conn: Connection, schema: str) -> int | None:
 
 @dataclass(frozen=True)
 class Watermark:
-    """Where the previous runs stopped: the newest window end and Kafka offsets read, and
-    the output of the latest run that reached that end (it holds what it carries over)."""
+    """Where the previous runs stopped: the newest window end, the Kafka offsets read and
+    the newest window end of the runs that read them, and the output of the latest run
+    that reached that end (it holds what it carries over)."""
 
     until: datetime | None
     kafka_offsets: dict[str, dict[str, int]] | None
     output_path: str | None = None
+    #: The newest window end of the runs that read the topics (None: no run read them).
+    topics_until: datetime | None = None
 
 
 def watermark(conn: Connection, schema: str) -> Watermark:
@@ -353,10 +356,19 @@ def watermark(conn: Connection, schema: str) -> Watermark:
         sa.select(run.c.kafka_offsets).where(run.c.read_topics)
         .order_by(run.c.id.desc()).limit(1)
     ).scalar_one_or_none()
+    topics_until = conn.execute(
+        sa.select(sa.func.max(run.c.window_until)).where(run.c.read_topics)).scalar_one()
     if last is None:
         return Watermark(until=None, kafka_offsets=offsets)
     return Watermark(until=last.window_until, kafka_offsets=offsets,
-                     output_path=last.output_path)
+                     output_path=last.output_path, topics_until=topics_until)
+
+
+def topics_of(conn: Connection, schema: str, window: Window) -> set[str]:
+    """The topics of the messages created in ``window``."""
+    message = tables(schema).message
+    return set(conn.execute(sa.select(message.c.topic).distinct()
+                            .where(_in_window(message.c.created_at, window))).scalars())
 
 
 def record_run(conn: Connection, schema: str, values: dict[str, Any]) -> int:

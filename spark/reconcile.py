@@ -253,7 +253,7 @@ def _run(spark: SparkSession, settings: ReconcileSettings, engine: Engine,
                 everything = _cache(cached, everything)
                 looked = findings.to_look_up(everything, facts).collect()
                 unknown, judged = _outside(spark, engine, schema, {
-                    (r.topic, r.id) for r in looked if r.foreign}, window)
+                    (r.topic, r.id) for r in looked if r.foreign}, window, plan)
                 claims = _claims(spark, engine, schema, [
                     r.id for r in looked if r.several and r.delivered_ops > 0])
                 recorded_since = _recorded_since(engine, schema, [
@@ -390,16 +390,27 @@ def _read_topics(spark: SparkSession, settings: ReconcileSettings, engine: Any, 
     first_ops = {(r.topic, r.partition): r.first & ((1 << queries.POSITION_OFFSET_BITS) - 1)
                  for r in grouped if r.partition is not None}
     repeated = [message_id for r in grouped for message_id in r.repeated]
+    topics = {r.topic for r in grouped} | set(mark.kafka_offsets or {})
+    unread = _unread(mark, window)
     with engine.connect() as conn:
         for _, topic, partition, offset in queries.delivered_positions(
                 conn, settings.schema_name, repeated):
             if partition is not None and offset is not None:
                 key = (topic, partition)
                 first_ops[key] = min(first_ops.get(key, offset), offset)
+        unread_topics = set() if unread is None else queries.topics_of(
+            conn, settings.schema_name, unread) - topics
         conn.rollback()
-    topics = {r.topic for r in grouped} | set(mark.kafka_offsets or {})
+    if unread is not None:
+        log.info("the runs since %s read the tables only: their windows' records are read as "
+                 "new, and %d topics they alone saw%s", _iso(unread.since) or "the beginning",
+                 len(unread_topics), f" ({', '.join(sorted(unread_topics))})"
+                 if 0 < len(unread_topics) <= 10 else "")
+    topics |= unread_topics
     ends = _topic_ends(settings, topics)
-    plan = sources.plan_topics(ends, first_ops, mark.kafka_offsets, window.since is None)
+    plan = sources.plan_topics(ends, first_ops, mark.kafka_offsets,
+                               window.since is None or (unread is not None
+                                                        and unread.since is None))
     for topic, partition, seen, end in plan.rewound:
         log.warning("topic %s partition %d ends at offset %d, before offset %d where the last "
                     "run stopped reading: it was deleted and recreated, or Kafka lost records. "
@@ -412,6 +423,16 @@ def _read_topics(spark: SparkSession, settings: ReconcileSettings, engine: Any, 
     records = sources.read_topics(spark, settings.kafka_bootstrap, plan, client,
                                   library=settings.kafka_client)
     return _cache(cached, records), plan
+
+
+def _unread(mark: queries.Watermark, window: queries.Window) -> queries.Window | None:
+    """The windows that only tables-only runs judged, between the last run that read the
+    topics (or the beginning) and this window: no run read their messages' records, so this
+    run reads them as new, from where that run stopped (or the topics' start)."""
+    if mark.until is None or window.since is None or (
+            mark.topics_until is not None and mark.topics_until >= window.since):
+        return None
+    return queries.Window(mark.topics_until, window.since)
 
 
 def _without_rewound(anchors: DataFrame | None, plan: sources.TopicPlan) -> DataFrame | None:
@@ -447,14 +468,16 @@ def _recorded_since(engine: Any, schema: str, ids: list[int]) -> set[int]:
 
 
 def _outside(spark: SparkSession, engine: Any, schema: str,
-             candidates: set[tuple[str, int]], window: queries.Window
-             ) -> tuple[DataFrame, DataFrame]:
+             candidates: set[tuple[str, int]], window: queries.Window,
+             plan: sources.TopicPlan) -> tuple[DataFrame, DataFrame]:
     """Of the new records outside the window (``candidates``: their topics and outbox-ids),
     those whose outbox-id is no message of their topic at all (``unknown``), but for the
     messages retention pruned (no prepare row, an id below the ranges kept): nothing is left
     to judge them by; and the DELIVERED op records (``judged``) of those whose message an
     earlier window holds, so the copies found after that window was judged are checked
-    against them. Messages of a later window are judged by the run that reads it."""
+    against them, and they against what ``plan`` read (``checked``: at or after where it
+    read their partition from). Messages of a later window are judged by the run that
+    reads it."""
     with engine.connect() as conn:
         origin = queries.message_origins(conn, schema, {i for _, i in candidates})
         topic_of = {i: topic for i, (topic, _) in origin.items()}
@@ -470,8 +493,11 @@ def _outside(spark: SparkSession, engine: Any, schema: str,
     unknown = spark.createDataFrame(
         sorted((t, i) for t, i in candidates - pruned if topic_of.get(i) != t),
         "topic string, outbox_id long")
+    read_from = plan.read_from()
     return unknown, spark.createDataFrame(
-        judged, "id long, topic string, partition int, offset long")
+        [(*claim, claim[2] is None or claim[3] is None or claim[3] >= read_from.get(
+            (claim[1], claim[2]), 0)) for claim in judged],
+        "id long, topic string, partition int, offset long, checked boolean")
 
 
 def _carried_in(spark: SparkSession, engine: Any, schema: str, previous_output: str | None,

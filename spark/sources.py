@@ -151,6 +151,13 @@ class TopicPlan:
     #: last run's end: recreated, or records lost. Read from their start, all new.
     rewound: list[tuple[str, int, int, int]] = field(default_factory=list)
 
+    def read_from(self) -> dict[tuple[str, int], int]:
+        """Where each partition was read from (its end, if nothing of it was read)."""
+        starts = {(topic, int(partition)): end for topic, ends in self.read_to.items()
+                  for partition, end in ends.items()}
+        starts.update({(r.topic, r.partition): r.start for r in self.ranges})
+        return starts
+
 
 def plan_topics(ends: Mapping[tuple[str, int], int],
                 window_offsets: Mapping[tuple[str, int], int],
