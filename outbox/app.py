@@ -286,7 +286,8 @@ class Outbox:
         """Resolve a prepared message COMMIT, so the relay delivers it (endTransaction).
 
         ``bind`` is a session or connection in an open transaction (the decision commits
-        with it) or an engine (the decision commits at once). Deciding again the same way
+        with it), or an engine or a psycopg or Django connection outside any transaction
+        (the decision commits at once). Deciding again the same way
         does nothing; the other way raises :class:`DecisionConflict`.
         """
         return self._decide(bind, message_id, Resolution.COMMIT)
@@ -305,6 +306,7 @@ class Outbox:
     def _decide(self, bind: SyncBind | AsyncBind, message_id: int, resolution: Resolution
                 ) -> Coroutine[Any, Any, None] | None:
         message_id = _decided_id(message_id, self.schema)
+        bind = connectors.deciding(bind)
         if connectors.is_async(bind):
             return self._decide_async(bind, message_id, resolution)
         statement, params = store.decide(self.schema, message_id, resolution, self._actor)

@@ -110,6 +110,22 @@ def own_transaction(bind: Engine | AsyncEngine | psycopg.Connection[Any]
     )
 
 
+def deciding(bind: SyncBind | AsyncBind) -> SyncBind | AsyncBind:
+    """Where a decision (commit, rollback) runs: a psycopg connection in autocommit mode
+    outside any transaction, or a Django connection outside ``atomic()``, commits it at
+    once, as an engine does (the application's own writes there commit one by one too);
+    anything else as given."""
+    target = unproxied(bind)
+    if isinstance(target, psycopg.Connection | psycopg.AsyncConnection):
+        if (target.autocommit and target.info.pipeline_status == PipelineStatus.OFF
+                and target.info.transaction_status == TransactionStatus.IDLE):
+            return (AsyncOwnTransaction(target) if isinstance(target, psycopg.AsyncConnection)
+                    else OwnTransaction(target))
+    elif isinstance(target, DjangoConnection) and not _busy(target):
+        return OwnTransaction(target)
+    return bind
+
+
 def execute(bind: SyncBind, statement: TextClause, params: dict[str, Any]) -> Rows:
     """Run ``statement`` in the caller's open transaction (an engine: in its own)."""
     target = bind() if isinstance(bind, scoped_session) else unproxied(bind)
@@ -310,8 +326,9 @@ def _require_transaction(in_transaction: bool, dialect: str) -> None:
             "publish(), prepare(), commit() and rollback() need an open transaction, so "
             "they commit or roll back with your data: call them inside `with session.begin():` "
             "(or `async with ...`, psycopg's `conn.transaction()`, Django's "
-            "`transaction.atomic()`), not in autocommit mode; with SQLAlchemy, a commit() or "
-            "rollback() may be given an Engine instead, which commits it at once"
+            "`transaction.atomic()`), not in autocommit mode; a commit() or rollback() "
+            "may be given an Engine, or a psycopg or Django connection outside any "
+            "transaction, instead, which commits it at once"
         )
 
 

@@ -91,6 +91,8 @@ def test_django_connection_two_phase_and_autocommit(service: Any, settings: Sett
     with transaction.atomic():
         first = outbox.prepare(connection, "orders", {"n": 1})
         second = outbox.prepare(connection, "orders", {"n": 2})
+        third = outbox.prepare(connection, "orders", {"n": 3})
+    outbox.commit(connection, third)  # outside atomic(): at once, as an engine does
     with transaction.atomic():
         outbox.commit(connection, first)
         outbox.rollback(connection, second)
@@ -98,7 +100,7 @@ def test_django_connection_two_phase_and_autocommit(service: Any, settings: Sett
             outbox.send_in_transaction(connection, "orders", {"n": 3}, lambda _: "COMMIT")
     with engine.connect() as conn:
         rows = dict(conn.execute(text(f"SELECT id, resolution FROM {schema}.message_state")).all())
-    assert rows == {first: "COMMIT", second: "ROLLBACK"}
+    assert rows == {first: "COMMIT", second: "ROLLBACK", third: "COMMIT"}
 
 
 def test_django_db_connection_is_taken_through_its_proxy(service: Any, engine: Engine,

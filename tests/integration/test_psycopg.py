@@ -146,6 +146,35 @@ def test_a_pipeline_in_autocommit_mode_is_no_transaction(
     assert messages(engine, schema) == 2
 
 
+def test_a_decision_on_a_connection_outside_any_transaction_commits_at_once(
+    outbox: Outbox, engine: Engine, schema: str, settings: Settings
+) -> None:
+    """An autocommit connection outside a transaction block decides as an engine does: the
+    decision commits at once. It was refused (NotInTransaction), though the application's
+    own writes on it commit one by one. A publish there is still refused, and a decision
+    in a block still commits or rolls back with it."""
+    with psycopg.connect(settings.database_url, autocommit=True) as conn:
+        with conn.transaction():
+            first, second, third = (outbox.prepare(conn, "orders", {"n": n}) for n in range(3))
+        outbox.commit(conn, first)
+        outbox.rollback(conn, second)
+        with pytest.raises(NotInTransaction, match="Engine, or a psycopg or Django connection"):
+            outbox.publish(conn, "orders", {"n": 4})
+        with pytest.raises(psycopg.errors.DivisionByZero), conn.transaction():
+            outbox.commit(conn, third)
+            conn.execute("SELECT 1 / 0")
+    assert resolutions(engine, schema) == {first: "COMMIT", second: "ROLLBACK",
+                                           third: "UNKNOWN"}
+
+    async def scenario() -> None:
+        async with await psycopg.AsyncConnection.connect(settings.database_url,
+                                                         autocommit=True) as conn:
+            await outbox.rollback(conn, third)
+
+    asyncio.run(scenario())
+    assert resolutions(engine, schema)[third] == "ROLLBACK"
+
+
 def test_a_connection_whose_cursors_bind_on_the_server_publishes_and_decides(
     outbox: Outbox, engine: Engine, schema: str, settings: Settings
 ) -> None:
@@ -157,8 +186,7 @@ def test_a_connection_whose_cursors_bind_on_the_server_publishes_and_decides(
             conn.commit()
         with psycopg.connect(settings.database_url, autocommit=True,
                              cursor_factory=factory) as conn:
-            with pytest.raises(NotInTransaction, match=r"commit\(\) or rollback\(\) may"):
-                outbox.commit(conn, prepared)  # said so: publish() alone was named
+            outbox.commit(conn, prepared)  # in a transaction of its own
             with conn.transaction():
                 outbox.commit(conn, prepared)
 
