@@ -13,6 +13,12 @@ of the run that set the watermark (queries.watermark):
   check starts from it, so a reorder spanning two windows is found. Keys of earlier runs are
   kept until a later message of the key replaces them.
 
+* ``carry/later``: per topic and partition, the lowest offset of the records a run that read
+  the topics read of later windows' messages (it reads to the topics' end, past its own
+  window), which it left to the runs that judge those windows. A run that reads the tables
+  only hands on what it was handed; the next run that reads the topics after it compares
+  those records with their op records (reconcile._read_topics).
+
 A run whose predecessor left no carry (a run before this existed, or an output folder
 removed) logs a warning; the tables then stand in for ``carry/open`` (queries.open_before),
 and per-key order starts afresh.
@@ -21,7 +27,7 @@ and per-key order starts afresh.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pyspark.sql import DataFrame, SparkSession
@@ -32,7 +38,9 @@ from outbox.schema import Status
 log = logging.getLogger("outbox.reconcile")
 OPEN = "carry/open"
 KEYS = "carry/keys"
+LATER = "carry/later"
 OPEN_SCHEMA = "id long"
+LATER_SCHEMA = "topic string, partition int, offset long"
 KEYS_SCHEMA = "topic string, key binary, id long, op_at long, copy_at long"
 #: A message with one of these has reached its end; any other status is still open.
 SETTLED = (Status.DELIVERED.value, Status.ROLLED_BACK.value)
@@ -46,6 +54,8 @@ class Carry:
     keys: DataFrame | None
     #: The previous run's carry was not found where it wrote it.
     missing: bool = False
+    #: {(topic, partition): offset} where the records of later windows' messages begin.
+    later: dict[tuple[str, int], int] = field(default_factory=dict)
 
 
 def read(spark: SparkSession, previous_output: str | None) -> Carry:
@@ -56,7 +66,11 @@ def read(spark: SparkSession, previous_output: str | None) -> Carry:
     if not (base / OPEN).is_dir() or not (base / KEYS).is_dir():
         return Carry([], None, missing=True)
     ids = [r.id for r in spark.read.schema(OPEN_SCHEMA).parquet(str(base / OPEN)).collect()]
-    return Carry(sorted(ids), spark.read.schema(KEYS_SCHEMA).parquet(str(base / KEYS)))
+    later = {} if not (base / LATER).is_dir() else {  # none from a run of an older release
+        (r.topic, r.partition): r.offset
+        for r in spark.read.schema(LATER_SCHEMA).parquet(str(base / LATER)).collect()}
+    return Carry(sorted(ids), spark.read.schema(KEYS_SCHEMA).parquet(str(base / KEYS)),
+                 later=later)
 
 
 def still_open(facts: DataFrame) -> DataFrame:
@@ -80,11 +94,14 @@ def last_by_key(facts: DataFrame, anchors: DataFrame | None) -> DataFrame:
         F.max_by("copy_at", "id").alias("copy_at"))
 
 
-def write(spark: SparkSession, output: Path, facts: DataFrame, anchors: DataFrame | None
-          ) -> int:
+def write(spark: SparkSession, output: Path, facts: DataFrame, anchors: DataFrame | None,
+          later: dict[tuple[str, int], int]) -> int:
     """Write this run's carry; returns how many messages it carries over."""
     still_open(facts).coalesce(1).write.mode("error").parquet(str(output / OPEN))
     last_by_key(facts, anchors).write.mode("error").parquet(str(output / KEYS))
+    spark.createDataFrame(sorted((t, p, o) for (t, p), o in later.items()),
+                          LATER_SCHEMA).coalesce(1).write.mode("error").parquet(
+        str(output / LATER))
     # Counted by reading them back, a job of its own, not by an Observation as they are
     # written: a window with nothing open can have its CollectMetrics optimised away as an
     # empty relation, and Observation.get then waits forever (SPARK-54620).

@@ -30,7 +30,8 @@ class Inputs:
     messages: DataFrame
     #: Op records written in the window whose prepare row does not exist.
     orphans: DataFrame
-    #: Kafka records read: topic, partition, offset, outbox_id, fresh (not seen before).
+    #: Kafka records read: topic, partition, offset, outbox_id, fresh (not seen before),
+    #: recheck (fresh, or seen before and to be checked again: sources.TopicPlan).
     records: DataFrame | None
     now: datetime
     sla_seconds: float
@@ -66,12 +67,13 @@ def joined(inputs: Inputs) -> DataFrame:
     if inputs.records is None:
         return messages.select("*", F.lit(0).cast("long").alias("kafka_copies"),
                                F.lit(None).cast("long").alias("copy_at"),
-                               F.lit(None).cast("boolean").alias("fresh"))
+                               F.lit(None).cast("boolean").alias("fresh"),
+                               F.lit(None).cast("boolean").alias("recheck"))
     copies = inputs.records.where(F.col("outbox_id").isNotNull()).groupBy(
         "topic", F.col("outbox_id").alias("id")).agg(
         F.count(F.lit(1)).alias("kafka_copies"),
         F.min(_position(F.col("partition"), F.col("offset"))).alias("copy_at"),
-        F.max("fresh").alias("fresh"))
+        F.max("fresh").alias("fresh"), F.max("recheck").alias("recheck"))
     return messages.join(copies, ["topic", "id"], "full")
 
 
@@ -84,19 +86,19 @@ def facts(joined: DataFrame) -> DataFrame:
 def to_look_up(joined: DataFrame, facts: DataFrame) -> DataFrame:
     """What a run reading the topics looks up in the database before it judges, in one Spark
     job (each costs about 0.3 s on a small window): rows of (topic, id, delivered_ops) and
-    three flags. ``foreign``: a new Kafka record (its topic and outbox id) that belongs to no
-    message of the window. ``several``: a message with more than one DELIVERED op record or
-    copy, checked record by record. ``unrecorded``: a committed message in Kafka without a
-    DELIVERED op record in the tables as read (those recorded since, delivered while the run
-    read, are no finding)."""
+    four flags. ``foreign``: a new Kafka record, or one to check again (its topic and
+    outbox id), that belongs to no message of the window, ``fresh`` if new. ``several``: a
+    message with more than one DELIVERED op record or copy, checked record by record.
+    ``unrecorded``: a committed message in Kafka without a DELIVERED op record in the tables
+    as read (those recorded since, delivered while the run read, are no finding)."""
     flags = facts.where(_several() | _copied_unrecorded()).select(
         F.lit(None).cast("string").alias("topic"), "id", "delivered_ops",
-        F.lit(False).alias("foreign"), _several().alias("several"),
+        F.lit(False).alias("foreign"), F.lit(False).alias("fresh"), _several().alias("several"),
         _copied_unrecorded().alias("unrecorded"))
-    return joined.where(F.col("in_window").isNull() & F.col("fresh")).select(
+    return joined.where(F.col("in_window").isNull() & F.col("recheck")).select(
         "topic", "id", F.lit(None).cast(facts.schema["delivered_ops"].dataType).alias(
-            "delivered_ops"), F.lit(True).alias("foreign"), F.lit(False).alias("several"),
-        F.lit(False).alias("unrecorded")).unionByName(flags)
+            "delivered_ops"), F.lit(True).alias("foreign"), "fresh",
+        F.lit(False).alias("several"), F.lit(False).alias("unrecorded")).unionByName(flags)
 
 
 def _several() -> Column:
@@ -113,7 +115,7 @@ def find(inputs: Inputs, facts: DataFrame, unknown: DataFrame | None,
     :func:`to_look_up` flags ``several``; ``recorded_since``: of those it flags
     ``unrecorded``, the ones recorded once the tables were read;
     ``judged``: the same as ``claims`` for new records' messages of earlier windows, with
-    ``checked`` (see :func:`copied_after_judged`).
+    ``checked`` and ``rechecked`` (see :func:`copied_after_judged`).
     """
     rules = [
         undelivered_after_sla(inputs.cutoff),
@@ -282,7 +284,8 @@ def stray_records(records: DataFrame, unknown: DataFrame | None) -> DataFrame:
 def copied_after_judged(records: DataFrame, judged: DataFrame) -> list[DataFrame]:
     """New copies of messages of an earlier window, which an earlier run judged (from the
     tables alone, if it read no topic), checked against their DELIVERED op records
-    (``judged``, with ``checked``: the position lies where this run read its partition).
+    (``judged``, with ``checked``: the position lies where this run read its partition; and
+    ``rechecked``: the message's copies seen before are checked again, ``recheck``).
 
     A checked op record whose position holds no record of its message is misplaced; a copy
     at none of the op records is one copy more, unless its message has as many misplaced
@@ -294,10 +297,12 @@ def copied_after_judged(records: DataFrame, judged: DataFrame) -> list[DataFrame
         held.withColumnRenamed("outbox_id", "id"), ["id", "topic", "partition", "offset"],
         "left_anti").select("id", "topic", "partition", "offset")
     first_claim = judged.groupBy("topic", F.col("id").alias("outbox_id")).agg(
-        F.min(_position(F.col("partition"), F.col("offset"))).alias("op_at"))
-    extra = records.where("fresh").join(
+        F.min(_position(F.col("partition"), F.col("offset"))).alias("op_at"),
+        F.max("rechecked").alias("rechecked"))
+    extra = records.join(
         F.broadcast(first_claim), ["topic", "outbox_id"], "inner"
-    ).join(F.broadcast(claimed), ["topic", "outbox_id", "partition", "offset"], "left_anti")
+    ).where(F.col("fresh") | (F.col("recheck") & F.col("rechecked"))).join(
+        F.broadcast(claimed), ["topic", "outbox_id", "partition", "offset"], "left_anti")
     explained = extra.groupBy("topic", "outbox_id").agg(F.count(F.lit(1)).alias("extra")).join(
         wrong.groupBy("topic", F.col("id").alias("outbox_id")).agg(
             F.count(F.lit(1)).alias("wrong")), ["topic", "outbox_id"]

@@ -234,12 +234,13 @@ def _run(spark: SparkSession, settings: ReconcileSettings, engine: Engine,
                  op_count, carried_count, time.monotonic() - clock_start)
 
         records = read_to = unknown = judged = claims = kafka_count = None
-        anchors = handed.keys
+        anchors, later = handed.keys, handed.later
         recorded_since: set[int] = set()
         if settings.reconcile_read_topics:
+            unread = _unread(mark, window)
             with _phase(timings, "read topics"):
                 records, plan = _read_topics(spark, settings, engine, messages, mark,
-                                             window, cached)
+                                             window, unread, later, cached)
                 read_to = plan.read_to
                 anchors = _without_rewound(anchors, plan)
                 kafka_count = records.count()
@@ -252,8 +253,11 @@ def _run(spark: SparkSession, settings: ReconcileSettings, engine: Engine,
             if records is not None:
                 everything = _cache(cached, everything)
                 looked = findings.to_look_up(everything, facts).collect()
-                unknown, judged = _outside(spark, engine, schema, {
-                    (r.topic, r.id) for r in looked if r.foreign}, window, plan)
+                unknown, judged, left = _outside(spark, engine, schema, Candidates(
+                    {(r.topic, r.id) for r in looked if r.foreign and r.fresh},
+                    {(r.topic, r.id) for r in looked if r.foreign and not r.fresh}),
+                    window, plan, unread)
+                later = _later_from(spark, records, left)
                 claims = _claims(spark, engine, schema, [
                     r.id for r in looked if r.several and r.delivered_ops > 0])
                 recorded_since = _recorded_since(engine, schema, [
@@ -278,7 +282,7 @@ def _run(spark: SparkSession, settings: ReconcileSettings, engine: Engine,
             time.monotonic() - clock_start)
         with _phase(timings, "carry over"):
             spark.sparkContext.setJobDescription("outbox reconcile: carrying over")
-            carrying = carry.write(spark, output, facts, anchors)
+            carrying = carry.write(spark, output, facts, anchors, later)
         with _phase(timings, "statistics"):
             spark.sparkContext.setJobDescription("outbox reconcile: statistics")
             stats = findings.stats(own_states, messages.where(~F.col("carried")))
@@ -376,9 +380,12 @@ def _window(since: datetime | None, mark: queries.Watermark, clock: queries.Cloc
 
 
 def _read_topics(spark: SparkSession, settings: ReconcileSettings, engine: Any, messages: DataFrame,
-                 mark: queries.Watermark, window: queries.Window, cached: list[DataFrame]
+                 mark: queries.Watermark, window: queries.Window, unread: queries.Window | None,
+                 later: dict[tuple[str, int], int], cached: list[DataFrame]
                  ) -> tuple[DataFrame, sources.TopicPlan]:
-    """The topics from the last run's end (or the window's first op record) to their end."""
+    """The topics from the last run's end (or the window's first op record) to their end;
+    after tables-only runs (``unread``) also the topics of their windows, and again from
+    where the last topic run's records of later windows begin (``later``)."""
     spark.sparkContext.setJobDescription("outbox reconcile: reading the topics")
     # one job for the three (a job costs about 0.3 s on a small window): the first recorded
     # position per partition, the messages delivered more than once, and the topics
@@ -391,7 +398,6 @@ def _read_topics(spark: SparkSession, settings: ReconcileSettings, engine: Any, 
                  for r in grouped if r.partition is not None}
     repeated = [message_id for r in grouped for message_id in r.repeated]
     topics = {r.topic for r in grouped} | set(mark.kafka_offsets or {})
-    unread = _unread(mark, window)
     with engine.connect() as conn:
         for _, topic, partition, offset in queries.delivered_positions(
                 conn, settings.schema_name, repeated):
@@ -402,15 +408,18 @@ def _read_topics(spark: SparkSession, settings: ReconcileSettings, engine: Any, 
             conn, settings.schema_name, unread) - topics
         conn.rollback()
     if unread is not None:
-        log.info("the runs since %s read the tables only: their windows' records are read as "
-                 "new, and %d topics they alone saw%s", _iso(unread.since) or "the beginning",
-                 len(unread_topics), f" ({', '.join(sorted(unread_topics))})"
-                 if 0 < len(unread_topics) <= 10 else "")
+        log.info("the runs since %s read the tables only: their windows' records are read "
+                 "(again, from where the last topic run's records of later windows begin, in "
+                 "%d partitions), and %d topics they alone saw%s",
+                 _iso(unread.since) or "the beginning", len(later), len(unread_topics),
+                 f" ({', '.join(sorted(unread_topics))})" if 0 < len(unread_topics) <= 10
+                 else "")
     topics |= unread_topics
     ends = _topic_ends(settings, topics)
     plan = sources.plan_topics(ends, first_ops, mark.kafka_offsets,
                                window.since is None or (unread is not None
-                                                        and unread.since is None))
+                                                        and unread.since is None),
+                               later if unread is not None else None)
     for topic, partition, seen, end in plan.rewound:
         log.warning("topic %s partition %d ends at offset %d, before offset %d where the last "
                     "run stopped reading: it was deleted and recreated, or Kafka lost records. "
@@ -467,37 +476,69 @@ def _recorded_since(engine: Any, schema: str, ids: list[int]) -> set[int]:
     return recorded
 
 
-def _outside(spark: SparkSession, engine: Any, schema: str,
-             candidates: set[tuple[str, int]], window: queries.Window,
-             plan: sources.TopicPlan) -> tuple[DataFrame, DataFrame]:
-    """Of the new records outside the window (``candidates``: their topics and outbox-ids),
-    those whose outbox-id is no message of their topic at all (``unknown``), but for the
-    messages retention pruned (no prepare row, an id below the ranges kept): nothing is left
-    to judge them by; and the DELIVERED op records (``judged``) of those whose message an
-    earlier window holds, so the copies found after that window was judged are checked
-    against them, and they against what ``plan`` read (``checked``: at or after where it
-    read their partition from). Messages of a later window are judged by the run that
-    reads it."""
+@dataclass(frozen=True)
+class Candidates:
+    """Records outside the window, by topic and outbox-id: ``new`` ones (some copy fresh)
+    and ones seen before, read again to be checked (``again``: TopicPlan.recheck_from)."""
+
+    new: set[tuple[str, int]]
+    again: set[tuple[str, int]]
+
+
+def _outside(spark: SparkSession, engine: Any, schema: str, candidates: Candidates,
+             window: queries.Window, plan: sources.TopicPlan, unread: queries.Window | None
+             ) -> tuple[DataFrame, DataFrame, list[tuple[str, int]]]:
+    """Of the new records outside the window, those whose outbox-id is no message of their
+    topic at all (``unknown``), but for the messages retention pruned (no prepare row, an id
+    below the ranges kept): nothing is left to judge them by; the DELIVERED op records
+    (``judged``) of those whose message an earlier window holds, so the copies found after
+    that window was judged are checked against them, and they against what ``plan`` read
+    (``checked``: at or after where it read their partition from); the same of the records
+    read again whose message only tables-only runs judged (``unread``; ``rechecked``); and
+    the new records of later windows' messages (``left``): the runs that judge those
+    windows compare them."""
+    new, again = candidates.new, candidates.again
     with engine.connect() as conn:
-        origin = queries.message_origins(conn, schema, {i for _, i in candidates})
+        origin = queries.message_origins(conn, schema, {i for _, i in new | again})
         topic_of = {i: topic for i, (topic, _) in origin.items()}
-        kept_from = queries.pruned_below(conn, schema) if candidates else None
-        judged = queries.delivered_positions(conn, schema, {
-            i for t, i in candidates if topic_of.get(i) == t and origin[i][1] < window.until})
+        kept_from = queries.pruned_below(conn, schema) if new else None
+        earlier = {i for t, i in new if topic_of.get(i) == t and origin[i][1] < window.until}
+        rechecked = set() if unread is None else {
+            i for t, i in again if topic_of.get(i) == t
+            and (unread.since is None or origin[i][1] >= unread.since)
+            and origin[i][1] < unread.until}
+        judged = queries.delivered_positions(conn, schema, earlier | rechecked)
         conn.rollback()
-    pruned = {(t, i) for t, i in candidates
+    pruned = {(t, i) for t, i in new
               if i not in origin and kept_from is not None and i < kept_from}
     if pruned:
         log.info("%d records name messages retention pruned (ids below %d): not judged",
                  len(pruned), kept_from)
     unknown = spark.createDataFrame(
-        sorted((t, i) for t, i in candidates - pruned if topic_of.get(i) != t),
+        sorted((t, i) for t, i in new - pruned if topic_of.get(i) != t),
         "topic string, outbox_id long")
     read_from = plan.read_from()
-    return unknown, spark.createDataFrame(
+    claims = spark.createDataFrame(
         [(*claim, claim[2] is None or claim[3] is None or claim[3] >= read_from.get(
-            (claim[1], claim[2]), 0)) for claim in judged],
-        "id long, topic string, partition int, offset long, checked boolean")
+            (claim[1], claim[2]), 0), claim[0] in rechecked) for claim in judged],
+        "id long, topic string, partition int, offset long, checked boolean, "
+        "rechecked boolean")
+    left = sorted((t, i) for t, i in new
+                  if topic_of.get(i) == t and origin[i][1] >= window.until)
+    return unknown, claims, left
+
+
+def _later_from(spark: SparkSession, records: DataFrame, left: list[tuple[str, int]]
+                ) -> dict[tuple[str, int], int]:
+    """Per (topic, partition), the lowest offset of the new records of ``left``'s messages
+    (later windows'): handed on (carry.LATER) to the topic run after tables-only runs."""
+    if not left:
+        return {}
+    spark.sparkContext.setJobDescription("outbox reconcile: records of later windows")
+    ids = spark.createDataFrame(left, "topic string, outbox_id long")
+    return {(r.topic, r.partition): r.offset for r in records.where("fresh").join(
+        F.broadcast(ids), ["topic", "outbox_id"], "left_semi").groupBy(
+        "topic", "partition").agg(F.min("offset").alias("offset")).collect()}
 
 
 def _carried_in(spark: SparkSession, engine: Any, schema: str, previous_output: str | None,

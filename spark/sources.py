@@ -150,6 +150,10 @@ class TopicPlan:
     #: (topic, partition, last run's end, its end now) of partitions that end before the
     #: last run's end: recreated, or records lost. Read from their start, all new.
     rewound: list[tuple[str, int, int, int]] = field(default_factory=list)
+    #: Records at or after these offsets (at most fresh_from) whose messages no run compared
+    #: with them are checked again: those of later windows a topic run left to tables-only
+    #: runs (see carry.LATER).
+    recheck_from: dict[tuple[str, int], int] = field(default_factory=dict)
 
     def read_from(self) -> dict[tuple[str, int], int]:
         """Where each partition was read from (its end, if nothing of it was read)."""
@@ -162,15 +166,18 @@ class TopicPlan:
 def plan_topics(ends: Mapping[tuple[str, int], int],
                 window_offsets: Mapping[tuple[str, int], int],
                 previous: Mapping[str, Mapping[str, int]] | None,
-                from_beginning: bool) -> TopicPlan:
+                from_beginning: bool,
+                recheck: Mapping[tuple[str, int], int] | None = None) -> TopicPlan:
     """Read from the last run's end (or the window's first op record, if earlier) to the end.
 
     ``window_offsets`` are the lowest offsets the window's op records name, so every record
     they point at is read. Without an earlier run, everything is new when the window starts
     at the beginning of time; otherwise only what lies at or after the window's op records.
     A partition that now ends before the last run's end is read whole, all of it new.
+    ``recheck``: offsets from which records seen before are read and checked again (those
+    the last topic run left to later windows, when tables-only runs judged them).
     """
-    ranges, fresh_from, rewound = [], {}, []
+    ranges, fresh_from, rewound, recheck_from = [], {}, [], {}
     for (topic, partition), end in sorted(ends.items()):
         seen = None if previous is None else previous.get(topic, {}).get(str(partition))
         first_op = window_offsets.get((topic, partition))
@@ -183,21 +190,24 @@ def plan_topics(ends: Mapping[tuple[str, int], int],
             fresh = 0
         else:
             fresh = first_op if first_op is not None else end
-        start = min(fresh, first_op) if first_op is not None else fresh
+        again = min(fresh, (recheck or {}).get((topic, partition), fresh))
+        start = min(again, first_op) if first_op is not None else again
         fresh_from[(topic, partition)] = fresh
+        recheck_from[(topic, partition)] = again
         if start < end:
             ranges.append(OffsetRange(topic, partition, start, end))
     read_to: dict[str, dict[str, int]] = {t: dict(p) for t, p in (previous or {}).items()}
     for (topic, partition), end in ends.items():
         read_to.setdefault(topic, {})[str(partition)] = end
-    return TopicPlan(ranges, fresh_from, read_to, rewound)
+    return TopicPlan(ranges, fresh_from, read_to, rewound, recheck_from)
 
 
 def read_topics(spark: SparkSession, bootstrap: str, plan: TopicPlan,
                 client: Mapping[str, Any] | None = None,
                 max_records_per_split: int = 1_000_000,
                 library: str = "kafka-python") -> DataFrame:
-    """The planned offset ranges as records, each marked ``fresh`` or not.
+    """The planned offset ranges as records, each marked ``fresh`` or not, and ``recheck``
+    (fresh, or to be checked again: TopicPlan.recheck_from).
 
     ``library``: the Kafka client the executors read with, ``kafka-python`` or ``confluent``
     (the ``confluent`` extra, librdkafka); ``client``: its security settings
@@ -226,7 +236,8 @@ def read_topics(spark: SparkSession, bootstrap: str, plan: TopicPlan,
     else:
         records = spark.createDataFrame([], SPARK_SCHEMA)
     marks = spark.createDataFrame(
-        [(t, p, o) for (t, p), o in plan.fresh_from.items()] or [("", -1, 0)],
-        "topic string, partition int, fresh_from long")
+        [(t, p, o, plan.recheck_from.get((t, p), o)) for (t, p), o in plan.fresh_from.items()]
+        or [("", -1, 0, 0)], "topic string, partition int, fresh_from long, recheck_from long")
     return (records.join(F.broadcast(marks), ["topic", "partition"], "left")
-            .select(records["*"], (F.col("offset") >= F.col("fresh_from")).alias("fresh")))
+            .select(records["*"], (F.col("offset") >= F.col("fresh_from")).alias("fresh"),
+                    (F.col("offset") >= F.col("recheck_from")).alias("recheck")))

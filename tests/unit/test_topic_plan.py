@@ -27,3 +27,16 @@ def test_a_partition_that_ends_before_the_last_runs_end_is_read_from_its_start()
     assert plan.fresh_from == {("t", 0): 0, ("t", 1): 80}
     assert plan.rewound == [("t", 0, 40, 12)]
     assert plan.read_to == {"t": {"0": 12, "1": 90}}
+
+
+def test_records_left_to_a_tables_only_run_are_read_again_and_only_checked() -> None:
+    """After tables-only runs the plan reads again from where the last topic run's records
+    of later windows begin (``recheck``); they stay not fresh (their strays were reported),
+    and a position at or after the last run's end changes nothing."""
+    plan = plan_topics({("t", 0): 50, ("t", 1): 30, ("t", 2): 9}, {},
+                       {"t": {"0": 40, "1": 30, "2": 9}}, from_beginning=False,
+                       recheck={("t", 0): 33, ("t", 1): 31})
+    assert plan.ranges == [OffsetRange("t", 0, 33, 50)]
+    assert plan.fresh_from == {("t", 0): 40, ("t", 1): 30, ("t", 2): 9}
+    assert plan.recheck_from == {("t", 0): 33, ("t", 1): 30, ("t", 2): 9}
+    assert plan.read_from() == {("t", 0): 33, ("t", 1): 30, ("t", 2): 9}
