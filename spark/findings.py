@@ -57,6 +57,16 @@ def _offset_of(position: str) -> Column:
     return F.col(position).bitwiseAND((1 << POSITION_OFFSET_BITS) - 1)
 
 
+@dataclass(frozen=True)
+class Judged:
+    """Messages of earlier windows with copies to check (see :func:`copied_after_judged`):
+    ``messages`` (topic, outbox_id, rechecked) and their DELIVERED op records, ``claims``
+    (id, topic, partition, offset, checked)."""
+
+    messages: DataFrame
+    claims: DataFrame
+
+
 def joined(inputs: Inputs) -> DataFrame:
     """The window's messages fully joined with their copies in Kafka, per (topic, id).
 
@@ -107,15 +117,15 @@ def _several() -> Column:
 
 def find(inputs: Inputs, facts: DataFrame, unknown: DataFrame | None,
          claims: DataFrame | None, recorded_since: Collection[int] = (),
-         judged: DataFrame | None = None) -> DataFrame:
+         judged: Judged | None = None) -> DataFrame:
     """All findings of the run, as one DataFrame of the columns named above.
 
     ``unknown``: (topic, outbox_id) of new records that match no prepare row at all;
     ``claims``: (id, topic, partition, offset) of each DELIVERED op record of the messages
     :func:`to_look_up` flags ``several``; ``recorded_since``: of those it flags
     ``unrecorded``, the ones recorded once the tables were read;
-    ``judged``: the same as ``claims`` for new records' messages of earlier windows, with
-    ``checked`` and ``rechecked`` (see :func:`copied_after_judged`).
+    ``judged``: the messages of earlier windows with copies to check, and their claims
+    (see :func:`copied_after_judged`).
     """
     rules = [
         undelivered_after_sla(inputs.cutoff),
@@ -281,38 +291,47 @@ def stray_records(records: DataFrame, unknown: DataFrame | None) -> DataFrame:
         message_id="outbox_id")
 
 
-def copied_after_judged(records: DataFrame, judged: DataFrame) -> list[DataFrame]:
-    """New copies of messages of an earlier window, which an earlier run judged (from the
-    tables alone, if it read no topic), checked against their DELIVERED op records
-    (``judged``, with ``checked``: the position lies where this run read its partition; and
-    ``rechecked``: the message's copies seen before are checked again, ``recheck``).
+def copied_after_judged(records: DataFrame, judged: Judged) -> list[DataFrame]:
+    """Copies of messages of an earlier window, which an earlier run judged (from the tables
+    alone, if it read no topic): the new ones, and those seen before when the message is
+    ``rechecked`` (only tables-only runs judged it; its records are read again,
+    ``recheck``), checked against the message's DELIVERED op records (``claims``, with
+    ``checked``: the position lies where this run read its partition).
 
-    A checked op record whose position holds no record of its message is misplaced; a copy
-    at none of the op records is one copy more, unless its message has as many misplaced
-    op records as such copies (the op record names the wrong place, as for one message of
-    the window with one op record and one copy: :func:`op_record_position_mismatch`)."""
-    claimed = judged.select("topic", F.col("id").alias("outbox_id"), "partition", "offset")
+    A copy of a message without any is kafka_record_without_op_record. A checked op record
+    whose position holds no record of its message is misplaced; a copy at none of the op
+    records is one copy more, unless its message has as many misplaced op records as such
+    copies (the op record names the wrong place, as for one message of the window with one
+    op record and one copy: :func:`op_record_position_mismatch`)."""
+    claims = judged.claims
+    copies = records.join(F.broadcast(judged.messages), ["topic", "outbox_id"], "inner").where(
+        F.col("fresh") | (F.col("recheck") & F.col("rechecked")))
+    claimed = claims.select("topic", F.col("id").alias("outbox_id"), "partition", "offset")
     held = records.select("topic", "outbox_id", "partition", "offset")
-    wrong = judged.where("checked").join(
+    wrong = claims.where("checked").join(
         held.withColumnRenamed("outbox_id", "id"), ["id", "topic", "partition", "offset"],
         "left_anti").select("id", "topic", "partition", "offset")
-    first_claim = judged.groupBy("topic", F.col("id").alias("outbox_id")).agg(
-        F.min(_position(F.col("partition"), F.col("offset"))).alias("op_at"),
-        F.max("rechecked").alias("rechecked"))
-    extra = records.join(
-        F.broadcast(first_claim), ["topic", "outbox_id"], "inner"
-    ).where(F.col("fresh") | (F.col("recheck") & F.col("rechecked"))).join(
+    first_claim = claims.groupBy("topic", F.col("id").alias("outbox_id")).agg(
+        F.min(_position(F.col("partition"), F.col("offset"))).alias("op_at"))
+    unclaimed = copies.join(F.broadcast(first_claim), ["topic", "outbox_id"], "left_anti")
+    extra = copies.join(F.broadcast(first_claim), ["topic", "outbox_id"], "inner").join(
         F.broadcast(claimed), ["topic", "outbox_id", "partition", "offset"], "left_anti")
     explained = extra.groupBy("topic", "outbox_id").agg(F.count(F.lit(1)).alias("extra")).join(
         wrong.groupBy("topic", F.col("id").alias("outbox_id")).agg(
             F.count(F.lit(1)).alias("wrong")), ["topic", "outbox_id"]
     ).where(F.col("extra") <= F.col("wrong"))
-    copies = _finding(
-        extra.join(explained, ["topic", "outbox_id"], "left_anti"), "delivered_more_than_once",
-        F.format_string("a copy found after its window was judged; its DELIVERED op record "
-                        "is at %d/%d", _partition_of("op_at"), _offset_of("op_at")),
-        message_id="outbox_id")
-    return [copies, _misplaced(wrong, records)]
+    return [
+        _finding(unclaimed, "kafka_record_without_op_record", F.lit(
+            "a copy of a message of an earlier window that has no DELIVERED op record (rolled "
+            "back, or its op record lost)"), message_id="outbox_id"),
+        _finding(extra.join(explained, ["topic", "outbox_id"], "left_anti"),
+                 "delivered_more_than_once",
+                 F.format_string("a copy found after its window was judged; its DELIVERED op "
+                                 "record is at %d/%d", _partition_of("op_at"),
+                                 _offset_of("op_at")),
+                 message_id="outbox_id"),
+        _misplaced(wrong, records),
+    ]
 
 
 def op_record_position_mismatch(facts: DataFrame, claims: DataFrame, records: DataFrame

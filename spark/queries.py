@@ -356,8 +356,14 @@ def watermark(conn: Connection, schema: str) -> Watermark:
         sa.select(run.c.kafka_offsets).where(run.c.read_topics)
         .order_by(run.c.id.desc()).limit(1)
     ).scalar_one_or_none()
+    # of the topic runs that moved the window end on: a re-audit of an older window keeps
+    # the last one's offsets (reconcile._next_start), and judged only its own window
+    earlier = run.alias("earlier")
     topics_until = conn.execute(
-        sa.select(sa.func.max(run.c.window_until)).where(run.c.read_topics)).scalar_one()
+        sa.select(sa.func.max(run.c.window_until)).where(run.c.read_topics, ~sa.exists(
+            sa.select(sa.literal(1)).where(earlier.c.id < run.c.id,
+                                           earlier.c.window_until > run.c.window_until)))
+    ).scalar_one()
     if last is None:
         return Watermark(until=None, kafka_offsets=offsets)
     return Watermark(until=last.window_until, kafka_offsets=offsets,

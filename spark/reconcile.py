@@ -295,7 +295,8 @@ def _run(spark: SparkSession, settings: ReconcileSettings, engine: Engine,
             run_id = queries.record_run(conn, schema, {
                 "started_at": started_at, "window_since": window.since,
                 "window_until": window.until, "read_topics": records is not None,
-                "kafka_offsets": read_to, "messages": message_count, "op_records": op_count,
+                "kafka_offsets": _next_start(read_to, mark, window),
+                "messages": message_count, "op_records": op_count,
                 "kafka_records": kafka_count, "findings": counts, "outcome": outcome.value,
                 "output_path": str(output),
             })
@@ -418,7 +419,7 @@ def _read_topics(spark: SparkSession, settings: ReconcileSettings, engine: Any, 
     ends = _topic_ends(settings, topics)
     plan = sources.plan_topics(ends, first_ops, mark.kafka_offsets,
                                window.since is None or (unread is not None
-                                                        and unread.since is None),
+                                                        and mark.kafka_offsets is None),
                                later if unread is not None else None)
     for topic, partition, seen, end in plan.rewound:
         log.warning("topic %s partition %d ends at offset %d, before offset %d where the last "
@@ -432,6 +433,17 @@ def _read_topics(spark: SparkSession, settings: ReconcileSettings, engine: Any, 
     records = sources.read_topics(spark, settings.kafka_bootstrap, plan, client,
                                   library=settings.kafka_client)
     return _cache(cached, records), plan
+
+
+def _next_start(read_to: dict[str, dict[str, int]] | None, mark: queries.Watermark,
+                window: queries.Window) -> dict[str, dict[str, int]] | None:
+    """Where the next topic run starts reading: where this one stopped, but for a re-audit
+    of a window before the last run's end, which leaves the last topic run's offsets: it
+    judged the records of its own window only, and those of the windows after it, which
+    tables-only runs may have judged, are still to be compared."""
+    if read_to is not None and mark.until is not None and window.until < mark.until:
+        return mark.kafka_offsets
+    return read_to
 
 
 def _unread(mark: queries.Watermark, window: queries.Window) -> queries.Window | None:
@@ -487,14 +499,14 @@ class Candidates:
 
 def _outside(spark: SparkSession, engine: Any, schema: str, candidates: Candidates,
              window: queries.Window, plan: sources.TopicPlan, unread: queries.Window | None
-             ) -> tuple[DataFrame, DataFrame, list[tuple[str, int]]]:
+             ) -> tuple[DataFrame, findings.Judged, list[tuple[str, int]]]:
     """Of the new records outside the window, those whose outbox-id is no message of their
     topic at all (``unknown``), but for the messages retention pruned (no prepare row, an id
     below the ranges kept): nothing is left to judge them by; the DELIVERED op records
     (``judged``) of those whose message an earlier window holds, so the copies found after
     that window was judged are checked against them, and they against what ``plan`` read
     (``checked``: at or after where it read their partition from); the same of the records
-    read again whose message only tables-only runs judged (``unread``; ``rechecked``); and
+    read again whose message only tables-only runs judged (``unread``: ``rechecked``); and
     the new records of later windows' messages (``left``): the runs that judge those
     windows compare them."""
     new, again = candidates.new, candidates.again
@@ -520,12 +532,14 @@ def _outside(spark: SparkSession, engine: Any, schema: str, candidates: Candidat
     read_from = plan.read_from()
     claims = spark.createDataFrame(
         [(*claim, claim[2] is None or claim[3] is None or claim[3] >= read_from.get(
-            (claim[1], claim[2]), 0), claim[0] in rechecked) for claim in judged],
-        "id long, topic string, partition int, offset long, checked boolean, "
-        "rechecked boolean")
+            (claim[1], claim[2]), 0)) for claim in judged],
+        "id long, topic string, partition int, offset long, checked boolean")
+    messages = spark.createDataFrame(
+        sorted((topic_of[i], i, i in rechecked) for i in earlier | rechecked),
+        "topic string, outbox_id long, rechecked boolean")
     left = sorted((t, i) for t, i in new
                   if topic_of.get(i) == t and origin[i][1] >= window.until)
-    return unknown, claims, left
+    return unknown, findings.Judged(messages, claims), left
 
 
 def _later_from(spark: SparkSession, records: DataFrame, left: list[tuple[str, int]]

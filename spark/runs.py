@@ -54,7 +54,8 @@ reconcile_run = Table(
     Column("window_since", DateTime(timezone=True)),
     Column("window_until", DateTime(timezone=True), nullable=False),
     Column("read_topics", Boolean, nullable=False),
-    #: {topic: {partition: next offset}} read up to, when the run read the topics.
+    #: {topic: {partition: next offset}} where the next run reading the topics starts: read
+    #: up to, when the run read them (a re-audit of an older window keeps the last ones).
     Column("kafka_offsets", JSONB),
     Column("messages", BigInteger, nullable=False),
     Column("op_records", BigInteger, nullable=False),

@@ -15,7 +15,7 @@ from outbox.dev.topics import create_topic
 from outbox.spark import reconcile as job
 from outbox.spark.runs import RunOutcome
 from tests.integration import test_reconcile
-from tests.integration.test_reconcile import found, produce, reconcile_settings
+from tests.integration.test_reconcile import found, insert_message, produce, reconcile_settings
 from tests.integration.test_reconcile_carry import deliver
 
 #: The suite's one local SparkSession (test_reconcile.py's fixture).
@@ -136,3 +136,56 @@ def test_a_message_delivered_before_a_topic_run_read_and_judged_by_tables_only_i
 
     assert found(spark, first) == {"kafka_record_without_op_record": {None}}
     assert found(spark, fourth) == {"op_record_position_mismatch": {early}}
+
+
+def test_copies_of_messages_without_a_delivered_op_record_that_tables_only_runs_judged(
+    spark: SparkSession, services: devservices.Services, engine: Engine, schema: str,
+    topic: str, tmp_path: Path
+) -> None:
+    """A copy in Kafka of a rolled-back message, and one of a delivered message whose op
+    record was deleted, in a window a tables-only run judged: the next topic run compared
+    new copies of earlier windows' messages with their DELIVERED op records only, so a
+    message with none dropped out, and the run was CLEAN."""
+    settings = reconcile_settings(services, schema, tmp_path)
+    tables_only = settings.model_copy(update={"reconcile_read_topics": False})
+    unrecorded = deliver(engine, services, schema, topic, age="2 hours")
+    with engine.begin() as conn:
+        rolled_back = insert_message(conn, schema, topic, key=b"r", status="ROLLED_BACK",
+                                     age="2 hours")
+        conn.execute(text(f"INSERT INTO {schema}.op_record (message_id, action, actor) "
+                          f"VALUES (:id, 'ROLLED_BACK', 'app')"), {"id": rolled_back})
+        conn.execute(text(f"DELETE FROM {schema}.op_record WHERE message_id = :id"),
+                     {"id": unrecorded})
+    produce(services.kafka_bootstrap, topic, 1, b"r", rolled_back)
+    job.run(spark, tables_only, until=datetime.now(UTC))
+
+    second = job.run(spark, settings, until=datetime.now(UTC))
+
+    assert found(spark, second) == {"kafka_record_without_op_record": {unrecorded, rolled_back}}
+    assert second.outcome is RunOutcome.FAILED
+
+
+def test_a_re_audit_reading_the_topics_leaves_the_next_run_what_tables_only_runs_judged(
+    spark: SparkSession, services: devservices.Services, engine: Engine, schema: str,
+    topic: str, tmp_path: Path
+) -> None:
+    """A re-audit of an old window with the topics read them to their end and recorded
+    that end as where the next topic run starts: the records of a window that a tables-only
+    run had judged in between were read by the re-audit as a later window's, and by no run
+    as their own (here a misplaced op record)."""
+    settings = reconcile_settings(services, schema, tmp_path)
+    tables_only = settings.model_copy(update={"reconcile_read_topics": False})
+    deliver(engine, services, schema, topic, age="2 hours")
+    first = job.run(spark, settings, until=datetime.now(UTC))
+    misplaced = deliver(engine, services, schema, topic, age="0 seconds")
+    with engine.begin() as conn:
+        conn.execute(text(f"UPDATE {schema}.op_record SET kafka_offset = kafka_offset + 100 "
+                          f"WHERE message_id = :id"), {"id": misplaced})
+    job.run(spark, tables_only, until=datetime.now(UTC))
+    again = job.run(spark, settings, since=datetime(2000, 1, 1, tzinfo=UTC),
+                    until=first.window.until)
+
+    fourth = job.run(spark, settings, until=datetime.now(UTC))
+
+    assert again.outcome is RunOutcome.CLEAN
+    assert found(spark, fourth) == {"op_record_position_mismatch": {misplaced}}
