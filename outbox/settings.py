@@ -460,7 +460,7 @@ class KafkaSettings(_Base):
                 ("OUTBOX_KAFKA_SSL_KEYFILE", self.kafka_ssl_keyfile)) if value]
         return ServiceUnavailable(
             f"no Kafka broker answers at {self.kafka_bootstrap} over {protocol}{login}: "
-            f"check {', '.join(check[:-1])} and {check[-1]}")
+            f"is one running there? check {', '.join(check[:-1])} and {check[-1]}")
 
 
 def split_host(entry: str) -> tuple[str, int | None]:

@@ -77,11 +77,14 @@ def test_wrong_database_address_masks_the_password(settings: Settings, command: 
 
 @COMMANDS
 def test_wrong_broker_address(settings: Settings, command: list[str]) -> None:
-    """One line after the connect timeout; a reconciliation says it before Spark starts."""
+    """One line after the connect timeout; a reconciliation says it before Spark starts. It
+    asks first whether a broker runs there (it named the settings alone, as if the address
+    could only be wrong, not the broker down)."""
     env = outbox_env(settings, OUTBOX_KAFKA_BOOTSTRAP=f"127.0.0.1:{devservices.free_port()}",
                      OUTBOX_KAFKA_CONNECT_TIMEOUT_MS="2000")
     result = run_outbox(None, *command, env=env)
-    assert_one_line_error(result, "no Kafka broker answers at 127.0.0.1:")
+    assert_one_line_error(result, "no Kafka broker answers at 127.0.0.1:",
+                          ": is one running there? check OUTBOX_KAFKA_BOOTSTRAP")
 
 
 @pytest.mark.parametrize(("window", "said"), [
