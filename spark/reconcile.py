@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -191,6 +192,8 @@ def _run(spark: SparkSession, settings: ReconcileSettings, engine: Engine,
     output_root = _output_root(settings)
     schema = settings.schema_name
     cached: list[DataFrame] = []
+    output: Path | None = None
+    recorded = False
     try:
         with engine.connect() as conn:
             require_current(conn, schema)
@@ -300,6 +303,7 @@ def _run(spark: SparkSession, settings: ReconcileSettings, engine: Engine,
                 "kafka_records": kafka_count, "findings": counts, "outcome": outcome.value,
                 "output_path": str(output),
             })
+        recorded = True
         summary = {
             "run_id": run_id,
             "outcome": outcome.value,
@@ -328,6 +332,10 @@ def _run(spark: SparkSession, settings: ReconcileSettings, engine: Engine,
         for df in cached:
             df.unpersist()
         spark.sparkContext.setJobDescription(None)  # type: ignore[arg-type]
+        if output is not None and not recorded:
+            # no run reads a folder it did not record; half of one only misleads
+            shutil.rmtree(output, ignore_errors=True)
+            log.info("removed the unfinished run folder %s", output)
 
 
 def _findings_summary(counts: dict[str, int], samples: dict[str, list[int]],

@@ -14,6 +14,7 @@ import pytest
 from click.testing import CliRunner
 from pyspark.sql import SparkSession
 from sqlalchemy import Engine, create_engine, text
+from sqlalchemy.exc import DBAPIError
 
 from outbox import ConfigurationError, Outbox, migrate
 from outbox.cli import main
@@ -155,3 +156,24 @@ def test_a_role_that_cannot_hold_back_or_record_the_run_is_refused_before_it_rea
     with pytest.raises(ConfigurationError, match=said):
         job.run(spark, settings, until=datetime.now(UTC))
     assert not any(tmp_path.iterdir())
+
+
+def test_a_run_that_fails_before_it_is_recorded_leaves_no_run_folder(
+    spark: SparkSession, services: devservices.Services, engine: Engine, schema: str,
+    tmp_path: Path
+) -> None:
+    """A run that lost PostgreSQL as it recorded itself (here a trigger refuses the row)
+    left its findings and carry in a run folder without a report, which no run reads and
+    an operator may take for a run's."""
+    settings = tables_only(services, schema, tmp_path)
+    publish_orders(engine, Outbox(settings=settings), "orders", [("k", 1)])
+    with engine.begin() as conn:
+        conn.execute(text(f"CREATE FUNCTION {schema}.refuse() RETURNS trigger LANGUAGE plpgsql "
+                          f"AS $$ BEGIN RAISE EXCEPTION 'the disk is full'; END $$"))
+        conn.execute(text(f"CREATE TRIGGER refuse BEFORE INSERT ON {schema}.reconcile_run "
+                          f"FOR EACH ROW EXECUTE FUNCTION {schema}.refuse()"))
+
+    with pytest.raises(DBAPIError, match="the disk is full"):
+        job.run(spark, settings, until=datetime.now(UTC))
+
+    assert not list(tmp_path.glob("run-*"))
