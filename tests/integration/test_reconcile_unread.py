@@ -4,12 +4,17 @@ topics (nothing is left unread because a run skipped Kafka)."""
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import pytest
 from pyspark.sql import SparkSession
 from sqlalchemy import Engine, text
 
+from outbox import migrate
 from outbox.dev import services as devservices
 from outbox.dev.topics import create_topic
 from outbox.spark import reconcile as job
@@ -22,28 +27,99 @@ from tests.integration.test_reconcile_carry import deliver
 spark = test_reconcile.spark
 
 
-def test_a_topic_run_after_tables_only_runs_reads_the_records_they_judged(
-    spark: SparkSession, services: devservices.Services, engine: Engine, schema: str,
-    topic: str, tmp_path: Path
-) -> None:
-    """No run had read the topics: the first that did read them only from the first op
-    record of its own window (here none), so the records of the messages tables-only runs
-    had judged were never read: a stray record and one whose message and op record were
-    deleted by hand went unreported ("0 offset ranges of 3 topics", exit 0)."""
-    settings = reconcile_settings(services, schema, tmp_path)
-    tables_only = settings.model_copy(update={"reconcile_read_topics": False})
+@dataclass
+class Judged:
+    """Defects in a window that only a tables-only run judged, then a topic run's result."""
+
+    gone: int = 0          # delivered, then its message and op record deleted by hand
+    onto_next: int = 0     # its op record moved onto the next message's record
+    next_one: int = 0
+    past_end: int = 0      # its op record moved past the partition's end
+    unrecorded: int = 0    # delivered, then its op record deleted
+    rolled_back: int = 0   # rolled back, with a copy in Kafka all the same
+    result: job.Result | None = None
+
+
+@pytest.fixture(scope="module")
+def judged(spark: SparkSession, services: devservices.Services, engine: Engine,
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Judged]:
+    """No run read the topics before: the first that did read them only from the first op
+    record of its own window (here none), so the records of the messages the tables-only
+    run had judged were never read ("0 offset ranges of 3 topics", exit 0)."""
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    topic = f"orders-{uuid.uuid4().hex[:10]}"
+    migrate.upgrade(services.database_url, schema)
+    create_topic(services.kafka_bootstrap, topic, partitions=3)
+    settings = reconcile_settings(services, schema, tmp_path_factory.mktemp("unread"))
+    d = Judged()
     kept = deliver(engine, services, schema, topic, age="2 hours")
-    gone = deliver(engine, services, schema, topic, age="2 hours")
-    produce(services.kafka_bootstrap, topic, 0, b"a", None)
-    forget(engine, schema, gone)
-    first = job.run(spark, tables_only, until=datetime.now(UTC))
+    d.gone, d.onto_next, d.next_one, d.past_end, d.unrecorded = (
+        deliver(engine, services, schema, topic, age="2 hours") for _ in range(5))
+    produce(services.kafka_bootstrap, topic, 0, b"a", None)  # a stray
+    forget(engine, schema, d.gone)
+    with engine.begin() as conn:
+        d.rolled_back = insert_message(conn, schema, topic, key=b"r", status="ROLLED_BACK",
+                                       age="2 hours")
+        conn.execute(text(f"INSERT INTO {schema}.op_record (message_id, action, actor) "
+                          f"VALUES (:id, 'ROLLED_BACK', 'app')"), {"id": d.rolled_back})
+        for message_id, moved_by in ((d.onto_next, 1), (d.past_end, 100)):
+            conn.execute(text(f"UPDATE {schema}.op_record SET kafka_offset = kafka_offset + "
+                              f"{moved_by} WHERE message_id = :id"), {"id": message_id})
+        conn.execute(text(f"DELETE FROM {schema}.op_record WHERE message_id = :id"),
+                     {"id": d.unrecorded})
+    produce(services.kafka_bootstrap, topic, 1, b"r", d.rolled_back)
+    first = job.run(spark, settings.model_copy(update={"reconcile_read_topics": False}),
+                    until=datetime.now(UTC))
+    assert first.summary["counts"]["messages"] == 6, kept
+    d.result = job.run(spark, settings, until=datetime.now(UTC))
+    yield d
+    with engine.begin() as conn:
+        conn.execute(text(f"DROP SCHEMA {schema} CASCADE"))
 
-    second = job.run(spark, settings, until=datetime.now(UTC))
 
-    assert first.summary["counts"]["messages"] == 1, kept
-    assert second.summary["counts"]["messages"] == 0
-    assert second.summary["counts"]["kafka_records"] == 3
-    assert found(spark, second) == {"kafka_record_without_op_record": {gone, None}}
+def details(spark: SparkSession, result: job.Result | None, finding: str) -> dict[int, str]:
+    assert result is not None
+    return {r.message_id: r.detail for r in spark.read.parquet(
+        str(result.output_path / "findings")).collect() if r.finding == finding}
+
+
+def test_the_topic_run_reads_every_record_of_the_window_the_tables_only_run_judged(
+    judged: Judged
+) -> None:
+    assert judged.result is not None
+    assert judged.result.summary["counts"]["messages"] == 0
+    assert judged.result.summary["counts"]["kafka_records"] == 8
+    assert judged.result.outcome is RunOutcome.FAILED
+    assert {name: n for name, n in judged.result.counts.items() if n} == {
+        "kafka_record_without_op_record": 4, "op_record_position_mismatch": 2}
+
+
+def test_strays_and_records_of_deleted_messages_there_are_found(
+    spark: SparkSession, judged: Judged
+) -> None:
+    strays = details(spark, judged.result, "kafka_record_without_op_record")
+    assert strays[None] == "no valid outbox-id header"  # type: ignore[index]
+    assert strays[judged.gone] == "outbox-id matches no prepare row of this topic"
+
+
+def test_copies_of_messages_without_a_delivered_op_record_there_are_found(
+    spark: SparkSession, judged: Judged
+) -> None:
+    """A copy of a rolled-back message and one of a message whose op record was deleted:
+    the check compared new copies of earlier windows' messages with their DELIVERED op
+    records only, so a message with none dropped out, and the run was CLEAN."""
+    copies = details(spark, judged.result, "kafka_record_without_op_record")
+    assert {judged.unrecorded, judged.rolled_back} <= set(copies)
+    assert "has no DELIVERED op record" in copies[judged.rolled_back]
+
+
+def test_misplaced_op_records_there_are_found(spark: SparkSession, judged: Judged) -> None:
+    """A tables-only run cannot check an op record's position; the next topic run read the
+    message's record as a copy found after its window was judged and reported
+    delivered_more_than_once, which only reports (exit 0)."""
+    assert details(spark, judged.result, "op_record_position_mismatch") == {
+        judged.onto_next: f"the record there is message {judged.next_one}",
+        judged.past_end: "no record with an outbox-id at that position"}
 
 
 def test_a_topic_only_tables_only_runs_saw_is_read_by_the_next_topic_run(
@@ -71,34 +147,6 @@ def test_a_topic_only_tables_only_runs_saw_is_read_by_the_next_topic_run(
     assert third.summary["counts"]["kafka_records"] == 3, stray
     assert found(spark, third) == {"kafka_record_without_op_record": {gone, None}}
     assert third.summary["kafka_offsets"][other] == {"0": 3}
-
-
-def test_misplaced_op_records_a_tables_only_run_judged_are_found_by_the_next_topic_run(
-    spark: SparkSession, services: devservices.Services, engine: Engine, schema: str,
-    topic: str, tmp_path: Path
-) -> None:
-    """A tables-only run cannot check an op record's position; the next topic run read the
-    message's record as a copy found after its window was judged and reported
-    delivered_more_than_once, which only reports (exit 0). One op record here points at
-    the next message's record, one past the partition's end."""
-    settings = reconcile_settings(services, schema, tmp_path)
-    tables_only = settings.model_copy(update={"reconcile_read_topics": False})
-    onto_next, kept, past_end = (deliver(engine, services, schema, topic, age="2 hours")
-                                 for _ in range(3))
-    with engine.begin() as conn:
-        for message_id, moved_by in ((onto_next, 1), (past_end, 100)):
-            conn.execute(text(f"UPDATE {schema}.op_record SET kafka_offset = kafka_offset + "
-                              f"{moved_by} WHERE message_id = :id"), {"id": message_id})
-    job.run(spark, tables_only, until=datetime.now(UTC))
-
-    second = job.run(spark, settings, until=datetime.now(UTC))
-
-    assert found(spark, second) == {"op_record_position_mismatch": {onto_next, past_end}}
-    details = {r.message_id: r.detail for r in spark.read.parquet(
-        str(second.output_path / "findings")).collect()}
-    assert details[onto_next] == f"the record there is message {kept}"
-    assert details[past_end] == "no record with an outbox-id at that position"
-    assert second.outcome is RunOutcome.FAILED
 
 
 def forget(engine: Engine, schema: str, message_id: int) -> None:
@@ -136,33 +184,6 @@ def test_a_message_delivered_before_a_topic_run_read_and_judged_by_tables_only_i
 
     assert found(spark, first) == {"kafka_record_without_op_record": {None}}
     assert found(spark, fourth) == {"op_record_position_mismatch": {early}}
-
-
-def test_copies_of_messages_without_a_delivered_op_record_that_tables_only_runs_judged(
-    spark: SparkSession, services: devservices.Services, engine: Engine, schema: str,
-    topic: str, tmp_path: Path
-) -> None:
-    """A copy in Kafka of a rolled-back message, and one of a delivered message whose op
-    record was deleted, in a window a tables-only run judged: the next topic run compared
-    new copies of earlier windows' messages with their DELIVERED op records only, so a
-    message with none dropped out, and the run was CLEAN."""
-    settings = reconcile_settings(services, schema, tmp_path)
-    tables_only = settings.model_copy(update={"reconcile_read_topics": False})
-    unrecorded = deliver(engine, services, schema, topic, age="2 hours")
-    with engine.begin() as conn:
-        rolled_back = insert_message(conn, schema, topic, key=b"r", status="ROLLED_BACK",
-                                     age="2 hours")
-        conn.execute(text(f"INSERT INTO {schema}.op_record (message_id, action, actor) "
-                          f"VALUES (:id, 'ROLLED_BACK', 'app')"), {"id": rolled_back})
-        conn.execute(text(f"DELETE FROM {schema}.op_record WHERE message_id = :id"),
-                     {"id": unrecorded})
-    produce(services.kafka_bootstrap, topic, 1, b"r", rolled_back)
-    job.run(spark, tables_only, until=datetime.now(UTC))
-
-    second = job.run(spark, settings, until=datetime.now(UTC))
-
-    assert found(spark, second) == {"kafka_record_without_op_record": {unrecorded, rolled_back}}
-    assert second.outcome is RunOutcome.FAILED
 
 
 def test_a_re_audit_reading_the_topics_leaves_the_next_run_what_tables_only_runs_judged(
