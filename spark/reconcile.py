@@ -456,8 +456,10 @@ def _next_start(read_to: dict[str, dict[str, int]] | None, mark: queries.Waterma
 
 def _unread(mark: queries.Watermark, window: queries.Window) -> queries.Window | None:
     """The windows that only tables-only runs judged, between the last run that read the
-    topics (or the beginning) and this window: no run read their messages' records, so this
-    run reads them as new, from where that run stopped (or the topics' start)."""
+    topics (or the beginning) and this window: no run compared their messages' records with
+    their op records. This run reads their topics too, new from where that run stopped (or
+    from the topics' start), and again from where that run's records of later windows begin
+    (carry.LATER)."""
     if mark.until is None or window.since is None or (
             mark.topics_until is not None and mark.topics_until >= window.since):
         return None
