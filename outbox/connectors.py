@@ -118,7 +118,7 @@ def deciding(bind: SyncBind | AsyncBind) -> SyncBind | AsyncBind:
     target = unproxied(bind)
     if isinstance(target, psycopg.Connection | psycopg.AsyncConnection):
         if (target.autocommit and target.info.pipeline_status == PipelineStatus.OFF
-                and target.info.transaction_status == TransactionStatus.IDLE):
+                and not _busy(target)):
             return (AsyncOwnTransaction(target) if isinstance(target, psycopg.AsyncConnection)
                     else OwnTransaction(target))
     elif isinstance(target, DjangoConnection) and not _busy(target):

@@ -340,7 +340,8 @@ class Watermark:
     until: datetime | None
     kafka_offsets: dict[str, dict[str, int]] | None
     output_path: str | None = None
-    #: The newest window end of the runs that read the topics (None: no run read them).
+    #: The newest window end of the runs that read the topics, but for re-audits of a
+    #: window before the last run's end (None: no run read them).
     topics_until: datetime | None = None
 
 
