@@ -89,9 +89,21 @@ def split(ranges: list[OffsetRange], max_records: int) -> list[OffsetRange]:
     return pieces
 
 
-def high_watermarks(bootstrap: str, topics: list[str], client: dict[str, Any] | None = None,
-                    timeout: float = 60.0) -> dict[tuple[str, int], int]:
-    """The next offset of every partition of ``topics`` that exist, from fetch responses.
+@dataclass(frozen=True)
+class LogBounds:
+    """What a reconciliation asks of each partition before it reads: where it ends, and
+    which record it begins with (a topic deleted and recreated begins with another)."""
+
+    #: {(topic, partition): the next offset}
+    ends: dict[tuple[str, int], int]
+    #: {(topic, partition): (offset, timestamp in ms) of its first record}, where it has one
+    heads: dict[tuple[str, int], tuple[int, int]]
+
+
+def log_bounds(bootstrap: str, topics: list[str], client: dict[str, Any] | None = None,
+               timeout: float = 60.0) -> LogBounds:
+    """The high-watermark of every partition of ``topics`` that exist, from fetch responses,
+    and its first record, which the same fetches bring (from the partition's start).
 
     ``client``: extra kafka-python settings (security) for the consumer.
     """
@@ -103,21 +115,34 @@ def high_watermarks(bootstrap: str, topics: list[str], client: dict[str, Any] | 
         partitions = [TopicPartition(topic, p) for topic in sorted(set(topics) & existing)
                       for p in sorted(consumer.partitions_for_topic(topic) or ())]
         if not partitions:
-            return {}
+            return LogBounds({}, {})
         consumer.assign(partitions)
         consumer.seek_to_beginning(*partitions)
+        heads: dict[tuple[str, int], tuple[int, int]] = {}
         deadline = time.monotonic() + timeout
         while True:
             marks = {tp: consumer.highwater(tp) for tp in partitions}
+            # A fetch response's high-watermark is taken as it is parsed, and its first record
+            # is returned by the same poll: once every mark is known, so is every head.
             if all(mark is not None for mark in marks.values()):
-                return {(tp.topic, tp.partition): int(mark) for tp, mark in marks.items()}
+                return LogBounds({(tp.topic, tp.partition): int(mark)
+                                  for tp, mark in marks.items()}, heads)
             if time.monotonic() > deadline:
                 raise ServiceUnavailable(
                     f"Kafka at {bootstrap} reported no high-watermark for "
                     f"{sorted(str(tp) for tp, m in marks.items() if m is None)} in {timeout:.0f}s")
-            consumer.poll(timeout_ms=200, max_records=1)
+            for tp, batch in consumer.poll(timeout_ms=200, max_records=1).items():
+                if batch and (tp.topic, tp.partition) not in heads:
+                    heads[(tp.topic, tp.partition)] = (batch[0].offset, batch[0].timestamp)
+                    consumer.pause(tp)  # its mark came with it; nothing more to fetch
     finally:
         consumer.close()
+
+
+def high_watermarks(bootstrap: str, topics: list[str], client: dict[str, Any] | None = None
+                    ) -> dict[tuple[str, int], int]:
+    """The next offset of every partition of ``topics`` that exist (log_bounds' ends)."""
+    return log_bounds(bootstrap, topics, client).ends
 
 
 class KafkaRangeReader(DataSourceReader):

@@ -45,7 +45,7 @@ from outbox.findings import FINDINGS, thresholds
 from outbox.migrate import require_current
 from outbox.settings import ReconcileSettings
 from outbox.spark import carry, findings, queries, report, runs, sources
-from outbox.spark.kafka_source import high_watermarks
+from outbox.spark.kafka_source import LogBounds, log_bounds
 from outbox.spark.runs import RunOutcome
 from outbox.tls_probe import require_tls_answer
 
@@ -157,15 +157,16 @@ def preflight(settings: ReconcileSettings, *, since: datetime | None = None,
     _output_root(settings)
     if settings.reconcile_read_topics:
         settings.require("kafka_bootstrap")
-        _topic_ends(settings, set())
+        _log_bounds(settings, set())
 
 
-def _topic_ends(settings: ReconcileSettings, topics: set[str]) -> dict[tuple[str, int], int]:
-    """The next offset of each partition of ``topics``; one line if no broker lets us in."""
+def _log_bounds(settings: ReconcileSettings, topics: set[str]) -> LogBounds:
+    """Where each partition of ``topics`` ends and what it begins with; one line if no broker
+    lets us in."""
     require_tls_answer(settings)  # kafka-python's handshake has no deadline
     try:
-        return high_watermarks(settings.kafka_bootstrap, sorted(topics),
-                               settings.kafka_python_connection())
+        return log_bounds(settings.kafka_bootstrap, sorted(topics),
+                          settings.kafka_python_connection())
     except KafkaTimeoutError:
         raise settings.kafka_unreachable() from None
 
@@ -237,14 +238,16 @@ def _run(spark: SparkSession, settings: ReconcileSettings, engine: Engine,
                  op_count, carried_count, time.monotonic() - clock_start)
 
         records = read_to = unknown = judged = claims = kafka_count = None
-        anchors, later = handed.keys, handed.later
+        anchors, later, heads = handed.keys, handed.later, handed.heads
         recorded_since: set[int] = set()
         if settings.reconcile_read_topics:
             unread = _unread(mark, window)
             with _phase(timings, "read topics"):
                 records, plan = _read_topics(spark, settings, engine, messages, mark,
-                                             window, unread, later, cached)
+                                             window, unread, handed, cached)
                 read_to = plan.read_to
+                if not _re_audit(mark, window):  # which hands on the heads it was handed
+                    heads = plan.heads
                 anchors = _without_rewound(anchors, plan)
                 kafka_count = records.count()
         inputs = findings.Inputs(messages, orphans, records, clock.now,
@@ -285,7 +288,7 @@ def _run(spark: SparkSession, settings: ReconcileSettings, engine: Engine,
             time.monotonic() - clock_start)
         with _phase(timings, "carry over"):
             spark.sparkContext.setJobDescription("outbox reconcile: carrying over")
-            carrying = carry.write(spark, output, facts, anchors, later)
+            carrying = carry.write(spark, output, facts, anchors, later, heads)
         with _phase(timings, "statistics"):
             spark.sparkContext.setJobDescription("outbox reconcile: statistics")
             stats = findings.stats(own_states, messages.where(~F.col("carried")))
@@ -390,11 +393,12 @@ def _window(since: datetime | None, mark: queries.Watermark, clock: queries.Cloc
 
 def _read_topics(spark: SparkSession, settings: ReconcileSettings, engine: Any, messages: DataFrame,
                  mark: queries.Watermark, window: queries.Window, unread: queries.Window | None,
-                 later: dict[tuple[str, int], int], cached: list[DataFrame]
+                 handed: carry.Carry, cached: list[DataFrame]
                  ) -> tuple[DataFrame, sources.TopicPlan]:
     """The topics from the last run's end (or the window's first op record) to their end;
     after tables-only runs (``unread``) also the topics of their windows, and again from
-    where the last topic run's records of later windows begin (``later``)."""
+    where the last topic run's records of later windows begin (``handed.later``). A
+    partition recreated since the last topic run (``handed.heads``) is read from its start."""
     spark.sparkContext.setJobDescription("outbox reconcile: reading the topics")
     # one job for the three (a job costs about 0.3 s on a small window): the first recorded
     # position per partition, the messages delivered more than once, and the topics
@@ -420,20 +424,29 @@ def _read_topics(spark: SparkSession, settings: ReconcileSettings, engine: Any, 
         log.info("the runs since %s read the tables only: their windows' records are read "
                  "(again, from where the last topic run's records of later windows begin, in "
                  "%d partitions), and %d topics they alone saw%s",
-                 _iso(unread.since) or "the beginning", len(later), len(unread_topics),
+                 _iso(unread.since) or "the beginning", len(handed.later), len(unread_topics),
                  f" ({', '.join(sorted(unread_topics))})" if 0 < len(unread_topics) <= 10
                  else "")
     topics |= unread_topics
-    ends = _topic_ends(settings, topics)
-    plan = sources.plan_topics(ends, first_ops, mark.kafka_offsets,
+    bounds = _log_bounds(settings, topics)
+    plan = sources.plan_topics(bounds.ends, first_ops, mark.kafka_offsets,
                                window.since is None or (unread is not None
                                                         and mark.kafka_offsets is None),
-                               later if unread is not None else None)
+                               handed.later if unread is not None else None,
+                               bounds.heads, handed.heads)
     for topic, partition, seen, end in plan.rewound:
-        log.warning("topic %s partition %d ends at offset %d, before offset %d where the last "
-                    "run stopped reading: it was deleted and recreated, or Kafka lost records. "
-                    "It is read from its start, all of it new, and the per-key order of the "
-                    "topic's keys starts afresh", topic, partition, end, seen)
+        if seen > end:
+            log.warning("topic %s partition %d ends at offset %d, before offset %d where the "
+                        "last run stopped reading: it was deleted and recreated, or Kafka lost "
+                        "records. It is read from its start, all of it new, and the per-key "
+                        "order of the topic's keys starts afresh", topic, partition, end, seen)
+        else:
+            log.warning("topic %s partition %d begins with another record (offset %d, written "
+                        "at %s) than when the last run that read the topics saw it (offset %d, "
+                        "%s): it was deleted and recreated. It is read from its start, all of "
+                        "it new, and the per-key order of the topic's keys starts afresh",
+                        topic, partition, *_head(bounds.heads[(topic, partition)]),
+                        *_head(handed.heads[(topic, partition)]))
     log.info("reading %d offset ranges of %d topics (%d records) with %s", len(plan.ranges),
              len(topics), sum(r.end - r.start for r in plan.ranges), settings.kafka_client)
     client = settings.kafka_security(
@@ -449,9 +462,18 @@ def _next_start(read_to: dict[str, dict[str, int]] | None, mark: queries.Waterma
     of a window before the last run's end, which leaves the last topic run's offsets: it
     judged the records of its own window only, and those of the windows after it, which
     tables-only runs may have judged, are still to be compared."""
-    if read_to is not None and mark.until is not None and window.until < mark.until:
-        return mark.kafka_offsets
-    return read_to
+    return mark.kafka_offsets if read_to is not None and _re_audit(mark, window) else read_to
+
+
+def _re_audit(mark: queries.Watermark, window: queries.Window) -> bool:
+    """The window ends before the last run's: an older window audited again."""
+    return mark.until is not None and window.until < mark.until
+
+
+def _head(head: tuple[int, int]) -> tuple[int, str]:
+    """A partition's first record as the log names it: its offset and its time."""
+    offset, at = head
+    return offset, datetime.fromtimestamp(at / 1000, UTC).isoformat(timespec="milliseconds")
 
 
 def _unread(mark: queries.Watermark, window: queries.Window) -> queries.Window | None:

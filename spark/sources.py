@@ -148,12 +148,16 @@ class TopicPlan:
     #: The watermark this run leaves: {topic: {partition: next offset}}.
     read_to: dict[str, dict[str, int]]
     #: (topic, partition, last run's end, its end now) of partitions that end before the
-    #: last run's end: recreated, or records lost. Read from their start, all new.
+    #: last run's end (recreated, or records lost), or whose first record shows they were
+    #: recreated (recreated()). Read from their start, all new.
     rewound: list[tuple[str, int, int, int]] = field(default_factory=list)
     #: Records at or after these offsets (at most fresh_from) whose messages no run compared
     #: with them are checked again: those of later windows a topic run left to tables-only
     #: runs (see carry.LATER).
     recheck_from: dict[tuple[str, int], int] = field(default_factory=dict)
+    #: The heads this run hands on (carry.HEADS): those it found, and the last run's of the
+    #: partitions it did not ask about.
+    heads: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)
 
     def read_from(self) -> dict[tuple[str, int], int]:
         """Where each partition was read from (its end, if nothing of it was read)."""
@@ -167,21 +171,26 @@ def plan_topics(ends: Mapping[tuple[str, int], int],
                 window_offsets: Mapping[tuple[str, int], int],
                 previous: Mapping[str, Mapping[str, int]] | None,
                 from_beginning: bool,
-                recheck: Mapping[tuple[str, int], int] | None = None) -> TopicPlan:
+                recheck: Mapping[tuple[str, int], int] | None = None,
+                heads: Mapping[tuple[str, int], tuple[int, int]] | None = None,
+                heads_before: Mapping[tuple[str, int], tuple[int, int]] | None = None
+                ) -> TopicPlan:
     """Read from the last run's end (or the window's first op record, if earlier) to the end.
 
     ``window_offsets`` are the lowest offsets the window's op records name, so every record
     they point at is read. Without an earlier run, everything is new when the window starts
     at the beginning of time; otherwise only what lies at or after the window's op records.
-    A partition that now ends before the last run's end is read whole, all of it new.
-    ``recheck``: offsets from which records seen before are read and checked again (those
-    the last topic run left to later windows, when tables-only runs judged them).
+    A partition that now ends before the last run's end, or whose first record shows it was
+    recreated (``heads`` now against ``heads_before``, see recreated()), is read whole, all of
+    it new. ``recheck``: offsets from which records seen before are read and checked again
+    (those the last topic run left to later windows, when tables-only runs judged them).
     """
     ranges, fresh_from, rewound, recheck_from = [], {}, [], {}
+    restarted = set(recreated(heads_before or {}, heads or {}))
     for (topic, partition), end in sorted(ends.items()):
         seen = None if previous is None else previous.get(topic, {}).get(str(partition))
         first_op = window_offsets.get((topic, partition))
-        if seen is not None and seen > end:
+        if seen is not None and (seen > end or (topic, partition) in restarted):
             rewound.append((topic, partition, seen, end))
             fresh = 0
         elif seen is not None:
@@ -199,7 +208,19 @@ def plan_topics(ends: Mapping[tuple[str, int], int],
     read_to: dict[str, dict[str, int]] = {t: dict(p) for t, p in (previous or {}).items()}
     for (topic, partition), end in ends.items():
         read_to.setdefault(topic, {})[str(partition)] = end
-    return TopicPlan(ranges, fresh_from, read_to, rewound, recheck_from)
+    handed = {key: head for key, head in (heads_before or {}).items() if key not in ends}
+    return TopicPlan(ranges, fresh_from, read_to, rewound, recheck_from,
+                     {**handed, **(heads or {})})
+
+
+def recreated(before: Mapping[tuple[str, int], tuple[int, int]],
+              now: Mapping[tuple[str, int], tuple[int, int]]) -> list[tuple[str, int]]:
+    """The partitions whose first record (offset, timestamp) shows they were deleted and
+    recreated since ``before``: they begin at an earlier offset, or at the same one with a
+    record of another time. One that begins later only lost its first records (retention,
+    compaction)."""
+    return sorted(key for key, (offset, at) in now.items() if key in before and (
+        offset < before[key][0] or (offset == before[key][0] and at != before[key][1])))
 
 
 def read_topics(spark: SparkSession, bootstrap: str, plan: TopicPlan,

@@ -11,6 +11,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+from kafka import KafkaAdminClient
 from pyspark.sql import SparkSession
 from sqlalchemy import Engine, text
 
@@ -18,6 +19,7 @@ from outbox import migrate
 from outbox.dev import services as devservices
 from outbox.dev.topics import create_topic
 from outbox.spark import reconcile as job
+from outbox.spark.kafka_source import high_watermarks
 from outbox.spark.runs import RunOutcome
 from tests.integration import test_reconcile
 from tests.integration.test_reconcile import found, insert_message, produce, reconcile_settings
@@ -147,6 +149,41 @@ def test_a_topic_only_tables_only_runs_saw_is_read_by_the_next_topic_run(
     assert third.summary["counts"]["kafka_records"] == 3, stray
     assert found(spark, third) == {"kafka_record_without_op_record": {gone, None}}
     assert third.summary["kafka_offsets"][other] == {"0": 3}
+
+
+def test_a_topic_recreated_and_written_past_the_last_runs_end_is_read_from_its_start(
+    spark: SparkSession, services: devservices.Services, engine: Engine, schema: str,
+    topic: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A topic deleted and recreated, then written past where the last topic run stopped:
+    its end did not show it, so the next topic run read the new log from the old end on,
+    and a stray record below that end went unreported. Its first record shows it; the
+    tables-only run between hands on what the topic run saw."""
+    settings = reconcile_settings(services, schema, tmp_path)
+    for _ in range(3):
+        deliver(engine, services, schema, topic, age="2 hours")
+    first = job.run(spark, settings, until=datetime.now(UTC))
+    admin = KafkaAdminClient(bootstrap_servers=services.kafka_bootstrap)
+    try:
+        admin.delete_topics([topic])
+    finally:
+        admin.close()
+    create_topic(services.kafka_bootstrap, topic, partitions=3)
+    assert high_watermarks(services.kafka_bootstrap, [topic])[(topic, 0)] == 0
+    stray = produce(services.kafka_bootstrap, topic, 0, b"b", None)
+    for _ in range(4):
+        deliver(engine, services, schema, topic, age="0 seconds")
+    job.run(spark, settings.model_copy(update={"reconcile_read_topics": False}),
+            until=datetime.now(UTC))
+
+    with caplog.at_level("WARNING", logger="outbox.reconcile"):
+        third = job.run(spark, settings, until=datetime.now(UTC))
+
+    assert first.summary["kafka_offsets"][topic]["0"] == 3
+    assert found(spark, third) == {"kafka_record_without_op_record": {None}}, stray
+    assert third.summary["counts"]["kafka_records"] == 1 + 4
+    assert f"topic {topic} partition 0 begins with another record (offset 0" in caplog.text
+    assert "deleted and recreated" in caplog.text
 
 
 def forget(engine: Engine, schema: str, message_id: int) -> None:

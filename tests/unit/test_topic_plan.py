@@ -40,3 +40,25 @@ def test_records_left_to_a_tables_only_run_are_read_again_and_only_checked() -> 
     assert plan.fresh_from == {("t", 0): 40, ("t", 1): 30, ("t", 2): 9}
     assert plan.recheck_from == {("t", 0): 33, ("t", 1): 30, ("t", 2): 9}
     assert plan.read_from() == {("t", 0): 33, ("t", 1): 30, ("t", 2): 9}
+
+
+def test_a_partition_that_begins_with_another_record_is_read_from_its_start() -> None:
+    """Deleted and recreated, and written again past where the last run stopped: its end
+    alone does not show it. Its first record does: an earlier offset (partition 0), or the
+    same offset written at another time (1). One that begins later lost its first records
+    to retention (2); one asked about for the first time (3) has nothing to compare with.
+    The heads handed on are the ones found, and the last run's of partitions not asked
+    about (u)."""
+    before = {("t", 0): (7, 1000), ("t", 1): (0, 1000), ("t", 2): (0, 1000), ("u", 0): (0, 5)}
+    now = {("t", 0): (0, 2000), ("t", 1): (0, 2000), ("t", 2): (30, 3000), ("t", 3): (0, 9)}
+    plan = plan_topics({("t", p): 60 for p in range(4)}, {},
+                       {"t": {"0": 50, "1": 50, "2": 50, "3": 50}}, from_beginning=False,
+                       heads=now, heads_before=before)
+    assert plan.rewound == [("t", 0, 50, 60), ("t", 1, 50, 60)]
+    assert plan.ranges == [OffsetRange("t", 0, 0, 60), OffsetRange("t", 1, 0, 60),
+                           OffsetRange("t", 2, 50, 60), OffsetRange("t", 3, 50, 60)]
+    assert plan.fresh_from == {("t", 0): 0, ("t", 1): 0, ("t", 2): 50, ("t", 3): 50}
+    assert plan.heads == {**now, ("u", 0): (0, 5)}
+    same = plan_topics({("t", 0): 60}, {}, {"t": {"0": 50}}, from_beginning=False,
+                       heads={("t", 0): (7, 1000)}, heads_before=before)
+    assert same.rewound == [] and same.fresh_from == {("t", 0): 50}
