@@ -403,15 +403,28 @@ def dev() -> None:
 @click.option("--durable/--fast", default=False,
               help="keep PostgreSQL's fsync on (for benchmarks); default off")
 def up(state_file: Path, durable: bool) -> None:
-    """Start the services and print the OUTBOX_* settings to export."""
+    """Start the services and print the OUTBOX_* settings to export; start again those
+    recorded that were killed (on their ports, PostgreSQL with its data)."""
     from outbox.dev import services as devservices
 
-    if state_file.exists():
-        raise ConfigurationError(
-            f"services already recorded in {state_file}: `outbox dev env` prints their "
-            "settings again, `outbox dev down` stops them")
-    services = devservices.start(durable=durable, keep=True)
-    services.save(state_file)
+    services = devservices.Services.load(state_file) if state_file.exists() else None
+    if services is not None and not services.exists():
+        click.echo(f"# the services recorded in {state_file} are gone with their folder "
+                   f"{services.root}: starting new ones", err=True)
+        services = None
+    if services is not None:
+        restarted = devservices.resume(services)
+        if not restarted:
+            raise ConfigurationError(
+                f"services already recorded in {state_file}: `outbox dev env` prints their "
+                "settings again, `outbox dev down` stops them")
+        services.save(state_file)
+        click.echo(f"# restarted the embedded {' and '.join(restarted)} recorded in "
+                   f"{state_file}" + ("; the broker's topics were in memory and are gone"
+                                      if "Kafka broker" in restarted else ""), err=True)
+    else:
+        services = devservices.start(durable=durable, keep=True)
+        services.save(state_file)
     click.echo(f"# PostgreSQL on port {services.pg_port}, Kafka on port {services.kafka_port}; "
                f"files in {services.root}", err=True)
     _exports(services)
@@ -426,7 +439,11 @@ def env(state_file: Path) -> None:
 
     if not state_file.exists():
         raise ConfigurationError(f"nothing recorded in {state_file}: run `outbox dev up`")
-    _exports(devservices.Services.load(state_file))
+    services = devservices.Services.load(state_file)
+    for name in devservices.not_running(services):
+        click.echo(f"# the embedded {name} recorded there is not running: `outbox dev up` "
+                   "starts it again", err=True)
+    _exports(services)
 
 
 def _exports(services: Any) -> None:

@@ -47,6 +47,8 @@ class Services:
     tansu_pid: int
     #: the port the broker tells clients to use, when a proxy stands in front of it
     kafka_advertised_port: int = 0
+    #: PostgreSQL keeps fsync on (``--durable``)
+    durable: bool = False
 
     @property
     def database_url(self) -> str:
@@ -59,6 +61,10 @@ class Services:
     @property
     def pg_data(self) -> str:
         return os.path.join(self.root, "pgdata")
+
+    def exists(self) -> bool:
+        """Whether their folder is still there (a reboot may clean the temporary folder)."""
+        return os.path.isdir(self.pg_data)
 
     def env(self) -> dict[str, str]:
         return {
@@ -223,7 +229,7 @@ def start(*, durable: bool = False, kafka_advertised_port: int = 0, keep: bool =
         Path(root, OWNER_FILE).write_text(str(os.getpid()))
     services = Services(root=root, pg_bindir=find_pg_bindir(), pg_port=free_port(),
                         kafka_port=free_port(), tansu_pid=0,
-                        kafka_advertised_port=kafka_advertised_port)
+                        kafka_advertised_port=kafka_advertised_port, durable=durable)
     try:
         _init_postgres(services, durable=durable)
         services.tansu_pid = start_tansu(services)
@@ -296,6 +302,33 @@ def stop(services: Services) -> list[str]:
             stopped.insert(0, "PostgreSQL")
     shutil.rmtree(services.root, ignore_errors=True)
     return stopped
+
+
+def not_running(services: Services) -> list[str]:
+    """The names of the recorded servers that are not running (killed, or a reboot)."""
+    postmaster = _pid_in(os.path.join(services.pg_data, "postmaster.pid"))
+    return [name for name, up in (("PostgreSQL", _runs(postmaster, services.pg_data)),
+                                  ("Kafka broker", _runs(services.tansu_pid, "tansu"))) if not up]
+
+
+def resume(services: Services) -> list[str]:
+    """Start again, on their recorded ports, the recorded servers that are not running
+    (PostgreSQL with its data; the broker empty, as its topics were in memory). Returns
+    their names. Their folder must still be there."""
+    down = not_running(services)
+    if "PostgreSQL" in down:
+        # A killed postmaster whose parent never reaps it (a container's init) stays a zombie,
+        # which PostgreSQL takes for a server still running on its lock files.
+        for lock in (os.path.join(services.pg_data, "postmaster.pid"),
+                     os.path.join(services.root, f".s.PGSQL.{services.pg_port}.lock")):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(lock)
+        start_postgres(services, durable=services.durable)  # recovers from a kill -9
+    if "Kafka broker" in down:
+        services.tansu_pid = start_tansu(services)
+    if down:
+        services.save(Path(services.root, STATE_FILE))
+    return down
 
 
 def _wait_gone(pid: int, timeout: float = 5) -> None:

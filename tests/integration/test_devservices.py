@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import uuid
@@ -14,6 +15,7 @@ from kafka import KafkaProducer
 from outbox import migrate
 from outbox.dev import services as devservices
 from outbox.dev.services import Services
+from tests.conftest import wait_until
 from tests.processes import run_outbox
 
 
@@ -47,6 +49,62 @@ def test_dev_up_prints_settings_and_dev_down_stops_everything(tmp_path: Path) ->
     assert run_outbox(None, "dev", "env", "--state-file", str(state)).returncode == 2
     assert not os.path.exists(services.root)
     assert not alive(services.tansu_pid), "the broker process is gone"
+
+
+def test_dev_up_starts_again_on_their_ports_the_recorded_servers_that_were_killed(
+    tmp_path: Path
+) -> None:
+    """A broker killed (or PostgreSQL): `dev up` refused ("services already recorded"), and
+    `dev down` then discarded the database with it."""
+    state = tmp_path / "state.json"
+    up = run_outbox(None, "dev", "up", "--state-file", str(state))
+    assert up.returncode == 0, up.stderr
+    services = Services.load(state)
+    try:
+        with psycopg.connect(services.database_url, autocommit=True) as conn:
+            conn.execute("CREATE TABLE kept (id int)")
+            conn.execute("CHECKPOINT")  # --fast commits without waiting for the WAL's flush
+        postmaster = int(Path(services.pg_data, "postmaster.pid").read_text().split()[0])
+        for pid in (services.tansu_pid, postmaster):
+            os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: len(devservices.not_running(services)) == 2, 10, "both gone")
+
+        shown = run_outbox(None, "dev", "env", "--state-file", str(state))
+        assert (shown.returncode, shown.stdout) == (0, up.stdout)
+        assert shown.stderr.splitlines() == [
+            f"# the embedded {name} recorded there is not running: `outbox dev up` starts it "
+            "again" for name in ("PostgreSQL", "Kafka broker")]
+        again = run_outbox(None, "dev", "up", "--state-file", str(state))
+        assert (again.returncode, again.stdout) == (0, up.stdout), again.stderr
+        assert again.stderr.startswith(
+            f"# restarted the embedded PostgreSQL and Kafka broker recorded in {state}; the "
+            "broker's topics were in memory and are gone\n")
+        with psycopg.connect(services.database_url) as conn:
+            assert conn.execute("SELECT count(*) FROM kept").fetchone() == (0,)
+        producer = KafkaProducer(bootstrap_servers=services.kafka_bootstrap)
+        producer.send("dev-check", b"x").get(timeout=10)
+        producer.close()
+        assert devservices.not_running(Services.load(state)) == []
+    finally:
+        down = run_outbox(None, "dev", "down", "--state-file", str(state))
+    assert (down.returncode, down.stderr) == (
+        0, "stopped the embedded PostgreSQL and Kafka broker\n")
+
+
+def test_dev_up_starts_new_services_when_the_recorded_ones_are_gone_with_their_folder(
+    tmp_path: Path
+) -> None:
+    state = tmp_path / "state.json"
+    Services(root=str(tmp_path / "gone"), pg_bindir="/nonexistent", pg_port=1, kafka_port=1,
+             tansu_pid=0).save(state)
+    up = run_outbox(None, "dev", "up", "--state-file", str(state))
+    try:
+        assert up.returncode == 0, up.stderr
+        assert up.stderr.startswith(f"# the services recorded in {state} are gone with their "
+                                    f"folder {tmp_path / 'gone'}: starting new ones\n")
+        assert Services.load(state).exists()
+    finally:
+        assert run_outbox(None, "dev", "down", "--state-file", str(state)).returncode == 0
 
 
 def alive(pid: int) -> bool:
