@@ -112,10 +112,10 @@ def own_transaction(bind: Engine | AsyncEngine | psycopg.Connection[Any]
 
 def deciding(bind: SyncBind | AsyncBind) -> SyncBind | AsyncBind:
     """Where a decision (commit, rollback) runs: a psycopg connection in autocommit mode
-    outside any transaction, or a Django connection outside ``atomic()``, commits it at
-    once, as an engine does (the application's own writes there commit one by one too);
-    anything else as given."""
-    target = unproxied(bind)
+    outside any transaction (SQLAlchemy's ``AUTOCOMMIT`` isolation level on psycopg too), or
+    a Django connection outside ``atomic()``, commits it at once, as an engine does (the
+    application's own writes there commit one by one too); anything else as given."""
+    target = _under_autocommit(unproxied(bind))
     if isinstance(target, psycopg.Connection | psycopg.AsyncConnection):
         if (target.autocommit and target.info.pipeline_status == PipelineStatus.OFF
                 and not _busy(target)):
@@ -123,6 +123,17 @@ def deciding(bind: SyncBind | AsyncBind) -> SyncBind | AsyncBind:
                     else OwnTransaction(target))
     elif isinstance(target, DjangoConnection) and not _busy(target):
         return OwnTransaction(target)
+    return bind
+
+
+def _under_autocommit(bind: Any) -> Any:
+    """The psycopg connection under a SQLAlchemy one in ``AUTOCOMMIT`` mode (where SQLAlchemy's
+    transaction opens none in the database); anything else as given."""
+    sync = bind.sync_connection if isinstance(bind, AsyncConnection) else bind
+    if isinstance(sync, Connection) and not sync.closed and _autocommit(sync):
+        driver = sync.connection.driver_connection
+        if isinstance(driver, psycopg.Connection | psycopg.AsyncConnection):
+            return driver
     return bind
 
 
@@ -327,8 +338,8 @@ def _require_transaction(in_transaction: bool, dialect: str) -> None:
             "they commit or roll back with your data: call them inside `with session.begin():` "
             "(or `async with ...`, psycopg's `conn.transaction()`, Django's "
             "`transaction.atomic()`), not in autocommit mode; a commit() or rollback() "
-            "may be given an Engine, or a psycopg or Django connection outside any "
-            "transaction, instead, which commits it at once"
+            "may be given an Engine, or a psycopg, Django or SQLAlchemy AUTOCOMMIT "
+            "connection outside any transaction, instead, which commits it at once"
         )
 
 

@@ -8,6 +8,7 @@ import uuid
 import psycopg
 import pytest
 from sqlalchemy import Engine, text
+from sqlalchemy.ext.asyncio import create_async_engine
 
 from outbox import (
     ConfigurationError,
@@ -19,7 +20,7 @@ from outbox import (
 )
 from outbox.dev.topics import read_topic
 from outbox.relay.relay import Relay
-from outbox.settings import Settings
+from outbox.settings import Settings, sqlalchemy_url
 from tests.conftest import count_status, wait_delivered
 
 
@@ -158,7 +159,8 @@ def test_a_decision_on_a_connection_outside_any_transaction_commits_at_once(
             first, second, third = (outbox.prepare(conn, "orders", {"n": n}) for n in range(3))
         outbox.commit(conn, first)
         outbox.rollback(conn, second)
-        with pytest.raises(NotInTransaction, match="Engine, or a psycopg or Django connection"):
+        with pytest.raises(NotInTransaction,
+                           match="Engine, or a psycopg, Django or SQLAlchemy AUTOCOMMIT"):
             outbox.publish(conn, "orders", {"n": 4})
         with pytest.raises(psycopg.errors.DivisionByZero), conn.transaction():
             outbox.commit(conn, third)
@@ -173,6 +175,34 @@ def test_a_decision_on_a_connection_outside_any_transaction_commits_at_once(
 
     asyncio.run(scenario())
     assert resolutions(engine, schema)[third] == "ROLLBACK"
+
+
+def test_a_decision_on_a_sqlalchemy_autocommit_connection_commits_at_once(
+    outbox: Outbox, engine: Engine, schema: str, settings: Settings
+) -> None:
+    """SQLAlchemy's AUTOCOMMIT isolation level opens no transaction in the database, though
+    the connection says it is in one: a decision there was refused (NotInTransaction). It
+    now commits at once, as on psycopg's own autocommit connection; a publish is refused."""
+    with engine.begin() as conn:
+        first, second = (outbox.prepare(conn, "orders", {"n": n}) for n in range(2))
+    with engine.execution_options(isolation_level="AUTOCOMMIT").connect() as conn:
+        conn.execute(text("SELECT 1"))
+        outbox.commit(conn, first)
+        with pytest.raises(NotInTransaction, match="not in autocommit mode"):
+            outbox.publish(conn, "orders", {"n": 3})
+    assert resolutions(engine, schema) == {first: "COMMIT", second: "UNKNOWN"}
+
+    async def scenario() -> None:
+        async_engine = create_async_engine(sqlalchemy_url(settings.database_url),
+                                           isolation_level="AUTOCOMMIT")
+        try:
+            async with async_engine.connect() as conn:
+                await outbox.rollback(conn, second)
+        finally:
+            await async_engine.dispose()
+
+    asyncio.run(scenario())
+    assert resolutions(engine, schema)[second] == "ROLLBACK"
 
 
 def test_a_connection_whose_cursors_bind_on_the_server_publishes_and_decides(
