@@ -704,6 +704,10 @@ class ReconcileSettings(DatabaseSettings, KafkaSettings):
         default="/usr/share/java/postgresql.jar",
         description="the PostgreSQL JDBC driver jar (Debian: libpostgresql-jdbc-java)",
     )
+    reconcile_progress_seconds: float = Field(
+        default=30.0, gt=0, le=86400, description="seconds between the progress lines a run "
+        "logs while its Spark jobs work (none for a run quicker than that)"
+    )
 
 
 class ConsoleSettings(StatusSettings):

@@ -4,5 +4,5 @@
 ``queries.py`` holds its SQL, ``sources.py`` its JDBC and Kafka reads, ``kafka_source.py``
 the Python data source over kafka-python, ``findings.py`` how each finding (named, with
 its default threshold, in ``outbox/findings.py``) is found, ``report.py`` the short text
-report.
+report, ``progress.py`` the lines a run logs while its Spark jobs work.
 """

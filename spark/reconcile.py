@@ -46,6 +46,7 @@ from outbox.migrate import require_current
 from outbox.settings import ReconcileSettings
 from outbox.spark import carry, findings, queries, report, runs, sources
 from outbox.spark.kafka_source import LogBounds, log_bounds
+from outbox.spark.progress import Progress
 from outbox.spark.runs import RunOutcome
 from outbox.tls_probe import require_tls_answer
 
@@ -179,14 +180,15 @@ def run(spark: SparkSession, settings: ReconcileSettings, *, since: datetime | N
         settings.require("kafka_bootstrap")
     engine = store.engine(settings.sqlalchemy_url, pool_size=2)
     try:
-        with runs.one_at_a_time(engine, settings.schema_name):
-            return _run(spark, settings, engine, since, until)
+        with runs.one_at_a_time(engine, settings.schema_name), Progress(
+                spark.sparkContext, log, settings.reconcile_progress_seconds) as progress:
+            return _run(spark, settings, engine, since, until, progress)
     finally:
         engine.dispose()
 
 
 def _run(spark: SparkSession, settings: ReconcileSettings, engine: Engine,
-         since: datetime | None, until: datetime | None) -> Result:
+         since: datetime | None, until: datetime | None, progress: Progress) -> Result:
     started_at = datetime.now(UTC)
     clock_start = time.monotonic()
     limits = thresholds(settings.reconcile_thresholds)
@@ -206,7 +208,7 @@ def _run(spark: SparkSession, settings: ReconcileSettings, engine: Engine,
         _require_past(since, until, clock.now, mark.until)
         window, source = _window(since, mark, clock)
         timings: dict[str, float] = {}
-        with _phase(timings, "read tables"):
+        with _phase(timings, progress, "read tables"):
             spark.sparkContext.setJobDescription("outbox reconcile: reading the outbox tables")
             with engine.connect() as conn:
                 bounds = queries.window_bounds(conn, schema, window)
@@ -242,7 +244,7 @@ def _run(spark: SparkSession, settings: ReconcileSettings, engine: Engine,
         recorded_since: set[int] = set()
         if settings.reconcile_read_topics:
             unread = _unread(mark, window)
-            with _phase(timings, "read topics"):
+            with _phase(timings, progress, "read topics"):
                 records, plan = _read_topics(spark, settings, engine, messages, mark,
                                              window, unread, handed, cached)
                 read_to = plan.read_to
@@ -252,7 +254,7 @@ def _run(spark: SparkSession, settings: ReconcileSettings, engine: Engine,
                 kafka_count = records.count()
         inputs = findings.Inputs(messages, orphans, records, clock.now,
                                  settings.reconcile_sla_seconds, anchors)
-        with _phase(timings, "match"):
+        with _phase(timings, progress, "match"):
             spark.sparkContext.setJobDescription("outbox reconcile: matching the records")
             everything = findings.joined(inputs)
             facts = findings.facts(everything)
@@ -270,7 +272,7 @@ def _run(spark: SparkSession, settings: ReconcileSettings, engine: Engine,
                     r.id for r in looked if r.unrecorded])
 
         output = _output_dir(output_root, started_at)
-        with _phase(timings, "find and write"):
+        with _phase(timings, progress, "find and write"):
             spark.sparkContext.setJobDescription("outbox reconcile: findings")
             # As many tasks as the messages were read in (one per core, more for a large
             # window), not the union of the findings' partitions: one per partition of each
@@ -286,10 +288,10 @@ def _run(spark: SparkSession, settings: ReconcileSettings, engine: Engine,
         log.info("findings: %s (%.1fs)", ", ".join(
             f"{name} {n}" for name, n in counts.items() if n) or "none",
             time.monotonic() - clock_start)
-        with _phase(timings, "carry over"):
+        with _phase(timings, progress, "carry over"):
             spark.sparkContext.setJobDescription("outbox reconcile: carrying over")
             carrying = carry.write(spark, output, facts, anchors, later, heads)
-        with _phase(timings, "statistics"):
+        with _phase(timings, progress, "statistics"):
             spark.sparkContext.setJobDescription("outbox reconcile: statistics")
             stats = findings.stats(own_states, messages.where(~F.col("carried")))
 
@@ -617,12 +619,15 @@ def _with_carried(spark: SparkSession, jdbc: dict[str, str], schema: str,
 
 
 @contextlib.contextmanager
-def _phase(timings: dict[str, float], name: str) -> Iterator[None]:
-    """Add the block's wall time to ``timings[name]`` (the summary's seconds_by_phase)."""
+def _phase(timings: dict[str, float], progress: Progress, name: str) -> Iterator[None]:
+    """Add the block's wall time to ``timings[name]`` (the summary's seconds_by_phase); the
+    progress lines name the phase meanwhile."""
     start = time.monotonic()
+    progress.phase = name
     try:
         yield
     finally:
+        progress.phase = None
         timings[name] = round(timings.get(name, 0.0) + time.monotonic() - start, 3)
 
 

@@ -4,8 +4,10 @@ end back for other roles' open transactions (issue 15, "no blind spots")."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -22,7 +24,7 @@ from outbox.dev import services as devservices
 from outbox.settings import Settings, sqlalchemy_url
 from outbox.spark import reconcile as job
 from outbox.spark.runs import RUN_LOCK_CLASS, RunOutcome
-from tests.conftest import assert_refused, publish_orders, wait_until
+from tests.conftest import assert_refused, publish_orders, running_relay, wait_delivered, wait_until
 from tests.integration import test_reconcile
 from tests.processes import outbox_env
 
@@ -73,6 +75,7 @@ def test_a_second_run_of_the_schema_exits_while_the_first_runs_then_follows_it(
         "nothing (runs of a schema take turns: start the next when it ends)"]
     assert first.returncode == 0, errors[-3000:]
     assert "reconciliation run 1: CLEAN" in output
+    assert "still running" not in errors, "a progress line before reconcile_progress_seconds"
     after = job.run(spark, settings, until=datetime.now(UTC))
     with engine.connect() as conn:
         windows = conn.execute(text(
@@ -177,3 +180,29 @@ def test_a_run_that_fails_before_it_is_recorded_leaves_no_run_folder(
         job.run(spark, settings, until=datetime.now(UTC))
 
     assert not list(tmp_path.glob("run-*"))
+
+
+def test_a_run_names_its_phase_and_tasks_while_its_spark_jobs_work(
+    spark: SparkSession, services: devservices.Services, engine: Engine, schema: str,
+    topic: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A run said nothing while a Spark job worked: for 120 s while a dead broker stalled
+    its read of the topics (then it exited 4), for minutes on a healthy large window. Every
+    ``reconcile_progress_seconds`` (here 0.2) that a job works, it says where the run is."""
+    settings = test_reconcile.reconcile_settings(services, schema, tmp_path).model_copy(
+        update={"reconcile_progress_seconds": 0.2})
+    with running_relay(settings):
+        publish_orders(engine, Outbox(settings=settings), topic,
+                       [(f"k{i % 3}", i) for i in range(20)])
+        wait_delivered(engine, schema, 20)
+
+    with caplog.at_level("INFO", logger="outbox.reconcile"):
+        result = job.run(spark, settings, until=datetime.now(UTC))
+
+    phases = "|".join(map(re.escape, result.summary["seconds_by_phase"]))
+    said = [r.getMessage() for r in caplog.records if "still running" in r.getMessage()]
+    assert said, "no progress line"
+    for line in said:
+        assert re.fullmatch(rf"still running after \d+s \(({phases})\): \d+ of \d+ tasks "
+                            r"done, \d+ running", line), line
+    assert "reconcile-progress" not in {t.name for t in threading.enumerate()}
