@@ -1132,12 +1132,19 @@ def run_sql_checker(conn: Connection, schema: str, statement: str, message: Mess
 def reset_session(conn: Connection, schema: str) -> None:
     """Forget whatever a check left on its connection's session (advisory locks, prepared
     statements, settings): DISCARD ALL, which runs outside a transaction; then set the
-    session's own settings again (:data:`SESSION_SETTINGS`, which DISCARD ALL drops too)."""
+    session's own settings again (:data:`SESSION_SETTINGS`, which DISCARD ALL drops too).
+
+    ``conn`` is left as it was lent: no transaction begun (SQLAlchemy begins one for the
+    DISCARD ALL even in AUTOCOMMIT, and the caller's next ``begin()`` raised) and its
+    isolation level back."""
+    level = conn.get_execution_options().get("isolation_level", conn.default_isolation_level)
     conn.execution_options(isolation_level="AUTOCOMMIT")
     conn.execute(query("reset_session", schema))
     driver = conn.connection.driver_connection
     assert driver is not None  # a live connection: it just ran DISCARD ALL
     set_session(driver, SESSION_SETTINGS)
+    conn.rollback()  # ends SQLAlchemy's transaction: nothing to undo in AUTOCOMMIT
+    conn.execution_options(isolation_level=level)
 
 
 @dataclass(frozen=True, slots=True)

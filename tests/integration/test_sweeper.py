@@ -699,6 +699,22 @@ def test_a_sql_checker_resolves_from_the_business_tables(
         wait_status(engine, schema, failed, "ROLLED_BACK")
 
 
+def test_a_sweeper_with_several_sql_checkers_starts_and_checks_each_group(
+    engine: Engine, orders: Outbox, fast: Settings, schema: str, payments: str
+) -> None:
+    """Checking the SQL checkers at start left the connection in a transaction after the
+    first (its DISCARD ALL began one): the second group's check raised InvalidRequestError,
+    and a sweeper with two SQL checkers never started."""
+    refunds = Outbox(settings=fast, producer_group="refunds")
+    paid = (f"SELECT CASE state WHEN 'paid' THEN 'COMMIT' END FROM {payments} "
+            "WHERE order_id = CAST(:payload AS int)")
+    ordered, refunded = prepare(engine, orders, payload=1), prepare(engine, refunds, payload=2)
+    with sweeping(fast, sql_checkers={GROUP: paid, "refunds": "SELECT 'ROLLBACK'",
+                                      "audits": "SELECT NULL"}):
+        wait_resolution(engine, schema, ordered, "COMMIT", timeout=15)
+        wait_status(engine, schema, refunded, "ROLLED_BACK", timeout=15)
+
+
 def test_sql_checkers_can_be_declared_in_the_environment(
     engine: Engine, orders: Outbox, fast: Settings, schema: str, payments: str
 ) -> None:
