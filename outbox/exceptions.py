@@ -54,15 +54,24 @@ def first_line(exc: BaseException | None) -> str:
     """The first line of an error (a driver's own message when wrapped), for one-line logs."""
     if exc is None:
         return "unknown error"
-    text = str(getattr(exc, "orig", None) or exc).strip()
+    text = _text(exc)
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _text(exc: BaseException) -> str:
+    """An error's text (a driver's own when wrapped). A checker's error whose ``__str__``
+    raised, reported here, raised again where it was being counted: it never was."""
+    try:
+        return str(getattr(exc, "orig", None) or exc).strip()
+    except Exception as unreadable:  # any: the code that raised it is the error's own
+        return f"(its text is unreadable: str() raised {type(unreadable).__name__})"
 
 
 def describe(exc: BaseException | None) -> str:
     """``Type: first line``: what a parked message's reason or an outage line says."""
     if exc is None:
         return "unknown error"
-    text = str(getattr(exc, "orig", None) or exc).strip()
+    text = _text(exc)
     name = type(exc).__name__
     # kafka-python's errors name themselves (after their code, for a broker's answer)
     text = re.sub(rf"^(\[Error -?\d+\] )?{name}: ", r"\1", text)

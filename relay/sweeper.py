@@ -31,8 +31,9 @@ from typing import Any
 
 import psycopg
 from prometheus_client import Counter, Gauge
-from sqlalchemy import Connection, Engine
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy import Connection, Engine, event
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+from sqlalchemy.pool import ConnectionPoolEntry
 
 from outbox import store
 from outbox.app import Outbox
@@ -186,6 +187,7 @@ class Sweeper:
             pool_pre_ping=True,
             connect_args={"application_name": f"outbox-sweeper:{settings.worker_id}"[:63]},
         )
+        event.listen(self._engine, "checkin", _end_unreset)
 
     @property
     def stopping(self) -> threading.Event:
@@ -372,31 +374,41 @@ class Sweeper:
             return Resolution.UNKNOWN, "ERROR", f"not checked: {item.claim.unreadable}"
         with self._engine.connect() as conn:
             driver = conn.connection.driver_connection
+            conn.info[_LENT] = True  # until reset: closed by the checker, it is discarded
             try:
-                with self._cancellable(item, conn), conn.begin() as transaction:
+                with self._cancellable(item, conn):
+                    conn.begin()
                     store.begin_check(conn, self.schema, self.settings.checker_timeout,
                                       self.settings.checker_timeout + CLAIM_MARGIN)
                     answer = self.checkers[group](message, conn)
-                    transaction.rollback()
-                store.reset_session(conn, self.schema)
-                resolution = to_resolution(answer, f"the checker of producer group {group!r}")
             except BaseException as exc:  # sys.exit, a cancelled coroutine's: errors too
                 lost = driver is None or driver.closed or driver.broken  # the check's session
-                conn.invalidate()
-                if store.cut_off(exc):
-                    if item.expired or time.monotonic() >= item.deadline:
-                        return (Resolution.UNKNOWN, "TIMEOUT",
-                                _timed_out(self.settings.checker_timeout))
-                    raise  # cancelled before its time (pg_cancel_backend): checked again
-                if isinstance(exc, DBAPIError) and server_trouble(exc):
-                    if lost:  # not the message's fault: uncounted, checked again (_loop logs)
-                        raise
-                    # else a database of the checker's own does not answer: the check failed
-                elif isinstance(exc, CheckerRefused | DBAPIError):
-                    return Resolution.UNKNOWN, "ERROR", f"PostgreSQL refused: {first_line(exc)}"
-                return (Resolution.UNKNOWN, "ERROR",  # its text as it is recorded, logged too
-                        f"checker raised {type(exc).__name__}: {store.as_text(first_line(exc))}")
+                _discard(conn)
+                return self._failed(item, exc, lost)
+            _reset(conn, self.schema)
+        try:
+            resolution = to_resolution(answer, f"the checker of producer group {group!r}")
+        except TypeError as exc:
+            return (Resolution.UNKNOWN, "ERROR",
+                    f"checker raised TypeError: {store.as_text(first_line(exc))}")
         return resolution, resolution.value, f"checker answered {resolution}"
+
+    def _failed(self, item: _Running, exc: BaseException, lost: bool
+                ) -> tuple[Resolution, str, str]:
+        """A check that raised ``exc``, counted as inconclusive; raised again if it says
+        nothing of the message (its session ``lost`` to the server, or cancelled early)."""
+        if store.cut_off(exc):
+            if item.expired or time.monotonic() >= item.deadline:
+                return Resolution.UNKNOWN, "TIMEOUT", _timed_out(self.settings.checker_timeout)
+            raise exc  # cancelled before its time (pg_cancel_backend): checked again
+        if isinstance(exc, DBAPIError) and server_trouble(exc):
+            if lost:  # not the message's fault: uncounted, checked again (_loop logs)
+                raise exc
+            # else a database of the checker's own does not answer: the check failed
+        elif isinstance(exc, CheckerRefused | DBAPIError):
+            return Resolution.UNKNOWN, "ERROR", f"PostgreSQL refused: {first_line(exc)}"
+        return (Resolution.UNKNOWN, "ERROR",  # its text as it is recorded, logged too
+                f"checker raised {type(exc).__name__}: {store.as_text(first_line(exc))}")
 
     @contextlib.contextmanager
     def _cancellable(self, item: _Running, conn: Connection) -> Iterator[None]:
@@ -491,6 +503,38 @@ class Sweeper:
                     "--app, or add it to OUTBOX_SQL_CHECKERS (they wait, uncounted)",
                     due, group, group)
         self.counts.unchecked = unchecked
+
+
+#: In a connection's ``info`` while a checker holds it: if the checker closes it, it goes
+#: back to the pool unreset, and :func:`_end_unreset` ends its session there.
+_LENT = "outbox_lent_to_checker"
+
+
+def _reset(conn: Connection, schema: str) -> None:
+    """End the check's transaction and reset its session (DISCARD ALL). A checker that
+    closed or broke the connection it was lent has answered all the same: its answer
+    stands, and the connection is discarded."""
+    try:
+        conn.rollback()
+        store.reset_session(conn, schema)
+    except (SQLAlchemyError, psycopg.Error):
+        _discard(conn)
+    else:
+        conn.info.pop(_LENT, None)  # (a new session, if the checker invalidated its own)
+
+
+def _discard(conn: Connection) -> None:
+    """Close the check's session for good, rather than let the pool hand it out again.
+    One the checker closed is already back in the pool: :func:`_end_unreset` ended it."""
+    if not conn.closed:
+        conn.invalidate()
+
+
+def _end_unreset(dbapi_connection: Any, record: ConnectionPoolEntry) -> None:
+    """On the pool's checkin: end a session a checker closed (``with conn:``) before the
+    sweeper could reset it, whatever it left there (advisory locks, settings)."""
+    if record.info.pop(_LENT, False):
+        record.invalidate()
 
 
 def _timed_out(seconds: float) -> str:

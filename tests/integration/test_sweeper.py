@@ -300,6 +300,77 @@ def test_a_timeout_the_database_did_not_take_is_not_logged_as_counted(
     assert row(engine, schema, message_id).check_count == 1  # only the COMMIT
 
 
+def _with_block(conn: Connection) -> None:
+    with conn:
+        conn.execute(text("SELECT 'paid'"))
+
+
+LENT_CONNECTION_ENDS = {
+    "with-block": _with_block,
+    "close": lambda conn: conn.close(),
+    "invalidate": lambda conn: conn.invalidate(),
+    "driver-close": lambda conn: conn.connection.driver_connection.close(),
+}
+
+
+@pytest.mark.parametrize("end", LENT_CONNECTION_ENDS.values(), ids=LENT_CONNECTION_ENDS.keys())
+def test_a_checker_that_ends_the_connection_it_was_lent_is_answered_and_leaves_no_session(
+    engine: Engine, orders: Outbox, fast: Settings, schema: str,
+    caplog: pytest.LogCaptureFixture, end: Any,
+) -> None:
+    """A checker that answered after closing its connection (``with conn:``) had its answer
+    lost: cleaning up the closed connection raised, and the check was retried for ever,
+    uncounted, its key held back. The answer stands; the session it may have left
+    something on (here an advisory lock) is ended, not handed out again."""
+    def paid(message: Message, conn: Connection) -> str:
+        conn.execute(text("SELECT pg_advisory_lock(4343)"))
+        end(conn)
+        return "COMMIT"
+
+    message_id = prepare(engine, orders)
+    with sweeping(fast, {GROUP: paid}, check_max=3):
+        wait_resolution(engine, schema, message_id, "COMMIT", timeout=15)
+        with engine.connect() as conn:
+            held = conn.execute(text(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objid = 4343"
+            )).scalar_one()
+    assert held == 0
+    assert row(engine, schema, message_id).resolution == "COMMIT"
+    assert "check-back failed" not in caplog.text, caplog.text
+
+
+class Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no str for you")
+
+
+def _closes_then_reads(message: Message, conn: Connection) -> str:
+    conn.close()
+    return str(conn.execute(text("SELECT 'COMMIT'")).scalar_one())
+
+
+def _raises_unprintable(message: Message, conn: Connection) -> str:
+    raise Unprintable
+
+
+@pytest.mark.parametrize(("checker", "raised"), [
+    (_closes_then_reads, "ResourceClosedError: This Connection is closed"),
+    (_raises_unprintable, "Unprintable: (its text is unreadable: str() raised RuntimeError)"),
+], ids=["closes-then-reads", "unprintable-error"])
+def test_a_checker_that_misbehaves_counts_as_inconclusive(
+    engine: Engine, orders: Outbox, fast: Settings, schema: str,
+    caplog: pytest.LogCaptureFixture, checker: Checker, raised: str,
+) -> None:
+    """Cleaning up after a checker that closed its connection, or printing an error whose
+    str() fails, raised again: the check was never counted and was retried for ever."""
+    message_id = prepare(engine, orders)
+    with sweeping(fast, {GROUP: checker}, check_max=2):
+        wait_status(engine, schema, message_id, "DISCARDED", timeout=20)
+    assert ops(engine, schema, message_id) == [
+        ("DISCARDED", f"2 inconclusive check-backs, the last: checker raised {raised}")]
+    assert "check-back failed" not in caplog.text, caplog.text
+
+
 @pytest.mark.parametrize("raised", [SystemExit(3), asyncio.CancelledError("cancelled"),
                                     KeyboardInterrupt("interrupted")],
                          ids=["sys.exit", "asyncio-cancelled", "keyboard-interrupt"])
