@@ -63,7 +63,18 @@ def to_resolution(answer: object, who: str) -> Resolution:
         return Resolution.UNKNOWN
     if isinstance(answer, str) and answer.strip().upper() in Resolution.__members__:
         return Resolution(answer.strip().upper())
-    raise TypeError(f"{who} answered {answer!r}; answer COMMIT, ROLLBACK or UNKNOWN (or None)")
+    raise TypeError(f"{who} answered {described(answer)}; answer COMMIT, ROLLBACK or UNKNOWN "
+                    "(or None)")
+
+
+def described(answer: object) -> str:
+    """A wrong answer by its type and length, never its content: it is logged and recorded,
+    and a checker's answer may be the payload it was given (``SELECT :payload``)."""
+    kind = f"a value of type {type(answer).__name__}"
+    try:
+        return f"{kind} (length {len(answer)})"  # type: ignore[arg-type]
+    except Exception:  # no length, or its __len__ fails: the type says enough
+        return kind
 
 
 @dataclass(frozen=True, slots=True)

@@ -614,6 +614,21 @@ def as_text(value: str | bytes) -> str:
     return _UNSTORABLE.sub("\ufffd", text)
 
 
+#: The most characters of an error or a check's detail that an op record (and a log line)
+#: holds: a checker's error may carry anything, ten million characters of it.
+DETAIL_CHARS = 500
+
+
+def as_detail(value: str) -> str:
+    """``value`` as text (:func:`as_text`), cut to :data:`DETAIL_CHARS` with its length said
+    (cut once: a detail cut already is not cut again)."""
+    text = as_text(value)
+    if len(text) <= DETAIL_CHARS:
+        return text
+    said = f"... ({len(text)} characters)"
+    return text[:DETAIL_CHARS - len(said)] + said
+
+
 @dataclass(frozen=True, slots=True)
 class Failure:
     id: int
@@ -632,7 +647,7 @@ def record_failures(
         query("record_failures", schema),
         {
             "ids": int_array(f.id for f in failures),
-            "errors": [as_text(f.error) for f in failures],
+            "errors": [as_detail(f.error) for f in failures],
             "permanent": [f.permanent for f in failures],
             "max_attempts": max_attempts,
             "actor": actor,
@@ -1003,7 +1018,7 @@ def record_checks(
             "ids": int_array(o.id for o in outcomes),
             "tokens": [o.token for o in outcomes],
             "resolutions": [o.resolution.value for o in outcomes],
-            "details": [as_text(o.detail) for o in outcomes],
+            "details": [as_detail(o.detail) for o in outcomes],
             "check_interval": check_interval,
             "check_max": check_max,
             "actor": actor,

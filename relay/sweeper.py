@@ -352,6 +352,7 @@ class Sweeper:
         message = item.claim.message
         try:
             resolution, kind, detail = self._ask(item)
+            detail = store.as_detail(detail)  # logged and recorded: bounded
         finally:
             with self._lock:
                 item.ended = True

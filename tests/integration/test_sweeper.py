@@ -786,6 +786,33 @@ def test_a_sweeper_with_several_sql_checkers_starts_and_checks_each_group(
         wait_status(engine, schema, refunded, "ROLLED_BACK", timeout=15)
 
 
+def test_a_wrong_answer_or_a_long_error_is_logged_and_recorded_bounded_without_content(
+    engine: Engine, orders: Outbox, fast: Settings, schema: str, roles: list[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A SQL checker answering its payload had the payload logged and written in the op
+    record (the README: logs never carry payloads), and ten million characters of answer
+    or error made a log line and an op record of ten million characters."""
+    card = "4111-1111-1111-1111"
+    leaked = prepare(engine, orders, payload={"card": card})
+    with sweeping(fast, sql_checkers={GROUP: "SELECT :payload"}, check_max=1):
+        wait_status(engine, schema, leaked, "DISCARDED", timeout=15)
+    long = prepare(engine, orders)
+
+    def raises_long(message: Message, conn: Connection) -> str:
+        raise ValueError("x" * 1_000_000)
+
+    with sweeping(fast, {GROUP: raises_long}, check_max=1):
+        wait_status(engine, schema, long, "DISCARDED", timeout=15)
+    [(_, leaked_detail)] = ops(engine, schema, leaked)
+    [(_, long_detail)] = ops(engine, schema, long)
+    assert card not in caplog.text and card not in leaked_detail
+    assert "answered a value of type str (length 30)" in leaked_detail, leaked_detail
+    assert len(long_detail) < 600 and long_detail.endswith("(1000027 characters)"), \
+        long_detail[:100]
+    assert max(len(r.getMessage()) for r in caplog.records) < 1000
+
+
 def test_sql_checkers_can_be_declared_in_the_environment(
     engine: Engine, orders: Outbox, fast: Settings, schema: str, payments: str
 ) -> None:
