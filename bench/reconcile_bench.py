@@ -10,6 +10,10 @@ window: tables only, and with the topic read by each ``--kafka-client`` (``--rep
 each, alternating). Reports messages per second of each run (the SparkSession start is
 reported apart) with where its time went (the run summary's seconds_by_phase), checks every
 run comes out CLEAN, and with ``--update`` writes the table into that file (bench/report.py).
+
+``--after-tables-only`` times instead the first topic run after a tables-only run judged the
+whole window: every record it reads is of a window it did not judge, checked against its
+message's op records (reconcile._outside), and reports the driver's peak memory.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import argparse
 import json
 import logging
 import multiprocessing
+import resource
 import tempfile
 import time
 from datetime import UTC, datetime
@@ -107,12 +112,12 @@ def produce_records(bootstrap: str, n: int, partitions: int, keys: int) -> None:
         raise SystemExit(f"topic holds {ends}, expected {expected}")
 
 
-def timed_run(spark: Any, settings: Settings) -> dict[str, Any]:
+def timed_run(spark: Any, settings: Settings, since: datetime | None = datetime(
+        2000, 1, 1, tzinfo=UTC)) -> dict[str, Any]:
     started = time.perf_counter()
-    result = job.run(spark, settings, since=datetime(2000, 1, 1, tzinfo=UTC),
-                     until=datetime.now(UTC))
+    result = job.run(spark, settings, since=since, until=datetime.now(UTC))
     seconds = time.perf_counter() - started
-    messages = result.summary["counts"]["messages"]
+    messages = result.summary["counts"]["messages"] or result.summary["counts"]["kafka_records"]
     if result.outcome is not RunOutcome.CLEAN:
         raise SystemExit(f"expected a clean run:\n{result.report}")
     return {"seconds": round(seconds, 1), "messages": messages,
@@ -140,6 +145,39 @@ def figures(results: dict[str, Any]) -> list[Figure]:
     return out
 
 
+def timed_kinds(spark: Any, settings: Settings, args: argparse.Namespace,
+                results: dict[str, Any]) -> None:
+    """Each kind of run over the whole window, ``--repeat`` times, alternating."""
+    kinds = [("tables_only", settings)]
+    clients = (["kafka-python", "confluent"] if args.kafka_client == "both"
+               else [args.kafka_client])
+    if not args.skip_topic:
+        kinds += [(f"with_topic_{client.replace('-', '_')}", settings.model_copy(
+            update={"reconcile_read_topics": True, "kafka_client": client}))
+            for client in clients]
+    for _ in range(args.repeat):
+        for kind, kind_settings in kinds:
+            results.setdefault(kind, []).append(timed_run(spark, kind_settings))
+            say(f"{kind}: {results[kind][-1]}")
+
+
+def after_tables_only(spark: Any, settings: Settings, client: str, results: dict[str, Any]
+                      ) -> None:
+    """A tables-only run judges every message, then a topic run reads every record as of a
+    window it did not judge (its own window holds none)."""
+    results["tables_only_first"] = timed_run(spark, settings, since=None)
+    say(f"tables only: {results['tables_only_first']}")
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    results["topic_run_after"] = timed_run(spark, settings.model_copy(update={
+        "reconcile_read_topics": True,
+        "kafka_client": "kafka-python" if client == "both" else client}), since=None)
+    results["driver_peak_rss_mb"] = {
+        "before": round(before / 1024), "after": round(
+            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}
+    say(f"topic run after it: {results['topic_run_after']}; the driver's peak RSS "
+        f"{results['driver_peak_rss_mb']} MB")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -153,6 +191,8 @@ def main() -> None:
                         help="runs of each kind in one session (the first pays the JIT warm-up)")
     parser.add_argument("--kafka-client", choices=["kafka-python", "confluent", "both"],
                         default="both", help="the topic reader(s) to time")
+    parser.add_argument("--after-tables-only", action="store_true",
+                        help="time the first topic run after a tables-only run of the window")
     parser.add_argument("--results", type=Path, default=Path("bench/results/reconcile.json"))
     parser.add_argument("--update", type=Path, help="write the table into this Markdown file")
     args = parser.parse_args()
@@ -186,17 +226,10 @@ def main() -> None:
         spark = job.local_session(settings)
         results["session_start_seconds"] = round(time.perf_counter() - started, 1)
         try:
-            kinds = [("tables_only", settings)]
-            clients = (["kafka-python", "confluent"] if args.kafka_client == "both"
-                       else [args.kafka_client])
-            if not args.skip_topic:
-                kinds += [(f"with_topic_{client.replace('-', '_')}", settings.model_copy(
-                    update={"reconcile_read_topics": True, "kafka_client": client}))
-                    for client in clients]
-            for _ in range(args.repeat):
-                for kind, kind_settings in kinds:
-                    results.setdefault(kind, []).append(timed_run(spark, kind_settings))
-                    say(f"{kind}: {results[kind][-1]}")
+            if args.after_tables_only:
+                after_tables_only(spark, settings, args.kafka_client, results)
+            else:
+                timed_kinds(spark, settings, args, results)
         finally:
             spark.stop()
         engine.dispose()
@@ -205,6 +238,8 @@ def main() -> None:
     args.results.parent.mkdir(parents=True, exist_ok=True)
     args.results.write_text(json.dumps(results, indent=2) + "\n")
     say(json.dumps(results, indent=2))
+    if args.after_tables_only:
+        return  # no targets for it: its figures are in the JSON above
     table = figures(results)
     say(text_table(table))
     if args.update:

@@ -61,10 +61,11 @@ def _offset_of(position: str) -> Column:
 class Judged:
     """Messages of earlier windows with copies to check (see :func:`copied_after_judged`):
     ``messages`` (topic, outbox_id, rechecked) and their DELIVERED op records, ``claims``
-    (id, topic, partition, offset, checked)."""
+    (id, topic, partition, offset, checked); ``few``: small enough to broadcast."""
 
     messages: DataFrame
     claims: DataFrame
+    few: bool = True
 
 
 def joined(inputs: Inputs) -> DataFrame:
@@ -93,22 +94,45 @@ def facts(joined: DataFrame) -> DataFrame:
         "kafka_copies", F.coalesce("kafka_copies", F.lit(0)))
 
 
+#: Records outside the window are looked up by ranges of 2**LOOKUP_BITS message ids when
+#: there are more than DRIVER_LOOKUPS of them: their ids, collected to the driver one by one,
+#: cost it 1.2 GB for a million (a topic run after a day of tables-only runs reads every
+#: record of that day); Spark reads the prepare rows and op records of the ranges itself
+#: (reconcile._outside). Fewer are looked up from the driver: a Spark read of their ranges
+#: cost a small run about 3 s more.
+LOOKUP_BITS = 12
+DRIVER_LOOKUPS = 50_000
+
+
 def to_look_up(joined: DataFrame, facts: DataFrame) -> DataFrame:
     """What a run reading the topics looks up in the database before it judges, in one Spark
-    job (each costs about 0.3 s on a small window): rows of (topic, id, delivered_ops) and
-    four flags. ``foreign``: a new Kafka record, or one to check again (its topic and
-    outbox id), that belongs to no message of the window, ``fresh`` if new. ``several``: a
-    message with more than one DELIVERED op record or copy, checked record by record.
-    ``unrecorded``: a committed message in Kafka without a DELIVERED op record in the tables
-    as read (those recorded since, delivered while the run read, are no finding)."""
+    job (each costs about 0.3 s on a small window): rows of (id, delivered_ops, topic,
+    fresh) and two flags, of two kinds. Up to DRIVER_LOOKUPS + 1 records of :func:`outside`
+    (``topic``, ``id``, ``fresh``); and messages flagged ``several``: more than one
+    DELIVERED op record or copy, checked record by record; or ``unrecorded``: committed, in
+    Kafka, without a DELIVERED op record in the tables as read (those recorded since,
+    delivered while the run read, are no finding)."""
     flags = facts.where(_several() | _copied_unrecorded()).select(
-        F.lit(None).cast("string").alias("topic"), "id", "delivered_ops",
-        F.lit(False).alias("foreign"), F.lit(False).alias("fresh"), _several().alias("several"),
+        "id", "delivered_ops", F.lit(None).cast("string").alias("topic"),
+        F.lit(None).cast("boolean").alias("fresh"), _several().alias("several"),
         _copied_unrecorded().alias("unrecorded"))
+    return flags.unionByName(outside(joined).limit(DRIVER_LOOKUPS + 1).select(
+        F.col("outbox_id").alias("id"),
+        F.lit(None).cast(facts.schema["delivered_ops"].dataType).alias("delivered_ops"),
+        "topic", "fresh", F.lit(False).alias("several"), F.lit(False).alias("unrecorded")))
+
+
+def id_buckets(outside: DataFrame) -> list[int]:
+    """The ranges of 2**LOOKUP_BITS message ids that records of :func:`outside` name."""
+    return sorted(r.bucket for r in outside.select(F.shiftright(
+        "outbox_id", LOOKUP_BITS).alias("bucket")).distinct().collect())
+
+
+def outside(joined: DataFrame) -> DataFrame:
+    """The new Kafka records, and those to check again, whose outbox-id is no message of the
+    window: (topic, outbox_id, fresh), a row per message."""
     return joined.where(F.col("in_window").isNull() & F.col("recheck")).select(
-        "topic", "id", F.lit(None).cast(facts.schema["delivered_ops"].dataType).alias(
-            "delivered_ops"), F.lit(True).alias("foreign"), "fresh",
-        F.lit(False).alias("several"), F.lit(False).alias("unrecorded")).unionByName(flags)
+        "topic", F.col("id").alias("outbox_id"), "fresh")
 
 
 def _several() -> Column:
@@ -145,7 +169,7 @@ def find(inputs: Inputs, facts: DataFrame, unknown: DataFrame | None,
     if inputs.records is not None:
         assert claims is not None
         found += [
-            stray_records(inputs.records, unknown),
+            stray_records(inputs.records, unknown, judged is None or judged.few),
             op_record_position_mismatch(facts, claims, inputs.records),
         ]
     if inputs.records is not None and judged is not None:
@@ -276,14 +300,16 @@ def copied_without_op_record(recorded_since: Collection[int]) -> Rule:
         F.col("copy_at"))
 
 
-def stray_records(records: DataFrame, unknown: DataFrame | None) -> DataFrame:
+def stray_records(records: DataFrame, unknown: DataFrame | None, few: bool = True
+                  ) -> DataFrame:
     """New records without an outbox-id, or whose outbox-id is no message of their topic
-    (also kafka_record_without_op_record)."""
+    (also kafka_record_without_op_record); ``few``: ``unknown`` is small enough to
+    broadcast."""
     fresh = records.where("fresh")
     strays = fresh.where(F.col("outbox_id").isNull())
     if unknown is not None:
-        strays = strays.unionByName(
-            fresh.join(F.broadcast(unknown), ["topic", "outbox_id"], "left_semi"))
+        strays = strays.unionByName(fresh.join(
+            F.broadcast(unknown) if few else unknown, ["topic", "outbox_id"], "left_semi"))
     return _finding(
         strays, "kafka_record_without_op_record",
         F.when(F.col("outbox_id").isNull(), F.lit("no valid outbox-id header"))
@@ -304,7 +330,8 @@ def copied_after_judged(records: DataFrame, judged: Judged) -> list[DataFrame]:
     copies (the op record names the wrong place, as for one message of the window with one
     op record and one copy: :func:`op_record_position_mismatch`)."""
     claims = judged.claims
-    copies = records.join(F.broadcast(judged.messages), ["topic", "outbox_id"], "inner").where(
+    hint = F.broadcast if judged.few else _as_is
+    copies = records.join(hint(judged.messages), ["topic", "outbox_id"], "inner").where(
         F.col("fresh") | (F.col("recheck") & F.col("rechecked")))
     claimed = claims.select("topic", F.col("id").alias("outbox_id"), "partition", "offset")
     held = records.select("topic", "outbox_id", "partition", "offset")
@@ -313,9 +340,9 @@ def copied_after_judged(records: DataFrame, judged: Judged) -> list[DataFrame]:
         "left_anti").select("id", "topic", "partition", "offset")
     first_claim = claims.groupBy("topic", F.col("id").alias("outbox_id")).agg(
         F.min(_position(F.col("partition"), F.col("offset"))).alias("op_at"))
-    unclaimed = copies.join(F.broadcast(first_claim), ["topic", "outbox_id"], "left_anti")
-    extra = copies.join(F.broadcast(first_claim), ["topic", "outbox_id"], "inner").join(
-        F.broadcast(claimed), ["topic", "outbox_id", "partition", "offset"], "left_anti")
+    unclaimed = copies.join(hint(first_claim), ["topic", "outbox_id"], "left_anti")
+    extra = copies.join(hint(first_claim), ["topic", "outbox_id"], "inner").join(
+        hint(claimed), ["topic", "outbox_id", "partition", "offset"], "left_anti")
     explained = extra.groupBy("topic", "outbox_id").agg(F.count(F.lit(1)).alias("extra")).join(
         wrong.groupBy("topic", F.col("id").alias("outbox_id")).agg(
             F.count(F.lit(1)).alias("wrong")), ["topic", "outbox_id"]
@@ -332,6 +359,11 @@ def copied_after_judged(records: DataFrame, judged: Judged) -> list[DataFrame]:
                  message_id="outbox_id"),
         _misplaced(wrong, records),
     ]
+
+
+def _as_is(df: DataFrame) -> DataFrame:
+    """No broadcast hint: a side that may hold millions of rows."""
+    return df
 
 
 def op_record_position_mismatch(facts: DataFrame, claims: DataFrame, records: DataFrame

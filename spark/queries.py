@@ -7,7 +7,7 @@ Python values (datetimes, integers) are rendered, and the schema is a validated 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from functools import cache
@@ -236,22 +236,64 @@ def open_before(conn: Connection, schema: str, since: datetime) -> list[int]:
     return sorted(conn.execute(sa.union(still, settled_since)).scalars())
 
 
-def delivered_positions(conn: Connection, schema: str, ids: Iterable[int]
-                        ) -> list[tuple[int, str, int | None, int | None]]:
-    """(message id, topic, partition, offset) of every DELIVERED op record of ``ids``:
-    the few messages delivered more than once, checked record by record."""
+def origins_between(schema: str, ids: tuple[int, int], window: Window,
+                    unread: Window | None) -> str:
+    """:func:`_origins` of the messages with ids in ``ids``, as a JDBC subquery."""
+    m = tables(schema).message
+    return as_subquery(_origins(schema, window, unread).where(m.c.id.between(*ids)), "origin")
+
+
+def origins_of(conn: Connection, schema: str, ids: Iterable[int], window: Window,
+               unread: Window | None) -> list[Any]:
+    """:func:`_origins` of the messages ``ids``, from the driver (a few: see
+    reconcile._outside)."""
+    m = tables(schema).message
+    return _chunked(conn, ids, lambda chunk: _origins(schema, window, unread).where(
+        m.c.id == sa.any_(chunk)))
+
+
+def _origins(schema: str, window: Window, unread: Window | None) -> sa.Select[Any]:
+    """Prepare rows, for the Kafka records outside the window: (id, topic, ``earlier``: of
+    an earlier window, or else of a later one, ``unread``: of a window only tables-only runs
+    judged)."""
+    m = tables(schema).message
+    judged_unread = sa.false() if unread is None else _in_window(m.c.created_at, unread)
+    return sa.select(m.c.id, m.c.topic, (m.c.created_at < window.until).label("earlier"),
+                     judged_unread.label("unread"))
+
+
+def delivered_between(schema: str, ids: tuple[int, int]) -> str:
+    """:func:`_delivered` of the messages with ids in ``ids``, as a JDBC subquery."""
+    o = tables(schema).op_record
+    return as_subquery(_delivered(schema).where(o.c.message_id.between(*ids)), "claim")
+
+
+def delivered_positions(conn: Connection, schema: str, ids: Iterable[int]) -> list[Any]:
+    """:func:`_delivered` of the messages ``ids``, from the driver: the few messages
+    delivered more than once, checked record by record, and those of few records outside
+    the window."""
+    o = tables(schema).op_record
+    return _chunked(conn, ids, lambda chunk: _delivered(schema).where(
+        o.c.message_id == sa.any_(chunk)))
+
+
+def _delivered(schema: str) -> sa.Select[Any]:
+    """(id, topic, partition, offset) of DELIVERED op records."""
     t = tables(schema)
     m, o = t.message, t.op_record
-    wanted = sorted(set(ids))
-    found: list[tuple[int, str, int | None, int | None]] = []
-    for start in range(0, len(wanted), LOOKUP_CHUNK):
-        chunk = sa.literal(wanted[start:start + LOOKUP_CHUNK], sa.ARRAY(sa.BigInteger))
-        rows = conn.execute(
-            sa.select(o.c.message_id, m.c.topic, o.c.kafka_partition, o.c.kafka_offset)
+    return (sa.select(o.c.message_id.label("id"), m.c.topic,
+                      o.c.kafka_partition.label("partition"), o.c.kafka_offset.label("offset"))
             .select_from(o.join(m, m.c.id == o.c.message_id))
-            .where(o.c.message_id == sa.any_(chunk), o.c.action == Action.DELIVERED.value))
-        found.extend((r.message_id, r.topic, r.kafka_partition, r.kafka_offset) for r in rows)
-    return found
+            .where(o.c.action == Action.DELIVERED.value))
+
+
+def _chunked(conn: Connection, ids: Iterable[int],
+             select: Callable[[sa.BindParameter[Any]], sa.Select[Any]]) -> list[Any]:
+    """The rows of ``select(chunk)`` for ``ids`` in chunks of LOOKUP_CHUNK, each an array."""
+    wanted = sorted(set(ids))
+    return [tuple(row) for start in range(0, len(wanted), LOOKUP_CHUNK)
+            for row in conn.execute(select(sa.literal(
+                wanted[start:start + LOOKUP_CHUNK], sa.ARRAY(sa.BigInteger))))]
 
 
 def op_record_bounds(conn: Connection, schema: str, window: Window) -> tuple[int, int] | None:
@@ -298,22 +340,6 @@ def _orphans(schema: str, window: Window, which: sa.ColumnElement[bool],
         ).where(_in_window(o.c.created_at, window), which, ~sa.exists(message_of)),
         "orphan",
     )
-
-
-def message_origins(conn: Connection, schema: str, ids: Iterable[int]
-                    ) -> dict[int, tuple[str, datetime]]:
-    """The topic and creation time of each of ``ids`` that has a prepare row (for records
-    outside the window: which window, if any, the message belongs to)."""
-    message = tables(schema).message
-    wanted = sorted(set(ids))
-    found: dict[int, tuple[str, datetime]] = {}
-    for start in range(0, len(wanted), LOOKUP_CHUNK):
-        chunk = wanted[start:start + LOOKUP_CHUNK]
-        rows = conn.execute(sa.select(message.c.id, message.c.topic, message.c.created_at)
-                            .where(message.c.id == sa.any_(
-                                sa.literal(chunk, sa.ARRAY(sa.BigInteger)))))
-        found.update((row.id, (row.topic, row.created_at)) for row in rows)
-    return found
 
 
 def pruned_below(conn: Connection, schema: str) -> int | None:

@@ -261,10 +261,9 @@ def _run(spark: SparkSession, settings: ReconcileSettings, engine: Engine,
             if records is not None:
                 everything = _cache(cached, everything)
                 looked = findings.to_look_up(everything, facts).collect()
-                unknown, judged, left = _outside(spark, engine, schema, Candidates(
-                    {(r.topic, r.id) for r in looked if r.foreign and r.fresh},
-                    {(r.topic, r.id) for r in looked if r.foreign and not r.fresh}),
-                    window, plan, unread)
+                unknown, judged, left = _outside(
+                    spark, engine, jdbc, schema, findings.outside(everything),
+                    [r for r in looked if r.topic is not None], window, plan, unread, cached)
                 later = _later_from(spark, records, left)
                 claims = _claims(spark, engine, schema, [
                     r.id for r in looked if r.several and r.delivered_ops > 0])
@@ -522,70 +521,97 @@ def _recorded_since(engine: Any, schema: str, ids: list[int]) -> set[int]:
     return recorded
 
 
-@dataclass(frozen=True)
-class Candidates:
-    """Records outside the window, by topic and outbox-id: ``new`` ones (some copy fresh)
-    and ones seen before, read again to be checked (``again``: TopicPlan.recheck_from)."""
+def _outside(spark: SparkSession, engine: Any, jdbc: dict[str, str], schema: str,
+             outside: DataFrame, few: list[Any], window: queries.Window,
+             plan: sources.TopicPlan, unread: queries.Window | None, cached: list[DataFrame]
+             ) -> tuple[DataFrame, findings.Judged, DataFrame | None]:
+    """Of the records outside the window (``outside``: new ones, ``fresh``, and ones read
+    again to be checked, TopicPlan.recheck_from): the new ones whose outbox-id is no message
+    of their topic at all (``unknown``), but for the messages retention pruned (no prepare
+    row, an id below the ranges kept): nothing is left to judge them by; the messages of an
+    earlier window with new copies, and those only tables-only runs judged (``unread``) with
+    copies read again (``rechecked``), with their DELIVERED op records (``judged``;
+    ``checked``: at or after where ``plan`` read their partition), so their copies are
+    checked against them; and the new records of later windows' messages (``left``, None if
+    there are none to look at): the runs that judge those windows compare them.
 
-    new: set[tuple[str, int]]
-    again: set[tuple[str, int]]
-
-
-def _outside(spark: SparkSession, engine: Any, schema: str, candidates: Candidates,
-             window: queries.Window, plan: sources.TopicPlan, unread: queries.Window | None
-             ) -> tuple[DataFrame, findings.Judged, list[tuple[str, int]]]:
-    """Of the new records outside the window, those whose outbox-id is no message of their
-    topic at all (``unknown``), but for the messages retention pruned (no prepare row, an id
-    below the ranges kept): nothing is left to judge them by; the DELIVERED op records
-    (``judged``) of those whose message an earlier window holds, so the copies found after
-    that window was judged are checked against them, and they against what ``plan`` read
-    (``checked``: at or after where it read their partition from); the same of the records
-    read again whose message only tables-only runs judged (``unread``: ``rechecked``); and
-    the new records of later windows' messages (``left``): the runs that judge those
-    windows compare them."""
-    new, again = candidates.new, candidates.again
+    ``few``: those records, if there are at most findings.DRIVER_LOOKUPS: their prepare rows
+    and op records are looked up from the driver. Else Spark reads those of their id ranges
+    (findings.id_buckets), as there may be millions."""
+    if not few:
+        return (spark.createDataFrame([], "topic string, outbox_id long"), findings.Judged(
+            spark.createDataFrame([], "topic string, outbox_id long, rechecked boolean"),
+            spark.createDataFrame(
+                [], "id long, topic string, partition int, offset long, checked boolean")),
+            None)
+    many = len(few) > findings.DRIVER_LOOKUPS
     with engine.connect() as conn:
-        origin = queries.message_origins(conn, schema, {i for _, i in new | again})
-        topic_of = {i: topic for i, (topic, _) in origin.items()}
-        kept_from = queries.pruned_below(conn, schema) if new else None
-        earlier = {i for t, i in new if topic_of.get(i) == t and origin[i][1] < window.until}
-        rechecked = set() if unread is None else {
-            i for t, i in again if topic_of.get(i) == t
-            and (unread.since is None or origin[i][1] >= unread.since)
-            and origin[i][1] < unread.until}
-        judged = queries.delivered_positions(conn, schema, earlier | rechecked)
+        kept_from = queries.pruned_below(conn, schema)
+        if not many:
+            ids = {r.id for r in few}
+            outside = spark.createDataFrame([(r.topic, r.id, r.fresh) for r in few],
+                                            "topic string, outbox_id long, fresh boolean")
+            origins = spark.createDataFrame(
+                queries.origins_of(conn, schema, ids, window, unread),
+                "id long, topic string, earlier boolean, unread boolean")
+            claims = spark.createDataFrame(queries.delivered_positions(conn, schema, ids),
+                                           "id long, topic string, partition int, offset long")
+        else:
+            ranges = _id_ranges(findings.id_buckets(outside))
+            origins = sources.read_jdbc(spark, jdbc, [
+                queries.origins_between(schema, r, window, unread) for r in ranges])
+            claims = sources.read_jdbc(spark, jdbc, [
+                queries.delivered_between(schema, r) for r in ranges]).select(
+                F.col("id").cast("long"), "topic", F.col("partition").cast("int"),
+                F.col("offset").cast("long"))
         conn.rollback()
-    pruned = {(t, i) for t, i in new
-              if i not in origin and kept_from is not None and i < kept_from}
-    if pruned:
-        log.info("%d records name messages retention pruned (ids below %d): not judged",
-                 len(pruned), kept_from)
-    unknown = spark.createDataFrame(
-        sorted((t, i) for t, i in new - pruned if topic_of.get(i) != t),
-        "topic string, outbox_id long")
-    read_from = plan.read_from()
-    claims = spark.createDataFrame(
-        [(*claim, claim[2] is None or claim[3] is None or claim[3] >= read_from.get(
-            (claim[1], claim[2]), 0)) for claim in judged],
-        "id long, topic string, partition int, offset long, checked boolean")
-    messages = spark.createDataFrame(
-        sorted((topic_of[i], i, i in rechecked) for i in earlier | rechecked),
-        "topic string, outbox_id long, rechecked boolean")
-    left = sorted((t, i) for t, i in new
-                  if topic_of.get(i) == t and origin[i][1] >= window.until)
-    return unknown, findings.Judged(messages, claims), left
+    found = outside.join(origins.select(
+        F.col("id").alias("outbox_id"), F.col("topic").alias("origin"), "earlier", "unread"),
+        "outbox_id", "left")
+    if many:  # read once, used by three jobs
+        found = _cache(cached, found)
+    ours = F.coalesce(F.col("origin") == F.col("topic"), F.lit(False))
+    pruned = (F.col("origin").isNull() & (F.col("outbox_id") < kept_from) if kept_from
+              is not None else F.lit(False))
+    rechecked = ~F.col("fresh") & ours & F.col("unread")
+    messages = found.where((F.col("fresh") & ours & F.col("earlier")) | rechecked).select(
+        "topic", "outbox_id", rechecked.alias("rechecked"))
+    starts = spark.createDataFrame(
+        [(t, p, o) for (t, p), o in plan.read_from().items()] or [("", -1, 0)],
+        "topic string, partition int, read_from long")
+    checked = (F.col("partition").isNull() | F.col("offset").isNull()
+               | (F.col("offset") >= F.coalesce(F.col("read_from"), F.lit(0))))
+    claims = claims.join(messages.select("topic", F.col("outbox_id").alias("id")),
+                         ["topic", "id"], "left_semi").join(
+        F.broadcast(starts), ["topic", "partition"], "left").select(
+        "id", "topic", "partition", "offset", checked.alias("checked"))
+    return (found.where(F.col("fresh") & ~ours & ~pruned).select("topic", "outbox_id"),
+            findings.Judged(messages, claims, few=not many),
+            found.where(F.col("fresh") & ours & ~F.col("earlier")).select("topic", "outbox_id"))
 
 
-def _later_from(spark: SparkSession, records: DataFrame, left: list[tuple[str, int]]
+def _id_ranges(buckets: list[int], most: int = 1 << 20) -> list[tuple[int, int]]:
+    """The message ids of ``buckets`` (ascending; findings.LOOKUP_BITS) as inclusive ranges,
+    neighbours merged, each of at most ``most`` ids (a JDBC read each)."""
+    ranges: list[tuple[int, int]] = []
+    for bucket in buckets:
+        low, high = bucket << findings.LOOKUP_BITS, ((bucket + 1) << findings.LOOKUP_BITS) - 1
+        if ranges and ranges[-1][1] + 1 == low and high - ranges[-1][0] < most:
+            ranges[-1] = (ranges[-1][0], high)
+        else:
+            ranges.append((low, high))
+    return ranges
+
+
+def _later_from(spark: SparkSession, records: DataFrame, left: DataFrame | None
                 ) -> dict[tuple[str, int], int]:
     """Per (topic, partition), the lowest offset of the new records of ``left``'s messages
     (later windows'): handed on (carry.LATER) to the topic run after tables-only runs."""
-    if not left:
+    if left is None:
         return {}
     spark.sparkContext.setJobDescription("outbox reconcile: records of later windows")
-    ids = spark.createDataFrame(left, "topic string, outbox_id long")
     return {(r.topic, r.partition): r.offset for r in records.where("fresh").join(
-        F.broadcast(ids), ["topic", "outbox_id"], "left_semi").groupBy(
+        left, ["topic", "outbox_id"], "left_semi").groupBy(
         "topic", "partition").agg(F.min("offset").alias("offset")).collect()}
 
 

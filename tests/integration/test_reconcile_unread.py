@@ -18,6 +18,7 @@ from sqlalchemy import Engine, text
 from outbox import migrate
 from outbox.dev import services as devservices
 from outbox.dev.topics import create_topic
+from outbox.spark import findings
 from outbox.spark import reconcile as job
 from outbox.spark.kafka_source import high_watermarks
 from outbox.spark.runs import RunOutcome
@@ -42,12 +43,23 @@ class Judged:
     result: job.Result | None = None
 
 
-@pytest.fixture(scope="module")
-def judged(spark: SparkSession, services: devservices.Services, engine: Engine,
+@pytest.fixture(scope="module", params=["from-the-driver", "by-spark"])
+def judged(request: pytest.FixtureRequest, spark: SparkSession,
+           services: devservices.Services, engine: Engine,
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Judged]:
     """No run read the topics before: the first that did read them only from the first op
     record of its own window (here none), so the records of the messages the tables-only
-    run had judged were never read ("0 offset ranges of 3 topics", exit 0)."""
+    run had judged were never read ("0 offset ranges of 3 topics", exit 0). Their messages
+    are looked up from the driver (a few), or by Spark, range by range (many: here as if
+    every record were too many, findings.DRIVER_LOOKUPS)."""
+    with pytest.MonkeyPatch.context() as patch:
+        if request.param == "by-spark":
+            patch.setattr(findings, "DRIVER_LOOKUPS", 0)
+        yield from _judged(spark, services, engine, tmp_path_factory)
+
+
+def _judged(spark: SparkSession, services: devservices.Services, engine: Engine,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Judged]:
     schema = f"t_{uuid.uuid4().hex[:12]}"
     topic = f"orders-{uuid.uuid4().hex[:10]}"
     migrate.upgrade(services.database_url, schema)
