@@ -23,6 +23,7 @@ from tests.conftest import wait_until
 from tests.integration import test_sweeper
 from tests.integration.test_sweeper import (
     GROUP,
+    advisory_locks,
     ops,
     prepare,
     row,
@@ -174,10 +175,7 @@ def test_a_checker_leaves_no_advisory_lock_on_the_pooled_connection(
     sql = "SELECT 'UNKNOWN' FROM pg_advisory_lock(4242)"
     with sweeping(fast, sql_checkers={GROUP: sql}, check_max=1):
         wait_status(engine, schema, message_id, "DISCARDED", timeout=15)
-        with engine.connect() as conn:
-            held = conn.execute(text(
-                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objid = 4242"
-            )).scalar_one()
+        held = advisory_locks(engine, 4242)
     assert held == 0
 
 

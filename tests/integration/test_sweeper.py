@@ -330,10 +330,7 @@ def test_a_checker_that_ends_the_connection_it_was_lent_is_answered_and_leaves_n
     message_id = prepare(engine, orders)
     with sweeping(fast, {GROUP: paid}, check_max=3):
         wait_resolution(engine, schema, message_id, "COMMIT", timeout=15)
-        with engine.connect() as conn:
-            held = conn.execute(text(
-                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objid = 4343"
-            )).scalar_one()
+        held = advisory_locks(engine, 4343)
     assert held == 0
     assert row(engine, schema, message_id).resolution == "COMMIT"
     assert "check-back failed" not in caplog.text, caplog.text
@@ -1067,3 +1064,11 @@ def test_sweep_command_misconfiguration_is_one_line(
     assert result.returncode == 2, result.stderr
     assert len(lines) == 1 and lines[0].startswith("outbox: error: "), result.stderr
     assert error in lines[0]
+
+
+def advisory_locks(engine: Engine, key: int) -> int:
+    """How many sessions hold the advisory lock ``key``."""
+    with engine.connect() as conn:
+        return int(conn.execute(text(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objid = :key"),
+            {"key": key}).scalar_one())
