@@ -351,7 +351,8 @@ def status(shared: Shared, as_json: bool) -> None:
                    "OUTBOX_TOPIC_HOLD_PARK_AFTER parks them)")
     for group in check_backs:
         overdue = (f", {group['overdue']} overdue: is a sweeper with a checker for this group "
-                   "running?" if group["overdue"] else "")
+                   "running, and are its checks not stuck past their timeout "
+                   "(outbox_checks_stuck)?" if group["overdue"] else "")
         click.echo(f"producer group {group['producer_group']}: {group['unresolved']} awaiting "
                    f"their check-back{overdue}")
 

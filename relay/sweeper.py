@@ -70,7 +70,9 @@ UNCHECKED = Gauge(
 #: A claim outlives the checker timeout by this much, so a timeout is recorded before
 #: another sweeper may claim the row.
 CLAIM_MARGIN = 2.0
-#: The shortest sleep when rows are due but held by another sweeper's claim.
+#: The first sleep when rows are due but locked (another sweeper taking its claim, or an
+#: application deciding in a long transaction); it doubles while they stay locked, up to
+#: the poll interval (at 20 a second it was one claim a second, per sweeper, ten times over).
 MIN_SLEEP = 0.05
 
 
@@ -255,6 +257,7 @@ class Sweeper:
               running: dict[Future[None], _Running]) -> None:
         settings = self.settings
         report_at = 0.0
+        locked = 0.0  # how long the sweeper last slept on due rows it could not claim
         while not self.stopping.is_set():
             now = time.monotonic()
             self._expire(conn, running, now)
@@ -280,11 +283,17 @@ class Sweeper:
             deadlines = [r.deadline for r in running.values() if not r.expired]
             if deadlines:
                 timeout = min(timeout, min(deadlines) - time.monotonic())
+            due_in = None
             if len(claims) < wanted and groups:  # nothing more is due: sleep until the next is
                 with conn.begin():
                     due_in = store.next_check_in(conn, self.schema, groups)
+            if due_in is not None and due_in <= 0:  # due, yet not claimed: locked
+                locked = min(2 * locked or MIN_SLEEP, settings.sweep_poll_interval)
+                timeout = min(timeout, locked)
+            else:
+                locked = 0.0
                 if due_in is not None:
-                    timeout = min(timeout, max(due_in, MIN_SLEEP))
+                    timeout = min(timeout, due_in)
             done, _ = wait([*running, self._stopped], max(timeout, 0.0),
                            return_when=FIRST_COMPLETED)
             for future in done:
@@ -364,7 +373,7 @@ class Sweeper:
                         message.id, message.producer_group, detail)
         outcome = store.CheckOutcome(message.id, item.claim.token, resolution, detail)
         with self._engine.connect() as conn:
-            self._record(conn, [(outcome, kind)])
+            _say(self._record(conn, [(outcome, kind)]))
 
     def _ask(self, item: _Running) -> tuple[Resolution, str, str]:
         """The checker's answer, outcome kind and detail. Its connection is reset afterwards
@@ -447,7 +456,7 @@ class Sweeper:
                                     "check's statement (%s); its statement timeout ends it",
                                     item.claim.message.id, item.claim.message.producer_group,
                                     first_line(exc))
-        recorded: set[int] = set()
+        recorded: list[Any] = []
         try:
             recorded = self._record(conn, [
                 (store.CheckOutcome(r.claim.message.id, r.claim.token, Resolution.UNKNOWN,
@@ -455,16 +464,19 @@ class Sweeper:
                 for r in overdue
             ])
         finally:  # said once it is known: an outage here leaves them uncounted
+            counted = {row.id for row in recorded}
             for item in overdue:
                 log.warning("message %d (producer group %r): %s; %s",
                             item.claim.message.id, item.claim.message.producer_group, detail,
-                            "counted as inconclusive" if item.claim.message.id in recorded
+                            "counted as inconclusive" if item.claim.message.id in counted
                             else "not counted (PostgreSQL did not take it): checked again "
                             "when its claim expires")
+        _say(recorded)  # after the timeouts that led to them
 
     def _record(self, conn: Connection, outcomes: list[tuple[store.CheckOutcome, str]]
-                ) -> set[int]:
-        """Record check outcomes; the ids of those recorded (a claim that lapsed is not)."""
+                ) -> list[Any]:
+        """Record check outcomes, counted; the rows recorded (a claim that lapsed is not),
+        for :func:`_say`."""
         with conn.begin():
             recorded = store.record_checks(
                 conn, self.schema, self.actor, [outcome for outcome, _ in outcomes],
@@ -479,14 +491,7 @@ class Sweeper:
                 DISCARDED.labels(row.producer_group).inc()
                 with self._lock:
                     self.counts.discarded += 1
-                log.warning("message %d (producer group %r) discarded after %d inconclusive "
-                            "check-back%s; `outbox resume %d` checks it again", row.id,
-                            row.producer_group, row.check_count,
-                            "" if row.check_count == 1 else "s", row.id)
-            elif row.resolution != Resolution.UNKNOWN:
-                log.info("message %d (producer group %r) resolved %s by check-back %d",
-                         row.id, row.producer_group, row.resolution, row.check_count)
-        return {row.id for row in recorded}
+        return list(recorded)
 
     def _report_unchecked(self, conn: Connection) -> None:
         """Report due messages no checker here can answer: logged once per group, counted."""
@@ -536,6 +541,19 @@ def _end_unreset(dbapi_connection: Any, record: ConnectionPoolEntry) -> None:
     sweeper could reset it, whatever it left there (advisory locks, settings)."""
     if record.info.pop(_LENT, False):
         record.invalidate()
+
+
+def _say(recorded: list[Any]) -> None:
+    """Log what recorded checks ended: a message discarded, or resolved."""
+    for row in recorded:
+        if row.status == Status.DISCARDED:
+            log.warning("message %d (producer group %r) discarded after %d inconclusive "
+                        "check-back%s; `outbox resume %d` checks it again", row.id,
+                        row.producer_group, row.check_count,
+                        "" if row.check_count == 1 else "s", row.id)
+        elif row.resolution != Resolution.UNKNOWN:
+            log.info("message %d (producer group %r) resolved %s by check-back %d",
+                     row.id, row.producer_group, row.resolution, row.check_count)
 
 
 def _timed_out(seconds: float) -> str:

@@ -389,18 +389,56 @@ def test_a_checker_that_raises_a_base_exception_counts_as_inconclusive(
 
 
 def test_a_checker_that_times_out_counts_as_inconclusive_and_its_late_answer_is_ignored(
-    engine: Engine, orders: Outbox, fast: Settings, schema: str
+    engine: Engine, orders: Outbox, fast: Settings, schema: str,
+    caplog: pytest.LogCaptureFixture
 ) -> None:
+    """Its last timeout is logged before the discard it led to (it was logged after)."""
     def slow(message: Message, conn: Connection) -> str:
         time.sleep(0.6)
         return "COMMIT"
 
     message_id = prepare(engine, orders)
-    with sweeping(fast, {GROUP: slow}, check_max=2, checker_timeout=0.2):
+    with caplog.at_level(logging.WARNING, "outbox.sweeper"), \
+            sweeping(fast, {GROUP: slow}, check_max=2, checker_timeout=0.2):
         wait_status(engine, schema, message_id, "DISCARDED")
     assert tuple(row(engine, schema, message_id)) == ("UNKNOWN", "DISCARDED", 2)
     assert ops(engine, schema, message_id) == [
         ("DISCARDED", "2 inconclusive check-backs, the last: checker timed out after 0.2 s")]
+    said = [r.getMessage().split(": ", 1)[-1].split(";")[0] for r in caplog.records
+            if r.getMessage().startswith(f"message {message_id} ")]
+    assert said == ["checker timed out after 0.2 s"] * 2 + [
+        f"message {message_id} (producer group {GROUP!r}) discarded after 2 inconclusive "
+        "check-backs"], said
+
+
+def test_a_due_row_locked_by_a_long_transaction_is_polled_less_and_less_often(
+    engine: Engine, orders: Outbox, fast: Settings, schema: str,
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An application deciding in a long transaction holds its row: the sweeper, finding it
+    due yet unclaimable, looked again every 50 ms (two transactions each) while it stayed
+    locked. It now waits twice as long each time, up to the poll interval, and checks the
+    row once it is free."""
+    looks: list[float] = []
+    next_check_in = store.next_check_in
+
+    def counted(*args: Any) -> float | None:
+        looks.append(time.monotonic())
+        return next_check_in(*args)
+
+    monkeypatch.setattr(store, "next_check_in", counted)
+    message_id = prepare(engine, orders)
+    time.sleep(0.3)  # past the transaction timeout: due
+    with engine.connect() as holder:
+        holder.execute(text(f"SELECT 1 FROM {schema}.pending WHERE message_id = :id "
+                            "FOR UPDATE"), {"id": message_id})
+        with sweeping(fast, {GROUP: lambda message, conn: "COMMIT"},
+                      sweep_poll_interval=1.0):
+            time.sleep(3)
+            held = len(looks)
+            holder.rollback()
+            wait_resolution(engine, schema, message_id, "COMMIT", timeout=10)
+    assert 3 <= held <= 15, looks
 
 
 def test_a_check_cancelled_at_its_deadline_is_logged_and_counted_once(
