@@ -32,7 +32,7 @@ from pydantic_settings import (
 from sqlalchemy.engine import make_url
 
 from outbox.encoding import DEFAULT_MAX_DELAY, ascii_digits
-from outbox.exceptions import ConfigurationError, ServiceUnavailable
+from outbox.exceptions import ConfigurationError, ServiceUnavailable, first_line
 
 #: Environment variable naming the TOML config file (also set by ``outbox --config``).
 CONFIG_ENV = "OUTBOX_CONFIG"
@@ -754,9 +754,19 @@ def load_settings(cls: type[S] = Settings, **overrides: Any) -> S:  # type: igno
     try:
         return cls(**_given(overrides))
     except SettingsError as exc:
-        raise ConfigurationError(f"invalid settings: {exc} (expected JSON)") from None
+        raise ConfigurationError(_unparsed(exc)) from None
     except ValidationError as exc:
         raise ConfigurationError(_one_line(exc)) from None
+
+
+def _unparsed(exc: SettingsError) -> str:
+    """A JSON setting its source could not parse, named as it was written (pydantic says
+    'error parsing value for field "sql_checkers" from source "EnvSettingsSource"')."""
+    why = "" if exc.__cause__ is None else f": {first_line(exc.__cause__)}"
+    found = re.search(r'field "(\w+)" from source "EnvSettingsSource"', str(exc))
+    if found is None:
+        return f"invalid settings: {exc} (expected JSON{why})"
+    return f"invalid settings: OUTBOX_{found.group(1).upper()} is not valid JSON{why}"
 
 
 def with_overrides(settings: S, **overrides: Any) -> S:

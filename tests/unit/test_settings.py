@@ -159,9 +159,13 @@ def test_invalid_values_are_one_line_per_field() -> None:
         load_settings(SweepSettings, check_max=0, sweep_concurrency=1000)
     assert str(error.value).startswith("invalid settings: check_max: ")
     assert "; sweep_concurrency: " in str(error.value) and "\n" not in str(error.value)
-    os.environ["OUTBOX_SQL_CHECKERS"] = "{not json"
-    with pytest.raises(ConfigurationError, match=r"\(expected JSON\)"):
-        load_settings(SweepSettings)
+    for value, why in (("{not json", "Expecting property name enclosed in double quotes"),
+                       ("", "Expecting value")):
+        os.environ["OUTBOX_SQL_CHECKERS"] = value
+        with pytest.raises(ConfigurationError) as error:
+            load_settings(SweepSettings)
+        assert str(error.value).startswith(
+            f"invalid settings: OUTBOX_SQL_CHECKERS is not valid JSON: {why}"), error.value
 
 
 @pytest.mark.parametrize(("bootstrap", "problem"), [
