@@ -62,6 +62,16 @@ def reconcile_settings(services: devservices.Services, schema: str, output: Path
     )
 
 
+def scenario_settings(services: devservices.Services, output: Path) -> tuple[Settings, str]:
+    """A schema of its own, migrated, and a topic of 3 partitions, for a module's shared
+    scenario: its settings and the topic."""
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    topic = f"orders-{uuid.uuid4().hex[:10]}"
+    migrate.upgrade(services.database_url, schema)
+    create_topic(services.kafka_bootstrap, topic, partitions=3)
+    return reconcile_settings(services, schema, output), topic
+
+
 def found(spark: SparkSession, result: job.Result) -> dict[str, set[int | None]]:
     """Message ids per finding, read back from the run's Parquet files."""
     ids: dict[str, set[int | None]] = {}
@@ -192,11 +202,8 @@ class Defects:
 @pytest.fixture(scope="module")
 def defects(services: devservices.Services, engine: Engine,
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[Defects]:
-    schema = f"t_{uuid.uuid4().hex[:12]}"
-    topic = f"orders-{uuid.uuid4().hex[:10]}"
-    migrate.upgrade(services.database_url, schema)
-    create_topic(services.kafka_bootstrap, topic, partitions=3)
-    settings = reconcile_settings(services, schema, tmp_path_factory.mktemp("reconcile"))
+    settings, topic = scenario_settings(services, tmp_path_factory.mktemp("reconcile"))
+    schema = settings.schema_name
     d = Defects(settings, topic)
     with running_relay(settings):
         d.clean = set(publish_clean_flow(engine, Outbox(settings=settings), topic, 60))

@@ -4,7 +4,6 @@ topics (nothing is left unread because a run skipped Kafka)."""
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -15,7 +14,6 @@ from kafka import KafkaAdminClient
 from pyspark.sql import SparkSession
 from sqlalchemy import Engine, text
 
-from outbox import migrate
 from outbox.dev import services as devservices
 from outbox.dev.topics import create_topic
 from outbox.spark import findings
@@ -23,7 +21,13 @@ from outbox.spark import reconcile as job
 from outbox.spark.kafka_source import high_watermarks
 from outbox.spark.runs import RunOutcome
 from tests.integration import test_reconcile
-from tests.integration.test_reconcile import found, insert_message, produce, reconcile_settings
+from tests.integration.test_reconcile import (
+    found,
+    insert_message,
+    produce,
+    reconcile_settings,
+    scenario_settings,
+)
 from tests.integration.test_reconcile_carry import deliver
 
 #: The suite's one local SparkSession (test_reconcile.py's fixture).
@@ -60,11 +64,8 @@ def judged(request: pytest.FixtureRequest, spark: SparkSession,
 
 def _judged(spark: SparkSession, services: devservices.Services, engine: Engine,
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[Judged]:
-    schema = f"t_{uuid.uuid4().hex[:12]}"
-    topic = f"orders-{uuid.uuid4().hex[:10]}"
-    migrate.upgrade(services.database_url, schema)
-    create_topic(services.kafka_bootstrap, topic, partitions=3)
-    settings = reconcile_settings(services, schema, tmp_path_factory.mktemp("unread"))
+    settings, topic = scenario_settings(services, tmp_path_factory.mktemp("unread"))
+    schema = settings.schema_name
     d = Judged()
     kept = deliver(engine, services, schema, topic, age="2 hours")
     d.gone, d.onto_next, d.next_one, d.past_end, d.unrecorded = (
