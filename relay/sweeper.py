@@ -220,33 +220,42 @@ class Sweeper:
         finally:
             executor.shutdown(wait=False, cancel_futures=True)
             self._let_answers_land(running)
-            left = [item.claim.message for future, item in running.items()
-                    if not future.done()]
-            self.stuck = sorted({message.id for message in left})
-            if self.stuck:
-                why = ("a Python checker cannot be stopped" if any(
-                    not isinstance(self.checkers[m.producer_group], SqlChecker) for m in left)
-                    else "a SQL checker's statement ends at its checker_timeout")
-                log.warning("sweeper %s: %s (%s); they are left to run and their messages are "
-                            "checked again", self.settings.worker_id, self._unfinished(), why)
+            self._say_unfinished(running)
             self._engine.dispose()
             self.lifecycle.say_stopped("sweeper %s stopped after %d check-backs",
                                        self.settings.worker_id, sum(self.counts.outcomes.values()))
 
     def _let_answers_land(self, running: dict[Future[None], _Running]) -> None:
-        """Wait up to the checker timeout for running checks to record their answers; a
-        second signal (``abandon``) ends the wait."""
-        deadline = time.monotonic() + self.settings.checker_timeout
+        """Wait, up to their deadlines, for running checks to record their answers, then
+        count those still running as timed out; a second signal (``abandon``) ends the wait
+        and counts none. Checks already counted as timed out are not waited for."""
+        waiting = {future: item for future, item in running.items() if not item.expired}
+        deadline = max((item.deadline for item in waiting.values()), default=0.0)
         while not self.lifecycle.abandon.is_set() and time.monotonic() < deadline:
-            if not wait(running, timeout=min(0.1, deadline - time.monotonic())).not_done:
+            if not wait(waiting, timeout=min(0.1, deadline - time.monotonic())).not_done:
                 return
+        if waiting and not self.lifecycle.abandon.is_set():
+            with contextlib.suppress(DBAPIError), self._engine.connect() as conn:
+                self._expire(conn, waiting, time.monotonic())  # (it logs what it could not)
 
-    def _unfinished(self) -> str:
-        """What the checks still running at the end (``stuck``) are: abandoned, or stuck."""
-        ids = ", ".join(map(str, self.stuck))
-        if self.lifecycle.abandon.is_set():
-            return f"checks of messages {ids} were abandoned"
-        return f"checks of messages {ids} are still running past their timeout"
+    def _say_unfinished(self, running: dict[Future[None], _Running]) -> None:
+        """Name the checks still running at the end (``stuck``): their threads are left to
+        run, and ``outbox sweep`` exits without them."""
+        left = [item for future, item in running.items() if not future.done()]
+        self.stuck = sorted({item.claim.message.id for item in left})
+        if not left:
+            return
+        why = ("a Python checker cannot be stopped" if any(
+            not isinstance(self.checkers[item.claim.message.producer_group], SqlChecker)
+            for item in left) else "a SQL checker's statement ends at its checker_timeout")
+        for expired, said in ((True, "are still running past their timeout ({why}); their "
+                                     "timeouts are counted"),
+                              (False, "were abandoned ({why}); their messages are checked "
+                                      "again when their claims expire")):
+            ids = sorted({item.claim.message.id for item in left if item.expired == expired})
+            if ids:
+                log.warning("sweeper %s: checks of messages %s %s", self.settings.worker_id,
+                            ", ".join(map(str, ids)), said.format(why=why))
 
     def _serve(self, executor: ThreadPoolExecutor, running: dict[Future[None], _Running]
                ) -> None:
@@ -367,6 +376,12 @@ class Sweeper:
                 item.ended = True
                 expired = item.expired
         if expired:  # counted and logged at its deadline (_expire), which cancelled it
+            if resolution != Resolution.UNKNOWN:
+                log.warning("message %d (producer group %r): its checker answered %s %.1f s "
+                            "after its timeout of %g s; ignored, as the timeout was counted "
+                            "(a checker this slow needs a longer OUTBOX_CHECKER_TIMEOUT)",
+                            message.id, message.producer_group, resolution,
+                            time.monotonic() - item.deadline, self.settings.checker_timeout)
             return
         if kind in ("ERROR", "TIMEOUT"):
             log.warning("message %d (producer group %r): %s; counted as inconclusive",

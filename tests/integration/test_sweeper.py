@@ -401,14 +401,21 @@ def test_a_checker_that_times_out_counts_as_inconclusive_and_its_late_answer_is_
     with caplog.at_level(logging.WARNING, "outbox.sweeper"), \
             sweeping(fast, {GROUP: slow}, check_max=2, checker_timeout=0.2):
         wait_status(engine, schema, message_id, "DISCARDED")
+        wait_until(lambda: "its checker answered" in caplog.text, 5, "a late answer")
     assert tuple(row(engine, schema, message_id)) == ("UNKNOWN", "DISCARDED", 2)
     assert ops(engine, schema, message_id) == [
         ("DISCARDED", "2 inconclusive check-backs, the last: checker timed out after 0.2 s")]
     said = [r.getMessage().split(": ", 1)[-1].split(";")[0] for r in caplog.records
             if r.getMessage().startswith(f"message {message_id} ")]
-    assert said == ["checker timed out after 0.2 s"] * 2 + [
+    assert [line for line in said if "answered" not in line] == [
+        "checker timed out after 0.2 s"] * 2 + [
         f"message {message_id} (producer group {GROUP!r}) discarded after 2 inconclusive "
         "check-backs"], said
+    # An answer after the timeout is ignored, but said: a checker always a little too slow
+    # had its messages discarded with no word of the answers it gave.
+    assert f"message {message_id} (producer group {GROUP!r}): its checker answered COMMIT " \
+        in caplog.text, caplog.text
+    assert "after its timeout of 0.2 s; ignored, as the timeout was counted" in caplog.text
 
 
 def test_a_due_row_locked_by_a_long_transaction_is_polled_less_and_less_often(
@@ -1008,13 +1015,13 @@ def test_sweep_command_uses_the_checkers_of_the_app(
 
 
 @contextmanager
-def stuck_sweeper(engine: Engine, fast: Settings, schema: str
+def stuck_sweeper(engine: Engine, fast: Settings, schema: str, *args: str
                   ) -> Iterator[tuple[OutboxProcess, int]]:
     """`outbox sweep` whose Python checker never answers, once its first check timed out;
     killed afterwards if it is still running."""
     message_id = prepare(engine, Outbox(settings=fast, producer_group="stuck-orders"))
     sweeper = start_outbox(fast, "sweep", "--app", "tests.checker_app:stuck",
-                           "--check-interval", "0.1", "--checker-timeout", "0.5")
+                           "--check-interval", "0.1", "--checker-timeout", "0.5", *args)
     try:
         wait_until(lambda: row(engine, schema, message_id).check_count >= 1, 30,
                    "the check to time out")
@@ -1035,6 +1042,23 @@ def test_sweep_command_stops_on_sigterm_though_a_checker_never_answers(
         output, _ = sweeper.communicate(timeout=30)
     assert sweeper.returncode == 0, output
     assert f"checks of messages {message_id} are still running past their timeout" in output
+
+
+def test_sigterm_does_not_wait_for_checks_already_counted_as_timed_out(
+    engine: Engine, fast: Settings, schema: str
+) -> None:
+    """A check past its timeout is counted, its message here discarded: the sweeper waited
+    for it all the same, a whole checker timeout, then said its message would be checked
+    again."""
+    with stuck_sweeper(engine, fast, schema, "--checker-timeout", "8", "--check-max", "1"
+                       ) as (sweeper, message_id):
+        wait_status(engine, schema, message_id, "DISCARDED")
+        sweeper.send_signal(signal.SIGTERM)
+        output, _ = sweeper.communicate(timeout=5)  # not the 8 s of another timeout
+    assert sweeper.returncode == 0, output
+    assert (f"checks of messages {message_id} are still running past their timeout (a "
+            "Python checker cannot be stopped); their timeouts are counted") in output, output
+    assert "checked again" not in output, output
 
 
 def test_sweep_command_exits_on_a_setup_error_though_a_checker_never_answers(
