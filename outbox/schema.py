@@ -135,8 +135,10 @@ pending = Table(
         "message_id",
         postgresql_where=text("status = 'PENDING' AND resolution = 'COMMIT' AND NOT held"),
     ),
+    # The sweeper's due rows, group by group (revision 0026: groups take turns).
     Index(
         "pending_check_idx",
+        "producer_group",
         "next_check_at",
         postgresql_where=text("resolution = 'UNKNOWN' AND status IN ('PENDING', 'DELAYED')"),
     ),

@@ -671,17 +671,26 @@ FROM {schema}.decide_message(:id, CAST(:resolution AS text), :actor, :channel);
 -- name: claim_checks
 -- A sweeper claims due UNKNOWN rows of the producer groups it has checkers for, through the
 -- partial index pending_check_idx (its cost follows the due rows, not the history). The
--- claim pushes next_check_at past the checker timeout: other sweepers skip the row until
--- then, and a crashed sweeper's claim simply expires. The new next_check_at is the claim's
--- token: only its holder may record the check's outcome (record_checks).
+-- groups take turns, oldest due first within each: a backlog of one group's slow checks does
+-- not hold back the others' (each group's first rows come before any group's second; the
+-- rows locked past the :limit taken are let go at once, on commit). The claim pushes
+-- next_check_at past the checker timeout: other sweepers skip the row until then, and a
+-- crashed sweeper's claim simply expires. The new next_check_at is the claim's token: only
+-- its holder may record the check's outcome (record_checks).
 WITH due AS (
-    SELECT message_id FROM {schema}.pending
-    WHERE resolution = 'UNKNOWN' AND status IN ('PENDING', 'DELAYED')
-      AND next_check_at <= now()
-      AND producer_group = ANY(CAST(:groups AS text[]))
-    ORDER BY next_check_at
+    SELECT d.message_id
+    FROM unnest(CAST(:groups AS text[])) AS g(producer_group)
+    CROSS JOIN LATERAL (
+        SELECT message_id, next_check_at FROM {schema}.pending
+        WHERE resolution = 'UNKNOWN' AND status IN ('PENDING', 'DELAYED')
+          AND producer_group = g.producer_group AND next_check_at <= now()
+        ORDER BY next_check_at
+        LIMIT :limit
+        FOR UPDATE SKIP LOCKED
+    ) AS d
+    ORDER BY row_number() OVER (PARTITION BY g.producer_group ORDER BY d.next_check_at),
+             d.next_check_at
     LIMIT :limit
-    FOR UPDATE SKIP LOCKED
 )
 UPDATE {schema}.pending AS p
 SET next_check_at = now() + make_interval(secs => :claim_seconds)
@@ -749,10 +758,17 @@ SELECT id, producer_group, resolution, status, check_count,
 FROM changed;
 
 -- name: next_check_in
--- Seconds until the sweeper's next due row (NULL when none waits), from the index's first entry.
-SELECT extract(epoch FROM min(next_check_at) - now()) FROM {schema}.pending
-WHERE resolution = 'UNKNOWN' AND status IN ('PENDING', 'DELAYED')
-  AND producer_group = ANY(CAST(:groups AS text[]));
+-- Seconds until the sweeper's next due row (NULL when none waits), from each group's first
+-- entry in pending_check_idx.
+SELECT extract(epoch FROM min(d.next_check_at) - now())
+FROM unnest(CAST(:groups AS text[])) AS g(producer_group)
+CROSS JOIN LATERAL (
+    SELECT next_check_at FROM {schema}.pending
+    WHERE resolution = 'UNKNOWN' AND status IN ('PENDING', 'DELAYED')
+      AND producer_group = g.producer_group AND next_check_at IS NOT NULL
+    ORDER BY next_check_at
+    LIMIT 1
+) AS d;
 
 -- name: unchecked_groups
 -- Due UNKNOWN rows of producer groups the sweeper has no checker for: reported, not counted.

@@ -489,6 +489,27 @@ def test_a_slow_checker_does_not_starve_the_others(
         wait_resolution(engine, schema, stuck_id, "COMMIT")
 
 
+def test_a_groups_backlog_does_not_hold_up_the_checks_of_the_other_groups(
+    engine: Engine, orders: Outbox, fast: Settings, schema: str
+) -> None:
+    """Claims took the due rows of every group oldest first: a backlog of one group's slow
+    checks (a gateway answering in seconds) held back every other group's, all due later,
+    until the whole backlog was checked. Each claim now takes the groups in turn."""
+    def slow(message: Message, conn: Connection) -> str:
+        time.sleep(0.5)
+        return "COMMIT"
+
+    backlog = [prepare(engine, Outbox(settings=fast, producer_group="slow")) for _ in range(12)]
+    time.sleep(0.5)  # the backlog is due first
+    quick_id = prepare(engine, orders)
+    time.sleep(0.3)
+    with sweeping(fast, {"slow": slow, GROUP: answering("COMMIT")}, sweep_concurrency=2):
+        wait_resolution(engine, schema, quick_id, "COMMIT", timeout=20)
+        left = sum(row(engine, schema, message_id).resolution == "UNKNOWN"
+                   for message_id in backlog)
+    assert left >= 8, f"{left} of the backlog's 12 checks were left when the group's turn came"
+
+
 def test_checkers_stuck_past_their_timeout_do_not_starve_the_other_groups(
     engine: Engine, orders: Outbox, fast: Settings, schema: str,
     caplog: pytest.LogCaptureFixture,
