@@ -24,6 +24,7 @@ from outbox.encoding import MAX_MESSAGE_ID, ascii_digits
 from outbox.exceptions import (
     INSUFFICIENT_PRIVILEGE,
     LOCK_NOT_AVAILABLE,
+    READ_ONLY_TRANSACTION,
     ConfigurationError,
     OutboxError,
     first_line,
@@ -50,7 +51,6 @@ DEFAULT_STATE = Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "
                      "outbox", "dev-services.json")
 S = TypeVar("S", bound=DatabaseSettings)
 #: SQLSTATE of a write refused by a server in recovery (a standby).
-READ_ONLY_TRANSACTION = "25006"
 #: The shortest console token taken: one an operator can guess (or one space) is refused.
 MIN_TOKEN_LENGTH = 16
 

@@ -107,10 +107,12 @@ def sqlstate(exc: BaseException) -> str | None:
 
 #: A statement gave up waiting for a lock (``lock_timeout``).
 LOCK_NOT_AVAILABLE = "55P03"
+#: A write in a read-only transaction (or on a standby).
+READ_ONLY_TRANSACTION = "25006"
 #: SQLSTATEs (and classes) of a server that cannot run any statement now: connection
 #: trouble, insufficient resources, a shutdown, a conflict with another session, a system
 #: error (I/O), a standby refusing a write (a failover's old primary).
-_OUTAGE_SQLSTATES = ("08", "53", "57P", "40", "58", LOCK_NOT_AVAILABLE, "25006")
+_OUTAGE_SQLSTATES = ("08", "53", "57P", "40", "58", LOCK_NOT_AVAILABLE, READ_ONLY_TRANSACTION)
 
 
 def server_trouble(exc: BaseException) -> bool:

@@ -8,6 +8,7 @@ own), so the library, the relay and the CLI share one set of queries.
 from __future__ import annotations
 
 import bisect
+import json
 import logging
 import math
 import re
@@ -27,7 +28,13 @@ from sqlalchemy.dialects.postgresql.psycopg import dialect as psycopg_dialect
 from sqlalchemy.exc import DBAPIError
 
 from outbox.encoding import EncodedMessage, ascii_digits
-from outbox.exceptions import CheckerRefused
+from outbox.exceptions import (
+    INSUFFICIENT_PRIVILEGE,
+    CheckerRefused,
+    first_line,
+    server_trouble,
+    sqlstate,
+)
 from outbox.message import Message
 from outbox.schema import Resolution
 from outbox.settings import RELAY_BATCH_BYTES, validate_identifier
@@ -1067,7 +1074,8 @@ def cut_off(exc: BaseException) -> bool:
 #: types (PostgreSQL oids: bigint, text x4, integer).
 CHECKER_BINDS = ("id", "producer_group", "topic", "key", "payload", "check_count")
 _CHECKER_TYPES = (20, 25, 25, 25, 25, 23)
-#: The name a SQL checker is prepared under for one check (dropped by ``reset_session``).
+#: The name a SQL checker is prepared under for one check (dropped by ``reset_session``;
+#: queries.sql's ``plan_sql_checker`` names it too).
 CHECKER_STATEMENT = "outbox_sql_checker"
 _PYFORMAT_BIND = re.compile(r"%\((\w+)\)s|%%")
 
@@ -1121,6 +1129,40 @@ def prepare_sql_checker(conn: Connection, schema: str, statement: str) -> None:
         raise CheckerRefused("it returns no column; a SQL checker is one query whose first "
                              "column answers COMMIT, ROLLBACK or UNKNOWN")
     conn.execute(query("sql_checker_as_sweeper", schema))
+
+
+#: Plan nodes of a statement that locks or writes rows: a check's read-only transaction
+#: refuses it (``cannot execute SELECT FOR UPDATE in a read-only transaction``).
+_WRITING_NODES = frozenset({"LockRows", "ModifyTable"})
+
+
+def sql_checker_refusal(conn: Connection, schema: str) -> str | None:
+    """Why the SQL checker just prepared (prepare_sql_checker) would fail at every check, if
+    its plan shows it: a privilege the checker role lacks, or rows it would lock or write.
+    None if its plan is sound, or cannot be made with NULL binds (its checks will tell)."""
+    try:
+        with conn.begin_nested():
+            conn.execute(query("sql_checker_as_checker", schema))
+            plan = conn.execute(query("plan_sql_checker", schema)).scalar_one()
+    except DBAPIError as exc:
+        if sqlstate(exc) == INSUFFICIENT_PRIVILEGE:
+            return (f"{first_line(exc)} (it runs as the role {schema}_checker: grant that role "
+                    "SELECT on what it reads, and lock no rows)")
+        if server_trouble(exc):
+            raise
+        return None
+    nodes = _plan_nodes((json.loads(plan) if isinstance(plan, str) else plan)[0]["Plan"])
+    if nodes & _WRITING_NODES:
+        return ("it would lock or write rows (FOR UPDATE or SHARE, or INSERT, UPDATE or "
+                "DELETE), and a check runs read-only: a checker only reads")
+    return None
+
+
+def _plan_nodes(node: Mapping[str, Any]) -> set[str]:
+    found = {str(node["Node Type"])}
+    for child in node.get("Plans", ()):
+        found |= _plan_nodes(child)
+    return found
 
 
 def sql_checker_ready(conn: Connection, schema: str) -> bool:

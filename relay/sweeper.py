@@ -38,7 +38,14 @@ from sqlalchemy.pool import ConnectionPoolEntry
 from outbox import store
 from outbox.app import Outbox
 from outbox.checkers import Checker, SqlChecker, synchronous, to_resolution
-from outbox.exceptions import CheckerRefused, ConfigurationError, first_line, server_trouble
+from outbox.exceptions import (
+    READ_ONLY_TRANSACTION,
+    CheckerRefused,
+    ConfigurationError,
+    first_line,
+    server_trouble,
+    sqlstate,
+)
 from outbox.migrate import require_current, require_writable
 from outbox.pooling import refuse_transaction_pooling
 from outbox.relay.daemon import Lifecycle
@@ -351,6 +358,9 @@ class Sweeper:
                     store.begin_check(conn, self.schema, self.settings.checker_timeout,
                                       self.settings.checker_timeout + CLAIM_MARGIN)
                     store.prepare_sql_checker(conn, self.schema, checker.statement)
+                    refusal = store.sql_checker_refusal(conn, self.schema)
+                    if refusal is not None:
+                        raise CheckerRefused(refusal)
                     transaction.rollback()
                 store.reset_session(conn, self.schema)
             except (CheckerRefused, DBAPIError) as exc:
@@ -426,7 +436,9 @@ class Sweeper:
             if item.expired or time.monotonic() >= item.deadline:
                 return Resolution.UNKNOWN, "TIMEOUT", _timed_out(self.settings.checker_timeout)
             raise exc  # cancelled before its time (pg_cancel_backend): checked again
-        if isinstance(exc, DBAPIError) and server_trouble(exc):
+        # a write the check's read-only transaction refused is the checker's own doing
+        wrote = not lost and sqlstate(exc) == READ_ONLY_TRANSACTION
+        if isinstance(exc, DBAPIError) and server_trouble(exc) and not wrote:
             if lost:  # not the message's fault: uncounted, checked again (_loop logs)
                 raise exc
             # else a database of the checker's own does not answer: the check failed

@@ -1035,6 +1035,12 @@ SET LOCAL ROLE {schema}_checker;
 -- name: sql_checker_as_sweeper
 SET LOCAL ROLE NONE;
 
+-- name: plan_sql_checker
+-- The plan of the SQL checker prepared for a check, as the checker role, unrun: PostgreSQL
+-- checks its privileges (which preparing it does not), and its nodes show whether it would
+-- lock or write rows, which its read-only check refuses (sql_checker_refusal).
+EXPLAIN (FORMAT JSON) EXECUTE outbox_sql_checker(NULL, NULL, NULL, NULL, NULL, NULL);
+
 -- name: sql_checker_ready
 -- Whether `outbox db upgrade --create-roles` made the checker role and its function.
 SELECT to_regrole('{schema}_checker') IS NOT NULL

@@ -83,6 +83,11 @@ ESCAPES = {
     "binds-an-unknown-name": ("SELECT 'COMMIT' FROM {payments} WHERE order_id = :order_id",
                               "binds :order_id; a SQL checker may bind :id"),
     "names-an-unknown-column": ("SELECT nope FROM {payments}", 'column "nope" does not exist'),
+    # Preparing a statement checks no table privilege: these failed at every check instead.
+    "reads-a-table-not-granted": ("SELECT 'COMMIT' FROM pg_authid",
+                                  "permission denied for table pg_authid (it runs as the role"),
+    "locks-rows": ("SELECT 'COMMIT' FROM {payments} WHERE order_id = :id FOR UPDATE",
+                   "permission denied for table payments"),
 }
 
 
@@ -101,6 +106,25 @@ def test_a_checker_that_could_escape_or_cannot_run_is_refused_at_start_and_chang
     assert payment_states(engine, payments) == before
     assert tuple(row(engine, schema, message_id)) == ("UNKNOWN", "PENDING", 0)
     assert not shell_ran.exists()
+
+
+@pytest.mark.parametrize("sql", [
+    "SELECT 'COMMIT' FROM {payments} WHERE order_id = :id FOR UPDATE",
+    "SELECT 'COMMIT' FROM {payments} WHERE order_id = :id FOR KEY SHARE",
+    "WITH gone AS (DELETE FROM {payments} RETURNING 1) SELECT 'ROLLBACK' FROM gone",
+], ids=["for-update", "for-key-share", "deletes"])
+def test_a_checker_that_would_lock_or_write_rows_is_refused_at_start_though_its_role_may(
+    engine: Engine, orders: Outbox, fast: Settings, schema: str, payments: str, sql: str
+) -> None:
+    """Its role granted UPDATE and DELETE, the statement prepared, and every check then
+    failed on its read-only transaction: `checker raised InternalError`, 15 times a message."""
+    with engine.begin() as conn:
+        conn.execute(text(f"GRANT UPDATE, DELETE ON {payments} TO {schema}_checker"))
+    message_id = prepare(engine, orders)
+    line = sweep_refused(fast, sql.format(payments=payments))
+    assert "it would lock or write rows" in line and "a check runs read-only" in line, line
+    assert tuple(row(engine, schema, message_id)) == ("UNKNOWN", "PENDING", 0)
+    assert len(payment_states(engine, payments)) == 3
 
 
 def test_sql_checkers_without_the_checker_role_are_refused_at_start(

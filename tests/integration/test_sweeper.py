@@ -921,13 +921,27 @@ def test_a_check_the_server_could_not_run_is_not_counted_against_the_message(
 
 
 def test_a_sql_checker_runs_read_only(
-    engine: Engine, orders: Outbox, fast: Settings, schema: str, payments: str
+    engine: Engine, orders: Outbox, fast: Settings, schema: str, payments: str,
+    caplog: pytest.LogCaptureFixture
 ) -> None:
+    """A write hidden in a function its role may call (its plan at start shows none) is
+    refused by the check's read-only transaction, and said to be PostgreSQL's refusal (it
+    was `checker raised InternalError`, as if the checker had failed)."""
+    with engine.begin() as conn:
+        conn.execute(text(f"GRANT DELETE ON {payments} TO {schema}_checker"))
+        conn.execute(text(
+            f"CREATE FUNCTION {schema}_shop.forget() RETURNS boolean LANGUAGE sql "
+            f"AS 'DELETE FROM {payments} RETURNING true'"))
+        conn.execute(text(f"GRANT EXECUTE ON FUNCTION {schema}_shop.forget() "
+                          f"TO {schema}_checker"))
     message_id = prepare(engine, orders)
-    with sweeping(fast, sql_checkers={GROUP: f"DELETE FROM {payments} RETURNING 'COMMIT'"},
-                  check_max=1):
+    with caplog.at_level(logging.WARNING, "outbox.sweeper"), sweeping(
+            fast, sql_checkers={GROUP: f"SELECT 'COMMIT' WHERE {schema}_shop.forget()"},
+            check_max=1):
         wait_status(engine, schema, message_id, "DISCARDED")
-    assert "read-only transaction" in ops(engine, schema, message_id)[0][1]
+    assert "PostgreSQL refused: cannot execute DELETE in a read-only transaction" in \
+        ops(engine, schema, message_id)[0][1]
+    assert "PostgreSQL refused: cannot execute DELETE in a read-only" in caplog.text
     with engine.connect() as conn:
         assert conn.execute(text(f"SELECT count(*) FROM {payments}")).scalar() == 3
 
