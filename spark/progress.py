@@ -2,7 +2,9 @@
 broker that died (silent until the reader's stall timeout, 120 s), said nothing for minutes.
 
 A daemon thread on the driver logs one line every ``reconcile_progress_seconds`` while a
-Spark job is active, from Spark's status tracker; none for a run quicker than that.
+phase of the run is under way: its Spark jobs' tasks, from Spark's status tracker, or that
+the driver works on its own (its queries to PostgreSQL or Kafka, which were silent); none
+for a run quicker than that.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ class Progress:
             except Exception:  # the run goes on without its progress lines
                 self._log.debug("cannot read the Spark jobs' progress", exc_info=True)
                 continue
-            if stages and not self._stop.is_set():
+            if (stages or self.phase) and not self._stop.is_set():
                 self._log.info("%s", line(self.phase, time.monotonic() - self._started, stages))
 
 
@@ -56,10 +58,13 @@ def active_stages(context: SparkContext) -> list[SparkStageInfo]:
 
 def line(phase: str | None, seconds: float, stages: list[SparkStageInfo]) -> str:
     """``still running after 95s (read topics): 3 of 8 tasks done, 2 running, 1 failed``;
-    failed tasks (an executor that lost Kafka or the database) only when there are some."""
+    failed tasks (an executor that lost Kafka or the database) only when there are some.
+    Without stages: ``still running after 95s (match): the driver's own work, no Spark job``."""
+    said = f"still running after {seconds:.0f}s{f' ({phase})' if phase else ''}: "
+    if not stages:
+        return said + "the driver's own work, no Spark job"
     done = sum(s.numCompletedTasks for s in stages)
     failed = sum(s.numFailedTasks for s in stages)
-    return (f"still running after {seconds:.0f}s{f' ({phase})' if phase else ''}: {done} of "
-            f"{sum(s.numTasks for s in stages)} tasks done, "
+    return (said + f"{done} of {sum(s.numTasks for s in stages)} tasks done, "
             f"{sum(s.numActiveTasks for s in stages)} running"
             + (f", {failed} failed" if failed else ""))

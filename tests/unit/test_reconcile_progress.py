@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import NoReturn, cast
 
 import pytest
@@ -22,6 +23,35 @@ def test_a_line_sums_the_active_stages_and_names_failed_tasks_only_when_there_ar
         "still running after 95s (read topics): 3 of 12 tasks done, 2 running, 1 failed")
     assert line("match", 31, [stage(16, 3, 3)]) == (
         "still running after 31s (match): 3 of 16 tasks done, 3 running")
+
+
+class Idle:
+    """A SparkContext running no job: the driver works on its own."""
+
+    def statusTracker(self) -> Idle:
+        return self
+
+    def getActiveStageIds(self) -> list[int]:
+        return []
+
+
+def test_a_phase_of_the_drivers_own_work_is_said_too_and_nothing_before_the_first_phase(
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    """The driver's queries (JDBC look-ups, Kafka's offsets), a large part of a run and all
+    of one stuck on a broker's metadata, went without a line."""
+    with caplog.at_level("INFO", logger="outbox.reconcile"), Progress(
+            cast(SparkContext, Idle()), logging.getLogger("outbox.reconcile"), 0.01
+            ) as progress:
+        time.sleep(0.1)
+        assert "still running" not in caplog.text  # no phase under way yet
+        progress.phase = "match"
+        deadline = time.monotonic() + 10
+        while "still running" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.01)
+    said = {r.getMessage().split(": ", 1)[1] for r in caplog.records}
+    assert said == {"the driver's own work, no Spark job"}, caplog.text
+    assert all(r.getMessage().endswith(f"(match): {next(iter(said))}") for r in caplog.records)
 
 
 class LostGateway:
