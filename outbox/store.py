@@ -1016,7 +1016,11 @@ def record_checks(
     *,
     check_interval: float,
     check_max: int,
+    late: bool = False,
 ) -> list[CheckRecorded]:
+    """Record ``outcomes`` under their claims; or, ``late``, COMMIT and ROLLBACK answers that
+    came after their checks' timeouts were counted: uncounted, they decide their rows if still
+    UNKNOWN (PENDING or DELAYED), whatever claim holds them."""
     if not outcomes:
         return []
     rows = conn.execute(
@@ -1028,6 +1032,7 @@ def record_checks(
             "details": [as_detail(o.detail) for o in outcomes],
             "check_interval": check_interval,
             "check_max": check_max,
+            "counted": 0 if late else 1,
             "actor": actor,
             "channel": notify_channel(schema),
         },

@@ -138,7 +138,7 @@ def checkers_for(settings: SweepSettings, checkers: Mapping[str, Checker]) -> di
 class _Running:
     claim: store.Claim
     deadline: float
-    #: counted as timed out at its deadline (_expire): its answer, if one comes, is ignored
+    #: counted as timed out at its deadline (_expire): its answer, if one comes, is late
     expired: bool = False
     #: its checker returned or raised: it is not counted as timed out (set under the lock,
     #: as ``expired`` is, so that one check is never counted both ways)
@@ -387,11 +387,7 @@ class Sweeper:
                 expired = item.expired
         if expired:  # counted and logged at its deadline (_expire), which cancelled it
             if resolution != Resolution.UNKNOWN:
-                log.warning("message %d (producer group %r): its checker answered %s %.1f s "
-                            "after its timeout of %g s; ignored, as the timeout was counted "
-                            "(a checker this slow needs a longer OUTBOX_CHECKER_TIMEOUT)",
-                            message.id, message.producer_group, resolution,
-                            time.monotonic() - item.deadline, self.settings.checker_timeout)
+                self._record_late(item, resolution)
             return
         if kind in ("ERROR", "TIMEOUT"):
             log.warning("message %d (producer group %r): %s; counted as inconclusive",
@@ -399,6 +395,35 @@ class Sweeper:
         outcome = store.CheckOutcome(message.id, item.claim.token, resolution, detail)
         with self._engine.connect() as conn:
             _say(self._record(conn, [(outcome, kind)]))
+
+    def _record_late(self, item: _Running, resolution: Resolution) -> None:
+        """A COMMIT or ROLLBACK that came after the check's timeout was counted: it decides
+        the message if still undecided (a checker a little too slow had every answer dropped,
+        and its messages discarded), and says so with the setting that would have let it
+        in time. Not after the sweeper has stopped."""
+        message, timeout = item.claim.message, self.settings.checker_timeout
+        late = f"its checker answered {resolution} {time.monotonic() - item.deadline:.1f} s "\
+            f"after its timeout of {timeout:g} s"
+        recorded: list[Any] = []
+        if not self.lifecycle.stopped.is_set():
+            outcome = store.CheckOutcome(message.id, item.claim.token, resolution,
+                                         f"checker answered {resolution} after its timeout "
+                                         f"of {timeout:g} s")
+            try:
+                with self._engine.connect() as conn:
+                    recorded = self._record(conn, [(outcome, resolution.value)], late=True)
+            except DBAPIError as exc:
+                log.warning("message %d (producer group %r): %s; not recorded (PostgreSQL: %s)",
+                            message.id, message.producer_group, late, first_line(exc))
+                return
+        if recorded:
+            log.warning("message %d (producer group %r): %s; recorded (give it a longer "
+                        "OUTBOX_CHECKER_TIMEOUT)", message.id, message.producer_group, late)
+        else:
+            log.warning("message %d (producer group %r): %s; ignored: the message was decided "
+                        "or discarded meanwhile (`outbox resume %d` checks a discarded one "
+                        "again)", message.id, message.producer_group, late, message.id)
+        _say(recorded)
 
     def _ask(self, item: _Running) -> tuple[Resolution, str, str]:
         """The checker's answer, outcome kind and detail. Its connection is reset afterwards
@@ -463,7 +488,8 @@ class Sweeper:
                 ) -> None:
         """Count checks past the checker timeout as inconclusive, before their claim lapses.
 
-        The thread may still finish; its late answer then finds the claim gone and is ignored.
+        The thread may still finish: a late COMMIT or ROLLBACK then decides the message if it
+        is still undecided (:meth:`_record_late`).
         """
         with self._lock:  # one that ended unrecorded (in a database outage) is not counted:
             overdue = [r for r in running.values()  # its claim lapses, and it is checked again
@@ -500,17 +526,18 @@ class Sweeper:
                             "when its claim expires")
         _say(recorded)  # after the timeouts that led to them
 
-    def _record(self, conn: Connection, outcomes: list[tuple[store.CheckOutcome, str]]
-                ) -> list[Any]:
-        """Record check outcomes, counted; the rows recorded (a claim that lapsed is not),
-        for :func:`_say`."""
+    def _record(self, conn: Connection, outcomes: list[tuple[store.CheckOutcome, str]],
+                *, late: bool = False) -> list[Any]:
+        """Record check outcomes, counted (``late`` answers, whose timeouts were, are not);
+        the rows recorded (a claim that lapsed is not), for :func:`_say`."""
         with conn.begin():
             recorded = store.record_checks(
                 conn, self.schema, self.actor, [outcome for outcome, _ in outcomes],
                 check_interval=self.settings.check_interval, check_max=self.settings.check_max,
+                late=late,
             )
         kinds = {outcome.id: kind for outcome, kind in outcomes}
-        for row in recorded:
+        for row in recorded if not late else ():
             CHECKS.labels(row.producer_group, kinds[row.id]).inc()
             with self._lock:
                 self.counts.outcomes[kinds[row.id]] += 1

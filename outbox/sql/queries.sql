@@ -710,6 +710,9 @@ RETURNING m.id, m.producer_group, m.topic, m.key, m.header_keys, m.header_values
 -- A row locked by an application's decision not yet committed is skipped, not waited for:
 -- its decision wins if it commits, and if not, the claim lapses and the row is checked again
 -- (the sweeper's main loop records timeouts here, and waited as long as the application).
+-- :counted is 0 for COMMIT or ROLLBACK answers that came after their check's timeout was
+-- counted: each decides its row if still UNKNOWN, claimed or not, as an application's
+-- decision does (RocketMQ takes a producer's late answer the same way), and is not counted.
 WITH unlocked AS (
     SELECT message_id FROM {schema}.pending
     WHERE message_id = ANY(CAST(:ids AS bigint[]))
@@ -721,14 +724,15 @@ WITH unlocked AS (
     JOIN unlocked ON unlocked.message_id = o.id
 ), checked AS (
     UPDATE {schema}.pending AS p
-    SET check_count = p.check_count + 1,
+    SET check_count = p.check_count + :counted,
         resolution = o.resolution,
         status = CASE WHEN o.resolution = 'UNKNOWN' AND p.check_count + 1 >= :check_max
                       THEN 'DISCARDED' ELSE p.status END,
         next_check_at = CASE WHEN o.resolution = 'UNKNOWN' AND p.check_count + 1 < :check_max
                              THEN now() + make_interval(secs => :check_interval) END
     FROM outcome AS o
-    WHERE o.resolution <> 'ROLLBACK' AND p.message_id = o.id AND p.next_check_at = o.token
+    WHERE o.resolution <> 'ROLLBACK' AND p.message_id = o.id
+      AND (p.next_check_at = o.token OR :counted = 0)
       AND p.message_id = ANY(CAST(:ids AS bigint[]))  -- by key (see mark_delivered)
       AND p.resolution = 'UNKNOWN' AND p.status IN ('PENDING', 'DELAYED')
     RETURNING p.message_id AS id, p.producer_group, p.resolution, p.status, p.check_count,
@@ -736,11 +740,12 @@ WITH unlocked AS (
 ), rolled_back AS (
     DELETE FROM {schema}.pending AS p
     USING outcome AS o
-    WHERE o.resolution = 'ROLLBACK' AND p.message_id = o.id AND p.next_check_at = o.token
+    WHERE o.resolution = 'ROLLBACK' AND p.message_id = o.id
+      AND (p.next_check_at = o.token OR :counted = 0)
       AND p.message_id = ANY(CAST(:ids AS bigint[]))
       AND p.resolution = 'UNKNOWN' AND p.status IN ('PENDING', 'DELAYED')
     RETURNING p.message_id AS id, p.producer_group, 'ROLLBACK' AS resolution,
-              'ROLLED_BACK' AS status, p.check_count + 1 AS check_count, o.detail
+              'ROLLED_BACK' AS status, p.check_count + :counted AS check_count, o.detail
 ), changed AS (
     SELECT * FROM checked UNION ALL SELECT * FROM rolled_back
 ), recorded AS (

@@ -224,7 +224,7 @@ def test_the_sweeper_reads_its_due_rows_whatever_the_statistics_say_of_the_backl
         "unchecked_groups": {"groups": ["other"]},
         "record_checks": {"ids": store.int_array(unknown[:10]), "tokens": ["2026-01-01"] * 10,
                           "resolutions": ["UNKNOWN"] * 10, "details": ["?"] * 10,
-                          "check_max": 15, "check_interval": 60, "actor": "test",
+                          "check_max": 15, "check_interval": 60, "counted": 1, "actor": "test",
                           "channel": "test"}}
     for name, params in statements.items():
         plan = explained(engine, schema, name, params)
