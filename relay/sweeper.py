@@ -442,7 +442,8 @@ class Sweeper:
                                       self.settings.checker_timeout + CLAIM_MARGIN)
                     answer = self.checkers[group](message, conn)
             except BaseException as exc:  # sys.exit, a cancelled coroutine's: errors too
-                lost = driver is None or driver.closed or driver.broken  # the check's session
+                # the check's session lost to the server, not closed by the checker itself
+                lost = (driver is None or driver.closed or driver.broken) and not _reused(exc)
                 _discard(conn)
                 return self._failed(item, exc, lost)
             _reset(conn, self.schema)
@@ -581,6 +582,14 @@ def _reset(conn: Connection, schema: str) -> None:
         _discard(conn)
     else:
         conn.info.pop(_LENT, None)  # (a new session, if the checker invalidated its own)
+
+
+def _reused(exc: BaseException) -> bool:
+    """Whether ``exc`` is psycopg's refusal of a statement on a connection already closed:
+    closed by the checker (or broken by an error it swallowed), not lost by this statement."""
+    cause = getattr(exc, "orig", exc)
+    return (isinstance(cause, psycopg.OperationalError) and cause.sqlstate is None
+            and str(cause) == "the connection is closed")
 
 
 def _discard(conn: Connection) -> None:

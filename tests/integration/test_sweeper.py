@@ -348,14 +348,21 @@ def _closes_then_reads(message: Message, conn: Connection) -> str:
     return str(conn.execute(text("SELECT 'COMMIT'")).scalar_one())
 
 
+def _closes_its_session_then_reads(message: Message, conn: Connection) -> str:
+    conn.connection.driver_connection.close()
+    return str(conn.execute(text("SELECT 'COMMIT'")).scalar_one())
+
+
 def _raises_unprintable(message: Message, conn: Connection) -> str:
     raise Unprintable
 
 
 @pytest.mark.parametrize(("checker", "raised"), [
     (_closes_then_reads, "ResourceClosedError: This Connection is closed"),
+    # (its session's loss was taken for an outage: never counted, checked for ever)
+    (_closes_its_session_then_reads, "OperationalError: the connection is closed"),
     (_raises_unprintable, "Unprintable: (its text is unreadable: str() raised RuntimeError)"),
-], ids=["closes-then-reads", "unprintable-error"])
+], ids=["closes-then-reads", "closes-its-session-then-reads", "unprintable-error"])
 def test_a_checker_that_misbehaves_counts_as_inconclusive(
     engine: Engine, orders: Outbox, fast: Settings, schema: str,
     caplog: pytest.LogCaptureFixture, checker: Checker, raised: str,
