@@ -112,6 +112,15 @@ def answering(answer: str | None, calls: list[int] | None = None) -> Checker:
     return checker
 
 
+def answering_late(answer: str, seconds: float = 0.6) -> Checker:
+    """A checker that answers ``answer`` after ``seconds`` (past the tests' timeouts)."""
+    def checker(message: Message, conn: Connection) -> str:
+        time.sleep(seconds)
+        return answer
+
+    return checker
+
+
 def discarded_metric(group: str) -> float:
     return REGISTRY.get_sample_value("outbox_messages_discarded_total",
                                      {"producer_group": group}) or 0.0
@@ -397,19 +406,26 @@ def test_a_checker_that_raises_a_base_exception_counts_as_inconclusive(
                       f"{type(raised).__name__}: {raised}")]
 
 
+def discarded_by_timeouts(engine: Engine, orders: Outbox, fast: Settings, schema: str,
+                          caplog: pytest.LogCaptureFixture, answer: str, check_max: int) -> int:
+    """A message whose checks all time out (0.2 s), each answering ``answer`` 0.6 s after it
+    began, until ``check_max`` of them discard it; its id once the last answer came."""
+    message_id = prepare(engine, orders)
+    with caplog.at_level(logging.WARNING, "outbox.sweeper"), \
+            sweeping(fast, {GROUP: answering_late(answer)}, check_max=check_max,
+                     checker_timeout=0.2):
+        wait_status(engine, schema, message_id, "DISCARDED")
+        if answer != "UNKNOWN":
+            wait_until(lambda: "its checker answered" in caplog.text, 5, "the late answer")
+    return message_id
+
+
 def test_a_checker_that_times_out_counts_as_inconclusive(
     engine: Engine, orders: Outbox, fast: Settings, schema: str,
     caplog: pytest.LogCaptureFixture
 ) -> None:
     """Its last timeout is logged before the discard it led to (it was logged after)."""
-    def slow(message: Message, conn: Connection) -> str:
-        time.sleep(0.6)
-        return "UNKNOWN"
-
-    message_id = prepare(engine, orders)
-    with caplog.at_level(logging.WARNING, "outbox.sweeper"), \
-            sweeping(fast, {GROUP: slow}, check_max=2, checker_timeout=0.2):
-        wait_status(engine, schema, message_id, "DISCARDED")
+    message_id = discarded_by_timeouts(engine, orders, fast, schema, caplog, "UNKNOWN", 2)
     assert tuple(row(engine, schema, message_id)) == ("UNKNOWN", "DISCARDED", 2)
     assert ops(engine, schema, message_id) == [
         ("DISCARDED", "2 inconclusive check-backs, the last: checker timed out after 0.2 s")]
@@ -430,13 +446,10 @@ def test_a_decisive_answer_after_the_timeout_is_recorded_while_the_message_is_un
     a word: 15 checks later its messages were discarded, though each answer had been COMMIT.
     A late COMMIT or ROLLBACK now decides a message still undecided, as a producer's late
     answer does in RocketMQ; its timeout stays counted."""
-    def slow(message: Message, conn: Connection) -> str:
-        time.sleep(0.6)
-        return answer
-
     message_id = prepare(engine, orders)
     with caplog.at_level(logging.INFO, "outbox.sweeper"), \
-            sweeping(fast, {GROUP: slow}, checker_timeout=0.2, check_interval=30):
+            sweeping(fast, {GROUP: answering_late(answer)}, checker_timeout=0.2,
+                     check_interval=30):
         wait_resolution(engine, schema, message_id, answer, timeout=10)
     assert tuple(row(engine, schema, message_id))[1:] == (
         (status, 1) if status == "PENDING" else (status, None))
@@ -455,15 +468,7 @@ def test_a_late_answer_is_ignored_once_the_message_is_discarded(
     engine: Engine, orders: Outbox, fast: Settings, schema: str,
     caplog: pytest.LogCaptureFixture
 ) -> None:
-    def slow(message: Message, conn: Connection) -> str:
-        time.sleep(0.6)
-        return "COMMIT"
-
-    message_id = prepare(engine, orders)
-    with caplog.at_level(logging.WARNING, "outbox.sweeper"), \
-            sweeping(fast, {GROUP: slow}, check_max=1, checker_timeout=0.2):
-        wait_status(engine, schema, message_id, "DISCARDED")
-        wait_until(lambda: "its checker answered" in caplog.text, 5, "the late answer")
+    message_id = discarded_by_timeouts(engine, orders, fast, schema, caplog, "COMMIT", 1)
     assert tuple(row(engine, schema, message_id)) == ("UNKNOWN", "DISCARDED", 1)
     assert "its checker answered COMMIT" in caplog.text
     assert "after its timeout of 0.2 s; ignored: the message was decided or discarded " \
