@@ -37,6 +37,8 @@ from outbox.settings import (
     ConsoleSettings,
     DatabaseSettings,
     KafkaSettings,
+    MigrateSettings,
+    PruneSettings,
     ReconcileSettings,
     RelaySettings,
     Settings,
@@ -218,10 +220,10 @@ def db() -> None:
 def _migrate(shared: Shared, direction: str, revision: str) -> DatabaseSettings:
     from outbox import migrate
 
-    settings = shared.settings(DatabaseSettings)
+    settings = shared.settings(MigrateSettings)
     if direction == "upgrade":  # its first ranges of history are partition_size ids each
-        partition_size = shared.settings(RelaySettings).partition_size
-        migrate.upgrade(settings.sqlalchemy_url, settings.schema_name, revision, partition_size)
+        migrate.upgrade(settings.sqlalchemy_url, settings.schema_name, revision,
+                        settings.partition_size)
     else:
         migrate.downgrade(settings.sqlalchemy_url, settings.schema_name, revision)
     now = migrate.current(settings.sqlalchemy_url, settings.schema_name)
@@ -387,7 +389,7 @@ def prune(shared: Shared, retention_hours: float | None) -> None:
     retention (one pass of the relay's retention)."""
     from outbox.relay.retention import prune as prune_all
 
-    settings = shared.settings(RelaySettings, retention_hours=retention_hours)
+    settings = shared.settings(PruneSettings, retention_hours=retention_hours)
     with database(settings):  # refuses a schema behind the code, as status does
         pass
     click.echo(prune_all(settings).summary(settings.retention_hours))

@@ -3,7 +3,8 @@ config file (``--config`` or ``OUTBOX_CONFIG``) > defaults.
 
 Each part takes only what it uses: ``Outbox`` a :class:`PublishSettings`, the relay a
 :class:`RelaySettings`, the sweeper a :class:`SweepSettings`, reconciliation a
-:class:`ReconcileSettings`. :class:`Settings` is all of them at once (``outbox config``, and a
+:class:`ReconcileSettings`, ``outbox prune`` a :class:`PruneSettings`, ``outbox db`` a
+:class:`MigrateSettings`. :class:`Settings` is all of them at once (``outbox config``, and a
 convenient value to pass anywhere). Field and variable names are flat (``relay_batch_size`` is
 ``OUTBOX_RELAY_BATCH_SIZE``) and the same in every class."""
 
@@ -574,7 +575,36 @@ class StatusSettings(DatabaseSettings, _Leases, _CheckTiming):
     relay's Kafka or of a reconciliation does not stop a look at the outbox."""
 
 
-class RelaySettings(DatabaseSettings, KafkaSettings, _Leases):
+class _Partitioning(_Base):
+    """How many message ids a range of history holds: ``outbox db upgrade`` makes the first
+    ranges, the relay's retention and ``outbox prune`` the next ones."""
+
+    partition_size: int = Field(
+        default=PARTITION_SIZE, gt=0, le=10**12,
+        description="message ids per new partition, at least (a multiple at high rates, so "
+                    "the window holds about 24); retention drops whole partitions"
+    )
+
+
+class MigrateSettings(DatabaseSettings, _Partitioning):
+    """What ``outbox db`` reads: a migration job that shares the relay's variables is not
+    stopped by a Kafka or batch setting it never uses."""
+
+
+class PruneSettings(DatabaseSettings, _Partitioning):
+    """What a retention pass reads (``outbox prune``, and the relay's): no Kafka setting."""
+
+    retention_hours: float = Field(
+        default=72.0, gt=0, le=24 * 3650,
+        description="partitions of delivered and rolled-back rows are dropped after this"
+    )
+    prune_batch_size: int = Field(
+        default=5000, gt=0, le=INT32_MAX,
+        description="default-partition rows deleted per statement"
+    )
+
+
+class RelaySettings(PruneSettings, KafkaSettings, _Leases):
     """The relay daemon: batches, leases, parking, metrics and retention."""
 
     relay_batch_size: int = Field(default=2000, gt=0, le=100_000,
@@ -609,21 +639,8 @@ class RelaySettings(DatabaseSettings, KafkaSettings, _Leases):
     relay_metrics_port: int | None = Field(
         default=None, ge=0, le=65535, description="serve Prometheus metrics on this port"
     )
-    retention_hours: float = Field(
-        default=72.0, gt=0, le=24 * 3650,
-        description="partitions of delivered and rolled-back rows are dropped after this"
-    )
     prune_interval: float = Field(
         default=60.0, ge=1, le=86400, description="seconds between the relay's retention passes"
-    )
-    prune_batch_size: int = Field(
-        default=5000, gt=0, le=INT32_MAX,
-        description="default-partition rows deleted per statement"
-    )
-    partition_size: int = Field(
-        default=PARTITION_SIZE, gt=0, le=10**12,
-        description="message ids per new partition, at least (a multiple at high rates, so "
-                    "the window holds about 24); retention drops whole partitions"
     )
 
 

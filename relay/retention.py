@@ -23,7 +23,7 @@ from sqlalchemy.exc import DBAPIError
 
 from outbox import store
 from outbox.exceptions import first_line
-from outbox.settings import RelaySettings
+from outbox.settings import PruneSettings, RelaySettings
 
 log = logging.getLogger("outbox.retention")
 #: Ranges of ``message`` past which a relay warns once: statements planned over every range
@@ -65,7 +65,7 @@ class Pruned:
                 f"{self.summarized} ranges of history (analyzed {self.analyzed})")
 
 
-def prune(settings: RelaySettings, stop: threading.Event | None = None) -> Pruned:
+def prune(settings: PruneSettings, stop: threading.Event | None = None) -> Pruned:
     """One retention pass over ``settings.schema_name``."""
     engine = store.engine(settings.sqlalchemy_url, pool_size=1, max_overflow=0)
     try:
@@ -88,7 +88,7 @@ def prune(settings: RelaySettings, stop: threading.Event | None = None) -> Prune
     return pruned
 
 
-def range_size(conn: Connection, settings: RelaySettings) -> int:
+def range_size(conn: Connection, settings: PruneSettings) -> int:
     """Ids per new range: ``partition_size``, or a multiple of it so large that the window
     holds about RANGES_PER_WINDOW ranges at the rate of the history kept (the average over
     the window, so a burst counts for its volume). Every range is planned and locked by the
@@ -102,7 +102,7 @@ def range_size(conn: Connection, settings: RelaySettings) -> int:
     return settings.partition_size * max(1, round(wanted / settings.partition_size))
 
 
-def _drop_partitions(conn: Connection, settings: RelaySettings,
+def _drop_partitions(conn: Connection, settings: PruneSettings,
                      stop: threading.Event | None) -> Pruned:
     pruned = Pruned()
     while stop is None or not stop.is_set():
@@ -116,7 +116,7 @@ def _drop_partitions(conn: Connection, settings: RelaySettings,
     return pruned
 
 
-def _prune_default(conn: Connection, settings: RelaySettings, pruned: Pruned,
+def _prune_default(conn: Connection, settings: PruneSettings, pruned: Pruned,
                    stop: threading.Event | None) -> None:
     while stop is None or not stop.is_set():
         with conn.begin():
@@ -129,7 +129,7 @@ def _prune_default(conn: Connection, settings: RelaySettings, pruned: Pruned,
             break
 
 
-def _tend_ranges(conn: Connection, settings: RelaySettings, pruned: Pruned,
+def _tend_ranges(conn: Connection, settings: PruneSettings, pruned: Pruned,
                  stop: threading.Event | None) -> None:
     with conn.begin():
         names = store.history_ranges(conn, settings.schema_name)

@@ -14,6 +14,7 @@ import pytest
 from sqlalchemy import Engine, make_url, text
 
 from outbox.settings import RESERVED_WORDS, Settings
+from tests.conftest import drop_schema
 from tests.integration.test_cli_errors import assert_one_line_error
 from tests.processes import outbox_env, run_outbox
 
@@ -134,6 +135,27 @@ def test_two_upgrades_at_once_on_a_new_schema_both_succeed(settings: Settings) -
                 for _ in range(2)]
         outcomes = [(run.wait(120), run.stderr.read() if run.stderr else "") for run in runs]
         assert [code for code, _ in outcomes] == [0, 0], outcomes
+
+
+def test_migrating_and_pruning_are_not_stopped_by_the_relay_s_own_settings(
+    settings: Settings, engine: Engine, tmp_path: Path
+) -> None:
+    """`outbox db upgrade` and `outbox prune` read every relay setting: a migration job or a
+    cron prune sharing the relay's variables, without its TLS files mounted (or with a
+    batch size being changed for the relay), was refused over a setting it never uses."""
+    schema = f"shared_{uuid.uuid4().hex[:8]}"
+    env = outbox_env(settings, OUTBOX_SCHEMA=schema, OUTBOX_KAFKA_SECURITY_PROTOCOL="SSL",
+                     OUTBOX_KAFKA_SSL_CAFILE=str(tmp_path / "not-mounted.pem"),
+                     OUTBOX_RELAY_BATCH_SIZE="0")
+    try:
+        upgraded = run_outbox(None, "db", "upgrade", env=env)
+        assert upgraded.returncode == 0, upgraded.stderr
+        pruned = run_outbox(None, "prune", env=env)
+        assert pruned.returncode == 0, pruned.stderr
+        assert pruned.stdout.startswith("dropped 0 partitions older than 72 h")
+        assert_one_line_error(run_outbox(None, "relay", env=env), "relay_batch_size")
+    finally:
+        drop_schema(engine, schema)
 
 
 def test_an_unknown_outbox_variable_is_reported(settings: Settings) -> None:
