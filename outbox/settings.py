@@ -183,7 +183,7 @@ class _Base(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         """Flags (init) > environment > the config file named by OUTBOX_CONFIG > defaults."""
-        _one_schema_variable(os.environ)
+        _one_variable_per_setting(os.environ)
         sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
         config_file = os.environ.get(CONFIG_ENV)
         if config_file:
@@ -227,14 +227,39 @@ class _Base(BaseSettings):
                 )
 
 
-def _one_schema_variable(environ: Mapping[str, str]) -> None:
-    """``OUTBOX_SCHEMA`` names the schema; ``OUTBOX_SCHEMA_NAME``, from the field's name, is
-    read too. Two that name different schemas are refused: one silently won."""
-    given = {environ.get("OUTBOX_SCHEMA"), environ.get("OUTBOX_SCHEMA_NAME")} - {None}
-    if len(given) > 1:
-        raise ConfigurationError(
-            f"OUTBOX_SCHEMA={environ['OUTBOX_SCHEMA']!r} and OUTBOX_SCHEMA_NAME="
-            f"{environ['OUTBOX_SCHEMA_NAME']!r} name different schemas: set OUTBOX_SCHEMA only")
+def _one_variable_per_setting(environ: Mapping[str, str]) -> None:
+    """Variables are read in any case (``outbox_schema`` is ``OUTBOX_SCHEMA``), and the schema
+    under two names (``OUTBOX_SCHEMA_NAME``, from the field's name, too). Two that set one
+    setting to different values are refused: whichever came later in the environment
+    silently won. Secrets are not echoed."""
+    variables = _variables()
+    first: dict[str, tuple[str, str]] = {}
+    for name, value in sorted(environ.items()):  # OUTBOX_X before outbox_x
+        field = variables.get(name.upper())
+        if field is None:
+            continue
+        seen, seen_value = first.setdefault(field, (name, value))
+        if seen_value != value:
+            canonical = "OUTBOX_SCHEMA" if field == "schema_name" else f"OUTBOX_{field.upper()}"
+            what = ("name different schemas" if field == "schema_name"
+                    else f"set {field} to different values")
+            raise ConfigurationError(
+                f"{seen}={_shown(field, seen_value)!r} and {name}={_shown(field, value)!r} "
+                f"{what}: set {canonical} only")
+
+
+def _variables() -> dict[str, str]:
+    """Each setting's variable names, in capitals (the schema's two), to its field's name."""
+    names = {f"OUTBOX_{field.upper()}": field for field in Settings.model_fields}
+    names["OUTBOX_SCHEMA"] = "schema_name"
+    return names
+
+
+def _shown(field: str, value: str) -> str:
+    """A variable's value as an error may print it: a password masked."""
+    if field == "database_url":
+        return mask_url(value)
+    return "***" if "SecretStr" in str(Settings.model_fields[field].annotation) else value
 
 
 class _ConfigFile(TomlConfigSettingsSource):

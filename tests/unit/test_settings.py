@@ -364,15 +364,38 @@ def test_a_key_in_the_file_is_read_in_any_case_by_every_component(tmp_path: Path
     assert load_settings(SweepSettings).check_max == 15
 
 
-def test_the_schema_s_two_variables_naming_different_schemas_are_refused(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("second", ["OUTBOX_SCHEMA_NAME", "outbox_schema"])
+def test_two_variables_naming_different_schemas_are_refused(
+    monkeypatch: pytest.MonkeyPatch, second: str
 ) -> None:
-    """``OUTBOX_SCHEMA`` won over ``OUTBOX_SCHEMA_NAME`` without a word."""
-    monkeypatch.setenv("OUTBOX_SCHEMA_NAME", "orders_outbox")
+    """``OUTBOX_SCHEMA`` won over ``OUTBOX_SCHEMA_NAME`` without a word; variables are read in
+    any case, and a stray ``outbox_schema`` won (whichever came later in the environment): a
+    relay worked on another schema."""
+    monkeypatch.setenv(second, "orders_outbox")
     assert load_settings(DatabaseSettings).schema_name == "orders_outbox"
     monkeypatch.setenv("OUTBOX_SCHEMA", "orders_outbox")
     assert load_settings(DatabaseSettings).schema_name == "orders_outbox"
     monkeypatch.setenv("OUTBOX_SCHEMA", "outbox")
-    with pytest.raises(ConfigurationError, match="OUTBOX_SCHEMA='outbox' and OUTBOX_SCHEMA_NAME="
+    with pytest.raises(ConfigurationError, match=f"OUTBOX_SCHEMA='outbox' and {second}="
                        "'orders_outbox' name different schemas: set OUTBOX_SCHEMA only"):
         load_settings(DatabaseSettings)
+
+
+def test_two_variables_setting_one_setting_to_different_values_are_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Variables are read in any case: of two spellings of one, whichever came later in the
+    environment silently won. A password is not echoed."""
+    monkeypatch.setenv("OUTBOX_RELAY_BATCH_SIZE", "7")
+    monkeypatch.setenv("Outbox_Relay_Batch_Size", "9")
+    with pytest.raises(ConfigurationError, match="OUTBOX_RELAY_BATCH_SIZE='7' and "
+                       "Outbox_Relay_Batch_Size='9' set relay_batch_size to different values: "
+                       "set OUTBOX_RELAY_BATCH_SIZE only"):
+        load_settings(RelaySettings)
+    monkeypatch.delenv("Outbox_Relay_Batch_Size")
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", "postgresql://relay:s3cret@db/shop")
+    monkeypatch.setenv("outbox_database_url", "postgresql://relay:0ther@db/shop")
+    with pytest.raises(ConfigurationError) as error:
+        load_settings(RelaySettings)
+    assert "set database_url to different values" in str(error.value)
+    assert "s3cret" not in str(error.value) and "0ther" not in str(error.value)
