@@ -18,11 +18,18 @@ import socket
 import tomllib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Literal, Self, TypeVar
+from typing import Any, Literal, Self, TypeVar, get_args
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo, timeout_from_conninfo
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (
+    Field,
+    SecretStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -200,6 +207,16 @@ class _Base(BaseSettings):
                     f"config file {config_file} cannot be read: {exc.strerror or exc}"
                 ) from None
         return tuple(sources)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_boolean_for_a_number(cls, value: object, info: ValidationInfo) -> object:
+        """A TOML ``true`` or ``false`` given for a number was read as 1 or 0
+        (``relay_metrics_port = true`` served the metrics on port 1)."""
+        annotation = cls.model_fields[info.field_name].annotation if info.field_name else None
+        if isinstance(value, bool) and {int, float} & {annotation, *get_args(annotation)}:
+            raise ValueError(f"{str(value).lower()} given: it is a number, not true or false")
+        return value
 
     def __repr_args__(self) -> Iterator[tuple[str | None, Any]]:
         """What ``repr()`` and ``str()`` show (an error tracker's captured locals, a logged

@@ -399,3 +399,16 @@ def test_two_variables_setting_one_setting_to_different_values_are_refused(
         load_settings(RelaySettings)
     assert "set database_url to different values" in str(error.value)
     assert "s3cret" not in str(error.value) and "0ther" not in str(error.value)
+
+
+@pytest.mark.parametrize("line", ["relay_metrics_port = true", "relay_batch_size = true",
+                                  "relay_poll_interval = false", "topic_hold_park_after = true"])
+def test_true_or_false_in_the_file_is_not_taken_for_a_number(tmp_path: Path, line: str) -> None:
+    """TOML's ``relay_metrics_port = true`` ("serve metrics") served them on port 1, and
+    ``relay_batch_size = true`` relayed one message a batch: a boolean was read as 1 or 0."""
+    config = tmp_path / "outbox.toml"
+    config.write_text(f"{line}\n")
+    os.environ["OUTBOX_CONFIG"] = str(config)
+    field = line.split(" = ")[0]
+    with pytest.raises(ConfigurationError, match=f"{field}: .*is a number, not true or false"):
+        load_settings(RelaySettings)
