@@ -280,11 +280,19 @@ def _shown(field: str, value: str) -> str:
 
 
 class _ConfigFile(TomlConfigSettingsSource):
-    """The TOML file holds every component's keys: each takes its own; unknown keys fail."""
+    """The TOML file holds every component's keys: each takes its own; unknown keys fail,
+    and so does a setting given twice (its key in two cases: pydantic kept one)."""
 
     def __call__(self) -> dict[str, Any]:
         # In any case, as the variables: pydantic folds only the keys of the class it loads.
         known = {name.lower(): name for name in _names(Settings)}
+        first: dict[str, str] = {}
+        for key in sorted(self.toml_data):
+            seen = first.setdefault(known.get(key.lower(), key), key)
+            if seen != key:
+                raise ConfigurationError(
+                    f"invalid settings: keys {seen!r} and {key!r} in config file "
+                    f"{os.environ.get(CONFIG_ENV)} both set {known[key.lower()]}: keep one")
         values = {known.get(key.lower(), key): value for key, value in super().__call__().items()}
         unknown = sorted(set(values) - set(known.values()))
         if unknown:

@@ -412,3 +412,14 @@ def test_true_or_false_in_the_file_is_not_taken_for_a_number(tmp_path: Path, lin
     field = line.split(" = ")[0]
     with pytest.raises(ConfigurationError, match=f"{field}: .*is a number, not true or false"):
         load_settings(RelaySettings)
+
+
+def test_one_setting_given_twice_in_the_file_in_two_cases_is_refused(tmp_path: Path) -> None:
+    """Keys are read in any case: ``relay_batch_size = 7`` and ``RELAY_BATCH_SIZE = 9`` in
+    one file (TOML takes both) gave 7 without a word."""
+    config = tmp_path / "outbox.toml"
+    config.write_text("relay_batch_size = 7\nRELAY_BATCH_SIZE = 9\n")
+    os.environ["OUTBOX_CONFIG"] = str(config)
+    with pytest.raises(ConfigurationError, match=r"keys 'RELAY_BATCH_SIZE' and "
+                       r"'relay_batch_size' in config file .* both set relay_batch_size"):
+        load_settings(StatusSettings)
