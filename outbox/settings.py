@@ -534,7 +534,9 @@ def _bootstrap_problem(entry: str) -> str | None:
     if any(c.isspace() or c == ";" for c in entry):
         return f"{entry!r} holds a space or a semicolon (entries are separated by commas)"
     if entry.startswith("["):
-        host, _, rest = entry[1:].partition("]")
+        host, bracket, rest = entry[1:].partition("]")
+        if not bracket:  # kafka-python's parser raised ValueError: a traceback
+            return f"{entry!r} has no closing ']'"
         if rest and not rest.startswith(":"):
             return f"bad entry {entry!r}"
         port = rest[1:] if rest else None

@@ -176,6 +176,7 @@ def test_invalid_values_are_one_line_per_field() -> None:
     ("k1:\u00b2", "port '\u00b2'"),  # a superscript two: int() of it raised
     ("k1 k2:9092", "'k1 k2:9092' holds a space or a semicolon"),  # failed as no broker
     ("k1:9092;k2:9092", "'k1:9092;k2:9092' holds a space or a semicolon"),  # "IPv6 address"
+    ("[::1:9092", "'[::1:9092' has no closing ']'"),  # kafka-python's traceback, 79 lines
 ])
 def test_a_bootstrap_list_is_checked_when_the_settings_load(bootstrap: str, problem: str
                                                             ) -> None:
