@@ -308,9 +308,10 @@ def unknown_variables(environ: Mapping[str, str]) -> list[str]:
     known = {CONFIG_ENV} | {name if name.startswith("OUTBOX_") else f"OUTBOX_{name.upper()}"
                             for name in _names(Settings)}
     lines = []
-    for name in sorted(environ):
-        if name.startswith("OUTBOX_") and name not in known:
-            close = difflib.get_close_matches(name, known, n=1)
+    for name in sorted(environ):  # in any case, as pydantic reads them (OUTBOX_CONFIG: not)
+        if name.upper().startswith("OUTBOX_") and (name.upper() not in known
+                                                   or name.upper() == CONFIG_ENV != name):
+            close = difflib.get_close_matches(name.upper(), known, n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
             lines.append(f"unknown setting {name} is ignored{hint}")
     return lines

@@ -25,6 +25,7 @@ from outbox.settings import (
     load_settings,
     mask_url,
     sqlalchemy_url,
+    unknown_variables,
     validate_identifier,
     with_overrides,
 )
@@ -424,3 +425,15 @@ def test_one_setting_given_twice_in_the_file_in_two_cases_is_refused(tmp_path: P
     with pytest.raises(ConfigurationError, match=r"keys 'RELAY_BATCH_SIZE' and "
                        r"'relay_batch_size' in config file .* both set relay_batch_size"):
         load_settings(StatusSettings)
+
+
+def test_an_unknown_variable_in_lower_case_is_reported_too() -> None:
+    """Variables are read in any case, but only an unknown one in capitals was reported:
+    ``outbox_relay_bach_size`` was ignored without a word."""
+    environ = {"outbox_relay_bach_size": "5", "Outbox_Schema": "shop", "OUTBOX_SHCEMA": "x",
+               "outbox_config": "outbox.toml"}  # the file is read from OUTBOX_CONFIG only
+    assert unknown_variables(environ) == [
+        "unknown setting OUTBOX_SHCEMA is ignored (did you mean OUTBOX_SCHEMA?)",
+        "unknown setting outbox_config is ignored (did you mean OUTBOX_CONFIG?)",
+        "unknown setting outbox_relay_bach_size is ignored (did you mean "
+        "OUTBOX_RELAY_BATCH_SIZE?)"]
