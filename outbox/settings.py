@@ -444,8 +444,9 @@ class KafkaSettings(_Base):
     @model_validator(mode="after")
     def _security(self) -> Self:
         """A SASL protocol needs its mechanism and login, and a login or TLS file set for a
-        protocol that does not use it is a mistake (it would be ignored): both refused now,
-        not after the relay's clients have waited for a broker that cannot let them in."""
+        protocol that does not use it is a mistake (it would be ignored), and so is a client
+        key without its certificate: all refused now, not after the relay's clients have
+        waited for a broker that cannot let them in."""
         protocol = self.kafka_security_protocol
         login = {"kafka_sasl_mechanism": self.kafka_sasl_mechanism,
                  "kafka_sasl_username": self.kafka_sasl_username,
@@ -465,6 +466,10 @@ class KafkaSettings(_Base):
         if unused:
             raise ValueError(f"{', '.join(unused)} set, but kafka_security_protocol "
                              f"{protocol} does not use it")
+        if self.kafka_ssl_keyfile and not self.kafka_ssl_certfile:
+            raise ValueError("kafka_ssl_keyfile set without kafka_ssl_certfile, the client "
+                             "certificate it is the key of (kafka-python would connect "
+                             "without either)")
         return self
 
     def kafka_security(self, client: Literal["kafka-python", "librdkafka"] = "kafka-python"

@@ -234,11 +234,16 @@ def test_an_empty_tls_file_variable_is_unset() -> None:
       "kafka_sasl_username": "relay", "kafka_sasl_password": "pw",
       "kafka_ssl_cafile": "/etc/ca.pem"},
      "kafka_ssl_cafile set, but kafka_security_protocol SASL_PLAINTEXT does not use it"),
+    ({"kafka_security_protocol": "SSL", "kafka_ssl_keyfile": "/etc/relay.key"},
+     "kafka_ssl_keyfile set without kafka_ssl_certfile, the client certificate it is the key "
+     "of (kafka-python would connect without either)"),
 ])
 def test_half_set_kafka_security_is_refused_when_the_settings_load(given: dict[str, str],
                                                                     error: str) -> None:
     """kafka-python waited for its connect timeout, then said no broker answers;
-    librdkafka named a mechanism (GSSAPI) no one had set."""
+    librdkafka named a mechanism (GSSAPI) no one had set. A client key without its
+    certificate: kafka-python ignored it and connected without a client certificate
+    (librdkafka refused it)."""
     with pytest.raises(ConfigurationError) as raised:
         load_settings(RelaySettings, **given)
     assert str(raised.value) == f"invalid settings: {error}"
