@@ -127,22 +127,30 @@ def error_line(ctx: click.Context, exc: Exception) -> str | None:
     return None
 
 
-#: How long a short command (status, resume, discarded) waits for a lock on the outbox's
-#: tables, held by an upgrade or an operator's LOCK TABLE, before it says who holds it.
+#: How long a short command (status, resume, discarded, prune) waits for a lock on the
+#: outbox's tables, held by an upgrade or an operator's LOCK TABLE, before it says who holds
+#: it.
 LOCK_WAIT_SECONDS = 5
+
+
+def short_session() -> dict[str, str]:
+    """The session settings of a short command's connections: its wait for a lock is
+    bounded (a command that printed nothing for as long as an upgrade ran looked hung)."""
+    from outbox import store
+
+    return {**store.SESSION_SETTINGS, "lock_timeout": f"{LOCK_WAIT_SECONDS}s"}
 
 
 @contextlib.contextmanager
 def database(settings: DatabaseSettings) -> Iterator[Connection]:
     """One connection for a short command, its engine disposed afterwards, to a schema at
     the code's revision (against an older one, discarded and resume said there was nothing,
-    prune that a function was missing). Its wait for a lock is bounded: a command that
-    printed nothing for as long as an upgrade ran looked hung."""
+    prune that a function was missing). A lock not granted within :func:`short_session`'s
+    wait, in it or in the ``with`` block, is one line naming who holds the schema's locks."""
     from outbox import store
     from outbox.migrate import require_current
 
-    engine = store.engine(settings.sqlalchemy_url, settings={
-        **store.SESSION_SETTINGS, "lock_timeout": f"{LOCK_WAIT_SECONDS}s"})
+    engine = store.engine(settings.sqlalchemy_url, settings=short_session())
     try:
         with engine.connect() as conn:
             require_current(conn, settings.schema_name)
@@ -153,7 +161,7 @@ def database(settings: DatabaseSettings) -> Iterator[Connection]:
             raise
         with engine.connect() as conn:
             holders = store.lock_holders(conn, settings.schema_name)
-        raise OutboxError(f"waited {LOCK_WAIT_SECONDS}s for a lock on schema "
+        raise OutboxError(f"waited up to {LOCK_WAIT_SECONDS}s for a lock on schema "
                           f"{settings.schema_name}'s tables, held by {holders}: try again "
                           "when it ends") from exc
     finally:
@@ -390,9 +398,9 @@ def prune(shared: Shared, retention_hours: float | None) -> None:
     from outbox.relay.retention import prune as prune_all
 
     settings = shared.settings(PruneSettings, retention_hours=retention_hours)
-    with database(settings):  # refuses a schema behind the code, as status does
-        pass
-    click.echo(prune_all(settings).summary(settings.retention_hours))
+    with database(settings):  # refuses a schema behind the code, names a lock's holder
+        pruned = prune_all(settings, session=short_session())
+    click.echo(pruned.summary(settings.retention_hours))
 
 
 @main.group()

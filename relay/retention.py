@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from sqlalchemy import Connection
@@ -65,9 +66,12 @@ class Pruned:
                 f"{self.summarized} ranges of history (analyzed {self.analyzed})")
 
 
-def prune(settings: PruneSettings, stop: threading.Event | None = None) -> Pruned:
-    """One retention pass over ``settings.schema_name``."""
-    engine = store.engine(settings.sqlalchemy_url, pool_size=1, max_overflow=0)
+def prune(settings: PruneSettings, stop: threading.Event | None = None, *,
+          session: Mapping[str, str] = store.SESSION_SETTINGS) -> Pruned:
+    """One retention pass over ``settings.schema_name``, its connection's session set up
+    with ``session`` (``outbox prune``'s bounds its wait for a lock)."""
+    engine = store.engine(settings.sqlalchemy_url, settings=session, pool_size=1,
+                          max_overflow=0)
     try:
         with engine.connect() as conn:
             with conn.begin():

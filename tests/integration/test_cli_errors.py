@@ -199,20 +199,26 @@ def test_a_reconciliation_misconfigured_says_so_before_spark_starts(
     assert_one_line_error(result, *fragments)
 
 
-@pytest.mark.parametrize("command", [["status"], ["discarded"], ["resume", "--all"]])
+@pytest.mark.parametrize(("command", "table"), [
+    (["status"], "pending"), (["discarded"], "pending"), (["resume", "--all"], "pending"),
+    (["prune"], "pending"), (["prune"], "message")],
+    ids=["status", "discarded", "resume", "prune-pending", "prune-message"])
 def test_a_short_command_behind_a_table_lock_says_who_holds_it(
-    settings: Settings, engine: Engine, command: list[str]
+    settings: Settings, engine: Engine, command: list[str], table: str
 ) -> None:
     """An upgrade (or an operator's LOCK TABLE) holding the queue: a short command waits
-    LOCK_WAIT_SECONDS, not for as long as the lock is held, and names the holder."""
+    LOCK_WAIT_SECONDS at most, not for as long as the lock is held, and names the holder.
+    `outbox prune` waited, silent, as long as ``message`` was locked, and behind a locked
+    ``pending`` said `cannot use PostgreSQL at ...: canceling statement due to lock
+    timeout`."""
     with engine.connect() as holder, holder.begin():
         holder.execute(text("SET LOCAL application_name = 'a long upgrade'"))
-        holder.execute(text(f"LOCK TABLE {settings.schema_name}.pending "
+        holder.execute(text(f"LOCK TABLE {settings.schema_name}.{table} "
                             "IN ACCESS EXCLUSIVE MODE"))
         started = time.monotonic()
         result = run_outbox(settings, *command)
         waited = time.monotonic() - started
-    assert_one_line_error(result, f"waited {LOCK_WAIT_SECONDS}s for a lock on schema "
+    assert_one_line_error(result, f"waited up to {LOCK_WAIT_SECONDS}s for a lock on schema "
                           f"{settings.schema_name}'s tables, held by pid",
                           "application 'a long upgrade'", "LOCK TABLE")
     assert waited < 60
