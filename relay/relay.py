@@ -241,12 +241,15 @@ class Relay:
     def _leave(self) -> None:
         if self.lifecycle.abandon.is_set():
             return
+        owned = bool(self._leases.owned)  # none: it stopped before it took any
         try:
             with self._engine.connect() as conn:
                 self._leases.leave(conn)
         except DBAPIError as exc:
-            log.warning("relay %s could not hand back its shards (%s); they expire in %.0fs",
-                        self.worker_id, describe(exc), self.settings.relay_lease_seconds)
+            if owned:
+                log.warning("relay %s could not hand back its shards (%s); they expire in "
+                            "%.0fs", self.worker_id, describe(exc),
+                            self.settings.relay_lease_seconds)
 
     def _passes(self) -> None:
         """Passes until one fails, or returns; one a held topic's refusal ended (the
