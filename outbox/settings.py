@@ -433,6 +433,14 @@ class KafkaSettings(_Base):
                                  "(an IPv6 address as [address]:port)")
         return ",".join(entries)
 
+    @field_validator("kafka_sasl_username", "kafka_sasl_password", mode="before")
+    @classmethod
+    def _without_line_break(cls, value: object) -> object:
+        """A login read from a secret file often ends in a newline (a Kubernetes secret made
+        ``--from-file``): the broker refused it, and the relay said no broker answers.
+        Spaces are kept: a password may end in one."""
+        return value.rstrip("\r\n") if isinstance(value, str) else value
+
     @field_validator("kafka_ssl_cafile", "kafka_ssl_certfile", "kafka_ssl_keyfile",
                      mode="before")
     @classmethod

@@ -254,6 +254,17 @@ def test_a_database_url_from_a_secret_file_loses_its_newline() -> None:
     assert load_settings(DatabaseSettings).database_url == "postgresql://app@db/shop"
 
 
+def test_a_kafka_login_from_a_secret_file_loses_its_newline() -> None:
+    """A SASL password read from a file (a Kubernetes secret made with --from-file) ended in
+    a newline: the broker refused the login, and the relay said no broker answers."""
+    os.environ.update(OUTBOX_KAFKA_SECURITY_PROTOCOL="SASL_PLAINTEXT",
+                      OUTBOX_KAFKA_SASL_MECHANISM="PLAIN", OUTBOX_KAFKA_SASL_USERNAME="relay\n",
+                      OUTBOX_KAFKA_SASL_PASSWORD="s3cret\r\n")
+    security = load_settings(RelaySettings, kafka_bootstrap="k1:9092").kafka_security()
+    assert (security["sasl_plain_username"], security["sasl_plain_password"]) == (
+        "relay", "s3cret")
+
+
 def test_an_unreadable_config_file_is_one_line() -> None:
     os.environ["OUTBOX_CONFIG"] = "/proc/self/mem"  # a file, whose reading fails
     with pytest.raises(ConfigurationError, match="config file /proc/self/mem cannot be read"):
