@@ -218,6 +218,18 @@ class _Base(BaseSettings):
             raise ValueError(f"{str(value).lower()} given: it is a number, not true or false")
         return value
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _unset_if_empty(cls, value: object, info: ValidationInfo) -> object:
+        """An empty variable (``OUTBOX_TOPIC_HOLD_PARK_AFTER=``, as Compose passes
+        ``${PARK_AFTER:-}``) of a setting that may be unset is unset: a number's stopped the
+        relay without showing the empty value; a TLS file's passed the security check as
+        unset, then the clients looked for a file named ''."""
+        if isinstance(value, str) and not value.strip() and info.field_name \
+                and cls.model_fields[info.field_name].default is None:
+            return None
+        return value
+
     def __repr_args__(self) -> Iterator[tuple[str | None, Any]]:
         """What ``repr()`` and ``str()`` show (an error tracker's captured locals, a logged
         settings object): the database URL masked, as ``SecretStr`` masks the others."""
@@ -440,14 +452,6 @@ class KafkaSettings(_Base):
         ``--from-file``): the broker refused it, and the relay said no broker answers.
         Spaces are kept: a password may end in one."""
         return value.rstrip("\r\n") if isinstance(value, str) else value
-
-    @field_validator("kafka_ssl_cafile", "kafka_ssl_certfile", "kafka_ssl_keyfile",
-                     mode="before")
-    @classmethod
-    def _unset_if_empty(cls, value: object) -> object:
-        """An empty variable (``OUTBOX_KAFKA_SSL_CAFILE=``, as Compose passes one) is unset:
-        the security check took it for unset, the clients for a file named ''."""
-        return None if isinstance(value, str) and not value.strip() else value
 
     @model_validator(mode="after")
     def _security(self) -> Self:

@@ -225,6 +225,16 @@ def test_an_empty_tls_file_variable_is_unset() -> None:
     assert "ssl_cafile" not in settings.kafka_security()
 
 
+@pytest.mark.parametrize("variable", ["OUTBOX_RELAY_METRICS_PORT", "OUTBOX_TOPIC_HOLD_PARK_AFTER"])
+def test_an_empty_variable_of_a_setting_that_may_be_unset_is_unset(variable: str) -> None:
+    """``OUTBOX_TOPIC_HOLD_PARK_AFTER=`` (Compose's ``${PARK_AFTER:-}``) stopped the relay:
+    ``Input should be a valid number``, the empty value not shown, where an empty TLS file
+    variable was taken for unset."""
+    os.environ[variable] = " "
+    settings = load_settings(RelaySettings, kafka_bootstrap="k1:9092")
+    assert getattr(settings, variable.removeprefix("OUTBOX_").lower()) is None
+
+
 @pytest.mark.parametrize(("given", "error"), [
     ({"kafka_security_protocol": "SASL_SSL", "kafka_sasl_username": "relay"},
      "kafka_security_protocol SASL_SSL needs kafka_sasl_mechanism, kafka_sasl_password"),
@@ -292,7 +302,7 @@ def test_masked_hides_every_password_and_keeps_the_rest() -> None:
     assert masked["database_url"] == "postgresql://app:***@db:5432/shop"
     assert masked["kafka_sasl_password"] == "***"
     assert masked["kafka_bootstrap"] == "k:9092"
-    assert Settings(kafka_sasl_password="").masked()["kafka_sasl_password"] == ""
+    assert Settings(kafka_sasl_password="").masked()["kafka_sasl_password"] is None  # unset
     assert mask_url("postgresql://app@db/shop") == "postgresql://app@db/shop"
 
 
