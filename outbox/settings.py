@@ -11,6 +11,7 @@ convenient value to pass anywhere). Field and variable names are flat (``relay_b
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import re
 import secrets
@@ -30,8 +31,10 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
+    EnvSettingsSource,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     SettingsError,
@@ -191,7 +194,7 @@ class _Base(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         """Flags (init) > environment > the config file named by OUTBOX_CONFIG > defaults."""
         _one_variable_per_setting(os.environ)
-        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        sources: list[PydanticBaseSettingsSource] = [init_settings, _Environment(settings_cls)]
         config_file = os.environ.get(CONFIG_ENV)
         if config_file:
             if not Path(config_file).is_file():
@@ -289,6 +292,27 @@ def _shown(field: str, value: str) -> str:
     if field == "database_url":
         return mask_url(value)
     return "***" if "SecretStr" in str(Settings.model_fields[field].annotation) else value
+
+
+class _Environment(EnvSettingsSource):
+    """The ``OUTBOX_*`` variables; a JSON object that gives a key twice is refused (the last
+    silently won: a second checker of a group pasted below the first replaced it)."""
+
+    def decode_complex_value(self, field_name: str, field: FieldInfo, value: Any) -> Any:
+        return json.loads(value, object_pairs_hook=_unique_keys)
+
+
+class _KeyTwice(ValueError):
+    """A JSON object gave a key twice."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in found:
+            raise _KeyTwice(f"gives the key {key!r} twice")
+        found[key] = value
+    return found
 
 
 class _ConfigFile(TomlConfigSettingsSource):
@@ -721,8 +745,9 @@ class SweepSettings(DatabaseSettings, _CheckTiming):
         default=30.0, gt=0, le=86400,
         description="seconds between check-backs of an UNKNOWN message"
     )
-    check_max: int = Field(
-        default=15, gt=0, description="inconclusive check-backs before a message is discarded"
+    check_max: int = Field(  # at most what pending.check_count (an integer) holds
+        default=15, gt=0, le=2**31 - 1,
+        description="inconclusive check-backs before a message is discarded",
     )
     sweep_concurrency: int = Field(default=8, gt=0, le=256, description="checks run at once")
     sweep_batch_size: int = Field(default=500, gt=0, le=100_000,
@@ -769,6 +794,17 @@ class ReconcileSettings(DatabaseSettings, KafkaSettings):
     reconcile_read_topics: bool = Field(
         default=False, description="also read the Kafka topics, not only the outbox tables"
     )
+
+    @field_validator("reconcile_thresholds", mode="before")
+    @classmethod
+    def _counts(cls, value: object) -> object:
+        """A TOML ``true`` was read as a threshold of 1 (see _no_boolean_for_a_number)."""
+        if isinstance(value, dict):
+            for name, count in value.items():
+                if isinstance(count, bool):
+                    raise ValueError(f"{str(count).lower()} given for {name}: a threshold is "
+                                     "a count, or none")
+        return value
 
     @field_validator("reconcile_thresholds")
     @classmethod
@@ -850,9 +886,11 @@ def _unparsed(exc: SettingsError) -> str:
     """A JSON setting its source could not parse, named as it was written (pydantic says
     'error parsing value for field "sql_checkers" from source "EnvSettingsSource"')."""
     why = "" if exc.__cause__ is None else f": {first_line(exc.__cause__)}"
-    found = re.search(r'field "(\w+)" from source "EnvSettingsSource"', str(exc))
+    found = re.search(r'field "(\w+)" from source "_Environment"', str(exc))
     if found is None:
         return f"invalid settings: {exc} (expected JSON{why})"
+    if isinstance(exc.__cause__, _KeyTwice):
+        return f"invalid settings: OUTBOX_{found.group(1).upper()} {exc.__cause__}"
     return f"invalid settings: OUTBOX_{found.group(1).upper()} is not valid JSON{why}"
 
 

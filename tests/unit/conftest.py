@@ -20,7 +20,7 @@ def services() -> NoReturn:
 def clean_environment() -> Iterator[None]:
     """No OUTBOX_* variable leaks in from the shell, and whatever a test sets is undone."""
     saved = dict(os.environ)
-    for name in [name for name in os.environ if name.startswith("OUTBOX_")]:
+    for name in [name for name in os.environ if name.upper().startswith("OUTBOX_")]:
         del os.environ[name]
     yield
     os.environ.clear()

@@ -169,6 +169,32 @@ def test_invalid_values_are_one_line_per_field() -> None:
             f"invalid settings: OUTBOX_SQL_CHECKERS is not valid JSON: {why}"), error.value
 
 
+def test_a_json_setting_that_gives_a_key_twice_is_refused_naming_it() -> None:
+    """The last of the two silently won: a second checker of a group pasted below the
+    first replaced it without a word."""
+    os.environ["OUTBOX_SQL_CHECKERS"] = ('{"orders": "SELECT \'COMMIT\'", '
+                                         '"orders": "SELECT \'ROLLBACK\'"}')
+    with pytest.raises(ConfigurationError) as error:
+        load_settings(SweepSettings)
+    assert str(error.value) == ("invalid settings: OUTBOX_SQL_CHECKERS gives the key "
+                                "'orders' twice"), error.value
+
+
+def test_a_threshold_of_true_in_the_file_is_not_taken_for_one(tmp_path: Path) -> None:
+    config = tmp_path / "outbox.toml"
+    config.write_text("[reconcile_thresholds]\ndiscarded = true\n")
+    os.environ["OUTBOX_CONFIG"] = str(config)
+    with pytest.raises(ConfigurationError, match=r"reconcile_thresholds: .*true given for "
+                       r"discarded: a threshold is a count"):
+        load_settings(ReconcileSettings)
+
+
+def test_check_max_is_bounded_by_what_a_check_count_holds() -> None:
+    with pytest.raises(ConfigurationError, match="check_max: Input should be less than or "
+                       "equal to 2147483647"):
+        load_settings(SweepSettings, check_max=2**31)
+
+
 @pytest.mark.parametrize(("bootstrap", "problem"), [
     ("kafka1:9O92", "port '9O92'"), ("k1:9092,,k2:9092", "an empty entry"),
     ("::1:9092", "without brackets"), (":9092", "an empty host"), ("k1:70000", "port '70000'"),
