@@ -404,25 +404,28 @@ class Sweeper:
         message, timeout = item.claim.message, self.settings.checker_timeout
         late = f"its checker answered {resolution} {time.monotonic() - item.deadline:.1f} s "\
             f"after its timeout of {timeout:g} s"
-        recorded: list[Any] = []
-        if not self.lifecycle.stopped.is_set():
-            outcome = store.CheckOutcome(message.id, item.claim.token, resolution,
-                                         f"checker answered {resolution} after its timeout "
-                                         f"of {timeout:g} s")
-            try:
-                with self._engine.connect() as conn:
-                    recorded = self._record(conn, [(outcome, resolution.value)], late=True)
-            except DBAPIError as exc:
-                log.warning("message %d (producer group %r): %s; not recorded (PostgreSQL: %s)",
-                            message.id, message.producer_group, late, first_line(exc))
-                return
+        said = "message %d (producer group %r): %s; "
+        if self.lifecycle.stopped.is_set():
+            log.warning(said + "not recorded: the sweeper has stopped (it is checked again)",
+                        message.id, message.producer_group, late)
+            return
+        outcome = store.CheckOutcome(message.id, item.claim.token, resolution,
+                                     f"checker answered {resolution} after its timeout of "
+                                     f"{timeout:g} s")
+        try:
+            with self._engine.connect() as conn:
+                recorded = self._record(conn, [(outcome, resolution.value)], late=True)
+        except DBAPIError as exc:
+            log.warning(said + "not recorded (PostgreSQL: %s)", message.id,
+                        message.producer_group, late, first_line(exc))
+            return
         if recorded:
-            log.warning("message %d (producer group %r): %s; recorded (give it a longer "
-                        "OUTBOX_CHECKER_TIMEOUT)", message.id, message.producer_group, late)
+            log.warning(said + "recorded (give it a longer OUTBOX_CHECKER_TIMEOUT)",
+                        message.id, message.producer_group, late)
         else:
-            log.warning("message %d (producer group %r): %s; ignored: the message was decided "
-                        "or discarded meanwhile (`outbox resume %d` checks a discarded one "
-                        "again)", message.id, message.producer_group, late, message.id)
+            log.warning(said + "ignored: the message was decided or discarded meanwhile "
+                        "(`outbox resume %d` checks a discarded one again)", message.id,
+                        message.producer_group, late, message.id)
         _say(recorded)
 
     def _ask(self, item: _Running) -> tuple[Resolution, str, str]:

@@ -464,6 +464,24 @@ def test_a_decisive_answer_after_the_timeout_is_recorded_while_the_message_is_un
                                     "after its timeout of 0.2 s")
 
 
+def test_a_late_answer_after_the_sweeper_stopped_is_not_recorded(
+    engine: Engine, orders: Outbox, fast: Settings, schema: str,
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    """A sweeper stopped in a process that goes on (``Sweeper.run()`` returned) writes
+    nothing more; the message is checked again by the next."""
+    message_id = prepare(engine, orders)
+    with caplog.at_level(logging.WARNING, "outbox.sweeper"):
+        with sweeping(fast, {GROUP: answering_late("COMMIT", 1.5)}, checker_timeout=0.2,
+                      check_interval=30):
+            wait_until(lambda: row(engine, schema, message_id).check_count == 1, 10,
+                       "the check to time out")
+        wait_until(lambda: "its checker answered" in caplog.text, 5, "the late answer")
+    assert tuple(row(engine, schema, message_id)) == ("UNKNOWN", "PENDING", 1)
+    assert "its checker answered COMMIT" in caplog.text
+    assert "; not recorded: the sweeper has stopped (it is checked again)" in caplog.text
+
+
 def test_a_late_answer_is_ignored_once_the_message_is_discarded(
     engine: Engine, orders: Outbox, fast: Settings, schema: str,
     caplog: pytest.LogCaptureFixture
