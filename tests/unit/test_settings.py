@@ -44,6 +44,13 @@ def effective(*args: str, env: dict[str, str]) -> dict[str, object]:
     return json.loads(result.stdout)  # type: ignore[no-any-return]
 
 
+def use_config(tmp_path: Path, toml: str) -> None:
+    """A config file holding ``toml``, named by OUTBOX_CONFIG."""
+    config = tmp_path / "outbox.toml"
+    config.write_text(toml)
+    os.environ["OUTBOX_CONFIG"] = str(config)
+
+
 def test_flags_beat_environment_beats_config_file_beats_defaults(tmp_path: Path) -> None:
     config = tmp_path / "outbox.toml"
     config.write_text('schema_name = "from_file"\nrelay_batch_size = 111\n'
@@ -148,9 +155,7 @@ def test_a_component_reads_its_keys_from_a_file_shared_with_the_others(tmp_path:
 
 
 def test_an_unknown_key_in_the_file_names_the_key(tmp_path: Path) -> None:
-    config = tmp_path / "outbox.toml"
-    config.write_text("relay_bach_size = 5\n")
-    os.environ["OUTBOX_CONFIG"] = str(config)
+    use_config(tmp_path, "relay_bach_size = 5\n")
     with pytest.raises(ConfigurationError, match="unknown key 'relay_bach_size' in config file"):
         load_settings(RelaySettings)
 
@@ -181,9 +186,7 @@ def test_a_json_setting_that_gives_a_key_twice_is_refused_naming_it() -> None:
 
 
 def test_a_threshold_of_true_in_the_file_is_not_taken_for_one(tmp_path: Path) -> None:
-    config = tmp_path / "outbox.toml"
-    config.write_text("[reconcile_thresholds]\ndiscarded = true\n")
-    os.environ["OUTBOX_CONFIG"] = str(config)
+    use_config(tmp_path, "[reconcile_thresholds]\ndiscarded = true\n")
     with pytest.raises(ConfigurationError, match=r"reconcile_thresholds: .*true given for "
                        r"discarded: a threshold is a count"):
         load_settings(ReconcileSettings)
@@ -409,9 +412,7 @@ def test_a_settings_error_does_not_echo_the_input() -> None:
 def test_a_key_in_the_file_is_read_in_any_case_by_every_component(tmp_path: Path) -> None:
     """A component took a key in capitals only if it was one of its own: `RELAY_BATCH_SIZE`
     was the relay's, and the sweeper and `outbox status` refused it as unknown."""
-    config = tmp_path / "outbox.toml"
-    config.write_text("RELAY_BATCH_SIZE = 9\nRelay_Lease_Seconds = 30\n")
-    os.environ["OUTBOX_CONFIG"] = str(config)
+    use_config(tmp_path, "RELAY_BATCH_SIZE = 9\nRelay_Lease_Seconds = 30\n")
     relay = load_settings(RelaySettings)
     assert (relay.relay_batch_size, relay.relay_lease_seconds) == (9, 30)
     assert load_settings(StatusSettings).relay_lease_seconds == 30
@@ -460,9 +461,7 @@ def test_two_variables_setting_one_setting_to_different_values_are_refused(
 def test_true_or_false_in_the_file_is_not_taken_for_a_number(tmp_path: Path, line: str) -> None:
     """TOML's ``relay_metrics_port = true`` ("serve metrics") served them on port 1, and
     ``relay_batch_size = true`` relayed one message a batch: a boolean was read as 1 or 0."""
-    config = tmp_path / "outbox.toml"
-    config.write_text(f"{line}\n")
-    os.environ["OUTBOX_CONFIG"] = str(config)
+    use_config(tmp_path, f"{line}\n")
     field = line.split(" = ")[0]
     with pytest.raises(ConfigurationError, match=f"{field}: .*is a number, not true or false"):
         load_settings(RelaySettings)
@@ -471,9 +470,7 @@ def test_true_or_false_in_the_file_is_not_taken_for_a_number(tmp_path: Path, lin
 def test_one_setting_given_twice_in_the_file_in_two_cases_is_refused(tmp_path: Path) -> None:
     """Keys are read in any case: ``relay_batch_size = 7`` and ``RELAY_BATCH_SIZE = 9`` in
     one file (TOML takes both) gave 7 without a word."""
-    config = tmp_path / "outbox.toml"
-    config.write_text("relay_batch_size = 7\nRELAY_BATCH_SIZE = 9\n")
-    os.environ["OUTBOX_CONFIG"] = str(config)
+    use_config(tmp_path, "relay_batch_size = 7\nRELAY_BATCH_SIZE = 9\n")
     with pytest.raises(ConfigurationError, match=r"keys 'RELAY_BATCH_SIZE' and "
                        r"'relay_batch_size' in config file .* both set relay_batch_size"):
         load_settings(StatusSettings)
