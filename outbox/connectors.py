@@ -152,8 +152,10 @@ def execute(bind: SyncBind, statement: TextClause, params: dict[str, Any]) -> Ro
         _require_sqlalchemy_transaction(in_transaction, connection)
         driver = _psycopg_of(connection)
         if driver is not None:
-            if isinstance(target, Session) and target.autoflush:
-                target.flush()  # as Session.execute would: writes go in the order written
+            if isinstance(target, Session):
+                # as Session.execute does: writes go in the order written, and a publish
+                # from a flush hook (the session is flushing) does not flush again
+                target._autoflush()
             return _run_on_driver(driver, statement, params)
         return list(target.execute(statement, params))
     if isinstance(target, OwnTransaction):

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, create_engine, text
+from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import (
     AsyncEngine,
@@ -233,3 +233,44 @@ def test_publish_flushes_the_session_s_changes_first_with_every_driver(
     finally:
         with engine.begin() as conn:
             Base.metadata.drop_all(conn)
+
+
+class PublishingSession(Session):
+    """A session that publishes an event for each new order as it is flushed."""
+
+
+def test_publish_from_a_flush_event_works_with_every_driver(
+    stack: Stack, outbox: Outbox, engine: Engine, schema: str
+) -> None:
+    """Domain events published from a flush hook: Session.execute does not flush again while
+    the session is flushing, but on psycopg 3 the publish flushed anyway and SQLAlchemy
+    refused it ("Session is already flushing"), where every other driver published."""
+    with engine.begin() as conn:
+        Base.metadata.create_all(conn)
+        conn.execute(text("TRUNCATE driver_orders"))
+    published: list[int] = []
+
+    def on_flush(session: Session, context: Any) -> None:
+        for order in session.new:
+            published.append(outbox.publish(session, "orders", {"id": order.id}))
+
+    def sync(engine: Engine) -> None:
+        with PublishingSession(engine) as session, session.begin():
+            session.add(Order(id=1, state="new"))
+
+    async def async_(engine: AsyncEngine) -> None:
+        async with AsyncSession(engine, sync_session_class=PublishingSession) as session, \
+                session.begin():
+            session.add(Order(id=1, state="new"))
+
+    event.listen(PublishingSession, "after_flush", on_flush)
+    try:
+        stack.run(async_ if stack.is_async else sync)
+    finally:
+        event.remove(PublishingSession, "after_flush", on_flush)
+        with engine.begin() as conn:
+            Base.metadata.drop_all(conn)
+    with engine.connect() as conn:
+        statuses = conn.execute(text(f"SELECT status FROM {schema}.message_state "
+                                     "WHERE id = ANY(:ids)"), {"ids": published}).scalars()
+        assert list(statuses) == ["PENDING"]
