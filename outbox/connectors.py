@@ -106,7 +106,7 @@ def own_transaction(bind: Engine | AsyncEngine | psycopg.Connection[Any]
         return OwnTransaction(bind)
     raise ConfigurationError(
         f"send_in_transaction() commits on its own: pass an Engine, AsyncEngine, psycopg "
-        f"connection or Django connection, not a {type(bind).__name__}"
+        f"connection or Django connection, not this {_kind(bind)}"
     )
 
 
@@ -282,10 +282,19 @@ def _in_transaction(bind: psycopg.Connection[Any] | DjangoConnection
         _require_transaction(bind.in_atomic_block or not bind.get_autocommit(), bind.vendor)
     else:
         raise ConfigurationError(
-            f"cannot publish through a {type(bind).__name__}: pass a SQLAlchemy session or "
-            "connection, a psycopg connection or a Django connection"
+            f"the outbox cannot use this {_kind(bind)}: pass a SQLAlchemy session or connection "
+            "(psycopg2 and asyncpg are supported under SQLAlchemy: postgresql+psycopg2://, "
+            "postgresql+asyncpg://), a psycopg 3 connection or a Django connection"
         )
     return bind
+
+
+def _kind(bind: object) -> str:
+    """A refused object's class with its module (asyncpg's, SQLAlchemy's and sqlite3's are
+    all named ``Connection``)."""
+    kind = type(bind)
+    return (kind.__qualname__ if kind.__module__ == "builtins"
+            else f"{kind.__module__}.{kind.__qualname__}")
 
 
 @contextlib.contextmanager

@@ -4,6 +4,7 @@ psycopg2 and asyncpg, through sessions, scoped sessions and engines."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +31,7 @@ from sqlalchemy.pool import NullPool
 
 from outbox import Message, NotInTransaction, Outbox, Resolution, SchemaNotMigrated
 from outbox.dev.topics import read_topic
+from outbox.exceptions import ConfigurationError
 from outbox.relay.relay import Relay
 from outbox.settings import Settings
 from tests.conftest import count_status, wait_delivered
@@ -274,3 +276,37 @@ def test_publish_from_a_flush_event_works_with_every_driver(
         statuses = conn.execute(text(f"SELECT status FROM {schema}.message_state "
                                      "WHERE id = ANY(:ids)"), {"ids": published}).scalars()
         assert list(statuses) == ["PENDING"]
+
+
+def test_a_bare_psycopg2_or_asyncpg_connection_is_told_to_go_through_sqlalchemy(
+    outbox: Outbox, settings: Settings
+) -> None:
+    """They are supported under SQLAlchemy only; refused bare, the error named the class
+    alone ("cannot publish through a Connection: pass a SQLAlchemy session or connection"),
+    which for asyncpg's reads as if a connection were what was missing."""
+    import asyncpg
+    import psycopg2
+
+    url = make_url(settings.database_url).set(drivername="postgresql")
+    conninfo = url.render_as_string(hide_password=False)
+    with contextlib.closing(psycopg2.connect(conninfo)) as bare:
+        for call in (lambda: outbox.publish(bare, "orders", {"n": 1}),  # type: ignore[call-overload]
+                     lambda: outbox.commit(bare, 1)):  # type: ignore[call-overload]
+            with pytest.raises(ConfigurationError,
+                               match=r"psycopg2\.extensions\.connection.*postgresql\+psycopg2"):
+                call()
+
+    async def asyncpg_refused() -> None:
+        bare = await asyncpg.connect(conninfo)
+        try:
+            async with bare.transaction():
+                with pytest.raises(ConfigurationError,
+                                   match=r"asyncpg\.connection\.Connection.*postgresql\+asyncpg"):
+                    outbox.publish(bare, "orders", {"n": 1})  # type: ignore[call-overload]
+            with pytest.raises(ConfigurationError, match=r"asyncpg\.connection\.Connection"):
+                outbox.send_in_transaction(bare, "orders", {"n": 1},  # type: ignore[call-overload]
+                                           lambda message: None)
+        finally:
+            await bare.close()
+
+    asyncio.run(asyncpg_refused())
