@@ -59,19 +59,32 @@ class AsyncOwnTransaction:
     connection: psycopg.AsyncConnection[Any]
 
 
+@dataclass(frozen=True, slots=True)
+class Autocommitting:
+    """A SQLAlchemy connection in ``AUTOCOMMIT`` mode on psycopg2 or asyncpg, where a
+    decision's one statement commits on its own (psycopg 3's runs as an OwnTransaction)."""
+
+    connection: Connection
+
+
+@dataclass(frozen=True, slots=True)
+class AsyncAutocommitting:
+    connection: AsyncConnection
+
+
 SyncTarget = (
     Session | Connection | scoped_session[Any] | psycopg.Connection[Any] | DjangoConnection
 )
 AsyncTarget = (
     AsyncSession | AsyncConnection | async_scoped_session[Any] | psycopg.AsyncConnection[Any]
 )
-SyncBind = SyncTarget | Engine | OwnTransaction
-AsyncBind = AsyncTarget | AsyncEngine | AsyncOwnTransaction
+SyncBind = SyncTarget | Engine | OwnTransaction | Autocommitting
+AsyncBind = AsyncTarget | AsyncEngine | AsyncOwnTransaction | AsyncAutocommitting
 Rows = Sequence[Any]
 """Result rows with attribute access (``row.decided``), whichever connection ran them."""
 
 _ASYNC = (AsyncSession, AsyncConnection, AsyncEngine, async_scoped_session,
-          psycopg.AsyncConnection, AsyncOwnTransaction)
+          psycopg.AsyncConnection, AsyncOwnTransaction, AsyncAutocommitting)
 
 
 def is_async(bind: SyncBind | AsyncBind) -> TypeIs[AsyncBind]:
@@ -114,7 +127,8 @@ def deciding(bind: SyncBind | AsyncBind) -> SyncBind | AsyncBind:
     """Where a decision (commit, rollback) runs: a psycopg connection in autocommit mode
     outside any transaction (SQLAlchemy's ``AUTOCOMMIT`` isolation level on psycopg too), or
     a Django connection outside ``atomic()``, commits it at once, as an engine does (the
-    application's own writes there commit one by one too); anything else as given."""
+    application's own writes there commit one by one too), and so does a SQLAlchemy
+    ``AUTOCOMMIT`` connection on psycopg2 or asyncpg; anything else as given."""
     target = _under_autocommit(unproxied(bind))
     if isinstance(target, psycopg.Connection | psycopg.AsyncConnection):
         if (target.autocommit and target.info.pipeline_status == PipelineStatus.OFF
@@ -123,6 +137,10 @@ def deciding(bind: SyncBind | AsyncBind) -> SyncBind | AsyncBind:
                     else OwnTransaction(target))
     elif isinstance(target, DjangoConnection) and not _busy(target):
         return OwnTransaction(target)
+    elif isinstance(target, AsyncConnection) and _autocommit_mode(target.sync_connection):
+        return AsyncAutocommitting(target)
+    elif isinstance(target, Connection) and _autocommit_mode(target):
+        return Autocommitting(target)
     return bind
 
 
@@ -130,11 +148,15 @@ def _under_autocommit(bind: Any) -> Any:
     """The psycopg connection under a SQLAlchemy one in ``AUTOCOMMIT`` mode (where SQLAlchemy's
     transaction opens none in the database); anything else as given."""
     sync = bind.sync_connection if isinstance(bind, AsyncConnection) else bind
-    if isinstance(sync, Connection) and not sync.closed and _autocommit(sync):
+    if isinstance(sync, Connection) and _autocommit_mode(sync):
         driver = sync.connection.driver_connection
         if isinstance(driver, psycopg.Connection | psycopg.AsyncConnection):
             return driver
     return bind
+
+
+def _autocommit_mode(connection: Connection | None) -> bool:
+    return connection is not None and not connection.closed and _autocommit(connection)
 
 
 def execute(bind: SyncBind, statement: TextClause, params: dict[str, Any]) -> Rows:
@@ -161,6 +183,12 @@ def execute(bind: SyncBind, statement: TextClause, params: dict[str, Any]) -> Ro
     if isinstance(target, OwnTransaction):
         with _alone(target.connection) as alone:
             return _run_on_driver(alone, statement, params)
+    if isinstance(target, Autocommitting):
+        began = not target.connection.in_transaction()
+        rows = list(target.connection.execute(statement, params))
+        if began:  # SQLAlchemy's autobegun transaction, empty in the database
+            target.connection.commit()
+        return rows
     return _run_on_driver(_in_transaction(target), statement, params)
 
 
@@ -183,6 +211,12 @@ async def execute_async(bind: AsyncBind, statement: TextClause, params: dict[str
         _require_idle(_busy(target.connection))
         async with target.connection.transaction():
             return await _run_on_async_psycopg(target.connection, statement, params)
+    if isinstance(target, AsyncAutocommitting):
+        began = not target.connection.in_transaction()
+        rows = list(await target.connection.execute(statement, params))
+        if began:
+            await target.connection.commit()
+        return rows
     _require_transaction(await _async_psycopg_in_transaction(target), "postgresql")
     return await _run_on_async_psycopg(target, statement, params)
 

@@ -310,3 +310,38 @@ def test_a_bare_psycopg2_or_asyncpg_connection_is_told_to_go_through_sqlalchemy(
             await bare.close()
 
     asyncio.run(asyncpg_refused())
+
+
+def test_a_decision_on_an_autocommit_connection_commits_at_once_with_every_driver(
+    stack: Stack, outbox: Outbox, engine: Engine, schema: str
+) -> None:
+    """SQLAlchemy's AUTOCOMMIT opens no transaction in the database: on psycopg 3 a decision
+    there commits at once, as through an engine, but on psycopg2 and asyncpg it was refused
+    (NotInTransaction). Every driver now decides at once and leaves the connection as it
+    was (no SQLAlchemy transaction begun); a publish there is still refused."""
+    with engine.begin() as conn:
+        first, second = (outbox.prepare(conn, "orders", {"n": n}) for n in range(2))
+    read = text(f"SELECT id, resolution FROM {schema}.message_state")
+
+    def sync(autocommit: Engine) -> tuple[bool, dict[int, str]]:
+        with autocommit.connect() as conn:
+            outbox.commit(conn, first)
+            outbox.rollback(conn, second)
+            with pytest.raises(NotInTransaction, match="autocommit"):
+                outbox.publish(conn, "orders", {"n": 3})
+            with engine.connect() as other:
+                return conn.in_transaction(), dict(other.execute(read).all())
+
+    async def async_(autocommit: AsyncEngine) -> tuple[bool, dict[int, str]]:
+        async with autocommit.connect() as conn:
+            await outbox.commit(conn, first)
+            await outbox.rollback(conn, second)
+            with pytest.raises(NotInTransaction, match="autocommit"):
+                await outbox.publish(conn, "orders", {"n": 3})
+            with engine.connect() as other:
+                return conn.in_transaction(), dict(other.execute(read).all())
+
+    in_transaction, decided = stack.run(async_ if stack.is_async else sync,
+                                        isolation_level="AUTOCOMMIT")
+    assert decided == {first: "COMMIT", second: "ROLLBACK"}
+    assert not in_transaction
