@@ -306,9 +306,9 @@ class Outbox:
     def _decide(self, bind: SyncBind | AsyncBind, message_id: int, resolution: Resolution
                 ) -> Coroutine[Any, Any, None] | None:
         message_id = _decided_id(message_id, self.schema)
-        bind = connectors.deciding(bind)
         if connectors.is_async(bind):
             return self._decide_async(bind, message_id, resolution)
+        bind = connectors.deciding(bind)
         statement, params = store.decide(self.schema, message_id, resolution, self._actor)
         row = self._execute(bind, statement, params, _one_or_none)
         _check_decision(row, message_id, resolution, self.schema)
@@ -316,6 +316,7 @@ class Outbox:
 
     async def _decide_async(self, bind: AsyncBind, message_id: int, resolution: Resolution
                             ) -> None:
+        bind = await connectors.deciding_async(bind)
         statement, params = store.decide(self.schema, message_id, resolution, self._actor)
         row = await self._execute(bind, statement, params, _one_or_none)
         _check_decision(row, message_id, resolution, self.schema)

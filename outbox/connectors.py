@@ -14,7 +14,7 @@ import sys
 from collections import namedtuple
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, overload, runtime_checkable
 
 import psycopg
 from psycopg.pq import PipelineStatus, TransactionStatus
@@ -123,6 +123,14 @@ def own_transaction(bind: Engine | AsyncEngine | psycopg.Connection[Any]
     )
 
 
+@overload
+def deciding(bind: SyncBind) -> SyncBind: ...
+
+
+@overload
+def deciding(bind: AsyncBind) -> AsyncBind: ...
+
+
 def deciding(bind: SyncBind | AsyncBind) -> SyncBind | AsyncBind:
     """Where a decision (commit, rollback) runs: a psycopg connection in autocommit mode
     outside any transaction (SQLAlchemy's ``AUTOCOMMIT`` isolation level on psycopg too), or
@@ -131,8 +139,9 @@ def deciding(bind: SyncBind | AsyncBind) -> SyncBind | AsyncBind:
     ``AUTOCOMMIT`` connection on psycopg2 or asyncpg; anything else as given."""
     target = _under_autocommit(unproxied(bind))
     if isinstance(target, psycopg.Connection | psycopg.AsyncConnection):
-        if (target.autocommit and target.info.pipeline_status == PipelineStatus.OFF
-                and not _busy(target)):
+        if isinstance(target, psycopg.Connection) and target.autocommit:
+            _synced(target)  # an async one is synced by deciding_async; unsynced, it is busy
+        if target.autocommit and not _busy(target):
             return (AsyncOwnTransaction(target) if isinstance(target, psycopg.AsyncConnection)
                     else OwnTransaction(target))
     elif isinstance(target, DjangoConnection) and not _busy(target):
@@ -142,6 +151,14 @@ def deciding(bind: SyncBind | AsyncBind) -> SyncBind | AsyncBind:
     elif isinstance(target, Connection) and _autocommit_mode(target):
         return Autocommitting(target)
     return bind
+
+
+async def deciding_async(bind: AsyncBind) -> AsyncBind:
+    """:func:`deciding` for an async connection, whose pipeline is synced here first."""
+    target = _under_autocommit(bind)
+    if isinstance(target, psycopg.AsyncConnection):
+        await _synced_async(target)
+    return deciding(bind)
 
 
 def _under_autocommit(bind: Any) -> Any:
@@ -287,25 +304,29 @@ IN_BLOCK = (TransactionStatus.INTRANS, TransactionStatus.INERROR)
 
 
 def _psycopg_in_transaction(conn: psycopg.Connection[Any]) -> bool:
-    """Outside autocommit psycopg opens a transaction by itself; inside, only a block does.
-    In pipeline mode the status reads ACTIVE while statements are queued, in a block or not:
-    leaving a nested pipeline syncs it first, and then the status tells."""
-    if not conn.autocommit:
-        return True
-    if conn.info.pipeline_status != PipelineStatus.OFF:
-        with conn.pipeline():
-            pass
-    return conn.info.transaction_status in IN_BLOCK
+    """Outside autocommit psycopg opens a transaction by itself; inside, only a block does."""
+    return not conn.autocommit or _synced(conn).info.transaction_status in IN_BLOCK
 
 
 async def _async_psycopg_in_transaction(conn: psycopg.AsyncConnection[Any]) -> bool:
     """The async twin of :func:`_psycopg_in_transaction`."""
-    if not conn.autocommit:
-        return True
+    return not conn.autocommit or (await _synced_async(conn)).info.transaction_status in IN_BLOCK
+
+
+def _synced(conn: psycopg.Connection[Any]) -> psycopg.Connection[Any]:
+    """In pipeline mode the status reads ACTIVE while statements are queued, in a block or
+    not: leaving a nested pipeline syncs it first, and then the status tells."""
+    if conn.info.pipeline_status != PipelineStatus.OFF:
+        with conn.pipeline():
+            pass
+    return conn
+
+
+async def _synced_async(conn: psycopg.AsyncConnection[Any]) -> psycopg.AsyncConnection[Any]:
     if conn.info.pipeline_status != PipelineStatus.OFF:
         async with conn.pipeline():
             pass
-    return conn.info.transaction_status in IN_BLOCK
+    return conn
 
 
 def _in_transaction(bind: psycopg.Connection[Any] | DjangoConnection

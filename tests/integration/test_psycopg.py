@@ -177,6 +177,34 @@ def test_a_decision_on_a_connection_outside_any_transaction_commits_at_once(
     assert resolutions(engine, schema)[third] == "ROLLBACK"
 
 
+def test_a_decision_in_an_autocommit_pipeline_commits_at_once(
+    outbox: Outbox, engine: Engine, schema: str, settings: Settings
+) -> None:
+    """An autocommit connection outside a block decides at once, also in pipeline mode (sync
+    and async). There the status reads ACTIVE while statements are queued, so the decision
+    was refused with NotInTransaction, whose message offers such a connection. A decision in
+    a block inside the pipeline still goes with the block."""
+    with psycopg.connect(settings.database_url, autocommit=True) as conn:
+        with conn.transaction():
+            first, second, third = (outbox.prepare(conn, "orders", {"n": n}) for n in range(3))
+        with conn.pipeline():
+            conn.execute("SELECT 1")
+            outbox.commit(conn, first)
+            with pytest.raises(psycopg.errors.DivisionByZero), conn.transaction():
+                outbox.commit(conn, third)
+                conn.execute("SELECT 1 / 0").fetchone()
+
+    async def scenario() -> None:
+        connecting = psycopg.AsyncConnection.connect(settings.database_url, autocommit=True)
+        async with await connecting as conn, conn.pipeline():
+            await conn.execute("SELECT 1")
+            await outbox.rollback(conn, second)
+
+    asyncio.run(scenario())
+    assert resolutions(engine, schema) == {first: "COMMIT", second: "ROLLBACK",
+                                           third: "UNKNOWN"}
+
+
 def test_a_decision_on_a_sqlalchemy_autocommit_connection_commits_at_once(
     outbox: Outbox, engine: Engine, schema: str, settings: Settings
 ) -> None:
