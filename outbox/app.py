@@ -194,8 +194,7 @@ class Outbox:
         """Run one statement in the caller's open transaction, or in an engine's own one."""
         if connectors.is_async(bind):
             return self._execute_async(bind, statement, params, read)
-        with _unmigrated(self.schema):
-            return read(connectors.execute(bind, statement, params))
+        return read(connectors.execute(bind, statement, params, _unmigrated(self.schema)))
 
     async def _execute_async(
         self,
@@ -204,8 +203,8 @@ class Outbox:
         params: dict[str, Any],
         read: Callable[[Rows], T],
     ) -> T:
-        with _unmigrated(self.schema):
-            return read(await connectors.execute_async(bind, statement, params))
+        return read(await connectors.execute_async(bind, statement, params,
+                                                   _unmigrated(self.schema)))
 
     # Two-phase messages (RocketMQ transactional messages) -------------------------------
 

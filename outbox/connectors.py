@@ -176,12 +176,12 @@ def _autocommit_mode(connection: Connection | None) -> bool:
     return connection is not None and not connection.closed and _autocommit(connection)
 
 
-def execute(bind: SyncBind, statement: TextClause, params: dict[str, Any]) -> Rows:
-    """Run ``statement`` in the caller's open transaction (an engine: in its own)."""
+def execute(bind: SyncBind, statement: TextClause, params: dict[str, Any],
+            errors: contextlib.AbstractContextManager[object]) -> Rows:
+    """Run ``statement`` in the caller's open transaction (an engine: in its own) inside
+    ``errors``, which words its failures. A session's pending writes are flushed before it,
+    outside ``errors``: their failures are the application's, and stay as they are."""
     target = bind() if isinstance(bind, scoped_session) else unproxied(bind)
-    if isinstance(target, Engine):
-        with target.begin() as conn:
-            return list(conn.execute(statement, params))
     if isinstance(target, Session | Connection):
         if isinstance(target, Session):
             _require_one_engine(target)
@@ -189,33 +189,35 @@ def execute(bind: SyncBind, statement: TextClause, params: dict[str, Any]) -> Ro
         connection = (target.connection() if isinstance(target, Session) and in_transaction
                       else target)
         _require_sqlalchemy_transaction(in_transaction, connection)
+        if isinstance(target, Session):
+            # as Session.execute does: writes go in the order written, and a publish
+            # from a flush hook (the session is flushing) does not flush again
+            target._autoflush()
         driver = _psycopg_of(connection)
-        if driver is not None:
-            if isinstance(target, Session):
-                # as Session.execute does: writes go in the order written, and a publish
-                # from a flush hook (the session is flushing) does not flush again
-                target._autoflush()
-            return _run_on_driver(driver, statement, params)
-        return list(target.execute(statement, params))
-    if isinstance(target, OwnTransaction):
-        with _alone(target.connection) as alone:
-            return _run_on_driver(alone, statement, params)
-    if isinstance(target, Autocommitting):
-        began = not target.connection.in_transaction()
-        rows = list(target.connection.execute(statement, params))
-        if began:  # SQLAlchemy's autobegun transaction, empty in the database
-            target.connection.commit()
-        return rows
-    return _run_on_driver(_in_transaction(target), statement, params)
+        with errors:
+            if driver is not None:
+                return _run_on_driver(driver, statement, params)
+            return list(target.execute(statement, params))
+    with errors:
+        if isinstance(target, Engine):
+            with target.begin() as conn:
+                return list(conn.execute(statement, params))
+        if isinstance(target, OwnTransaction):
+            with _alone(target.connection) as alone:
+                return _run_on_driver(alone, statement, params)
+        if isinstance(target, Autocommitting):
+            began = not target.connection.in_transaction()
+            rows = list(target.connection.execute(statement, params))
+            if began:  # SQLAlchemy's autobegun transaction, empty in the database
+                target.connection.commit()
+            return rows
+        return _run_on_driver(_in_transaction(target), statement, params)
 
 
-async def execute_async(bind: AsyncBind, statement: TextClause, params: dict[str, Any]
-                        ) -> Rows:
+async def execute_async(bind: AsyncBind, statement: TextClause, params: dict[str, Any],
+                        errors: contextlib.AbstractContextManager[object]) -> Rows:
     """The async twin of :func:`execute`: the same checks, awaited execution."""
     target = bind() if isinstance(bind, async_scoped_session) else bind
-    if isinstance(target, AsyncEngine):
-        async with target.begin() as conn:
-            return list(await conn.execute(statement, params))
     if isinstance(target, AsyncSession | AsyncConnection):
         if isinstance(target, AsyncSession):
             _require_one_engine(target.sync_session)
@@ -223,19 +225,26 @@ async def execute_async(bind: AsyncBind, statement: TextClause, params: dict[str
         connection = (await target.connection() if isinstance(target, AsyncSession) and
                       in_transaction else target)
         _require_sqlalchemy_transaction(in_transaction, connection)
-        return list(await target.execute(statement, params))
-    if isinstance(target, AsyncOwnTransaction):
-        _require_idle(_busy(target.connection))
-        async with target.connection.transaction():
-            return await _run_on_async_psycopg(target.connection, statement, params)
-    if isinstance(target, AsyncAutocommitting):
-        began = not target.connection.in_transaction()
-        rows = list(await target.connection.execute(statement, params))
-        if began:
-            await target.connection.commit()
-        return rows
-    _require_transaction(await _async_psycopg_in_transaction(target), "postgresql")
-    return await _run_on_async_psycopg(target, statement, params)
+        if isinstance(target, AsyncSession) and not target.sync_session._is_clean():
+            await target.run_sync(Session._autoflush)  # a round into SQLAlchemy's greenlet
+        with errors:
+            return list(await target.execute(statement, params))
+    with errors:
+        if isinstance(target, AsyncEngine):
+            async with target.begin() as conn:
+                return list(await conn.execute(statement, params))
+        if isinstance(target, AsyncOwnTransaction):
+            _require_idle(_busy(target.connection))
+            async with target.connection.transaction():
+                return await _run_on_async_psycopg(target.connection, statement, params)
+        if isinstance(target, AsyncAutocommitting):
+            began = not target.connection.in_transaction()
+            rows = list(await target.connection.execute(statement, params))
+            if began:
+                await target.connection.commit()
+            return rows
+        _require_transaction(await _async_psycopg_in_transaction(target), "postgresql")
+        return await _run_on_async_psycopg(target, statement, params)
 
 
 def _require_one_engine(session: Session) -> None:

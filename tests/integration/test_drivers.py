@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ProgrammingError
 from sqlalchemy.ext.asyncio import (
     AsyncEngine,
     AsyncSession,
@@ -345,3 +346,30 @@ def test_a_decision_on_an_autocommit_connection_commits_at_once_with_every_drive
                                         isolation_level="AUTOCOMMIT")
     assert decided == {first: "COMMIT", second: "ROLLBACK"}
     assert not in_transaction
+
+
+class Unmigrated(Base):
+    __tablename__ = "driver_orders_never_created"
+    id: Mapped[int] = mapped_column(primary_key=True)
+
+
+def test_a_missing_table_of_the_application_is_not_called_an_unmigrated_outbox(
+    stack: Stack, outbox: Outbox
+) -> None:
+    """The session's own writes are flushed before the publish; when their table is missing
+    (the application's migration was not run), that error was turned into SchemaNotMigrated,
+    "outbox schema 'outbox' has no outbox tables: run `outbox db upgrade`", which the outbox's
+    migration cannot fix. It now comes as SQLAlchemy raises it."""
+
+    def sync(engine: Engine) -> None:
+        with Session(engine) as session, session.begin():
+            session.add(Unmigrated(id=1))
+            outbox.publish(session, "orders", {"n": 1})
+
+    async def async_(engine: AsyncEngine) -> None:
+        async with AsyncSession(engine) as session, session.begin():
+            session.add(Unmigrated(id=1))
+            await outbox.publish(session, "orders", {"n": 1})
+
+    with pytest.raises(ProgrammingError, match="driver_orders_never_created"):
+        stack.run(async_ if stack.is_async else sync)
