@@ -310,16 +310,21 @@ def _autocommit(connection: Connection) -> bool:
 
 #: What an autocommit connection's status reads inside a transaction block.
 IN_BLOCK = (TransactionStatus.INTRANS, TransactionStatus.INERROR)
+#: What a closed or lost connection's status reads: in no transaction, nor out of one. Its
+#: statement is let through, so that psycopg raises its own OperationalError.
+LOST = TransactionStatus.UNKNOWN
 
 
 def _psycopg_in_transaction(conn: psycopg.Connection[Any]) -> bool:
     """Outside autocommit psycopg opens a transaction by itself; inside, only a block does."""
-    return not conn.autocommit or _synced(conn).info.transaction_status in IN_BLOCK
+    return not conn.autocommit or _synced(conn).info.transaction_status in (*IN_BLOCK, LOST)
 
 
 async def _async_psycopg_in_transaction(conn: psycopg.AsyncConnection[Any]) -> bool:
     """The async twin of :func:`_psycopg_in_transaction`."""
-    return not conn.autocommit or (await _synced_async(conn)).info.transaction_status in IN_BLOCK
+    if not conn.autocommit:
+        return True
+    return (await _synced_async(conn)).info.transaction_status in (*IN_BLOCK, LOST)
 
 
 def _synced(conn: psycopg.Connection[Any]) -> psycopg.Connection[Any]:
@@ -421,10 +426,11 @@ def _require_transaction(in_transaction: bool, dialect: str) -> None:
 def _busy(bind: psycopg.Connection[Any] | psycopg.AsyncConnection[Any] | DjangoConnection
           ) -> bool:
     """Whether a transaction is open on the connection (psycopg's, outside autocommit, opens
-    at the first statement; Django's, in ``atomic()`` or with autocommit off)."""
+    at the first statement; Django's, in ``atomic()`` or with autocommit off). A lost one
+    has none, and its statement then raises psycopg's error."""
     if isinstance(bind, DjangoConnection):
         return bind.in_atomic_block or not bind.get_autocommit()
-    return bind.info.transaction_status != TransactionStatus.IDLE
+    return bind.info.transaction_status not in (TransactionStatus.IDLE, LOST)
 
 
 def _require_idle(in_transaction: bool) -> None:

@@ -292,3 +292,38 @@ def test_a_local_transaction_that_leaves_its_connection_in_a_transaction_is_told
 
     asyncio.run(scenario())
     assert sorted(resolutions(engine, schema).values()) == ["UNKNOWN", "UNKNOWN"]
+
+
+def test_a_closed_or_lost_autocommit_connection_is_reported_as_such(
+    outbox: Outbox, settings: Settings
+) -> None:
+    """A closed or lost connection reads its transaction status as UNKNOWN, which passed for
+    a transaction left open or for none: a decision or a publish raised NotInTransaction,
+    send_in_transaction ConfigurationError ("call it on a connection outside any
+    transaction"), and retry code waiting for psycopg's OperationalError never saw one."""
+    closed = psycopg.connect(settings.database_url, autocommit=True)
+    closed.close()
+    lost = psycopg.connect(settings.database_url, autocommit=True)
+    with psycopg.connect(settings.database_url, autocommit=True) as admin:
+        admin.execute("SELECT pg_terminate_backend(%s)", (lost.info.backend_pid,))
+    with pytest.raises(psycopg.OperationalError):
+        lost.execute("SELECT 1")
+    for conn in (closed, lost):
+        with pytest.raises(psycopg.OperationalError):
+            outbox.commit(conn, 1)
+        with pytest.raises(psycopg.OperationalError):
+            outbox.publish(conn, "orders", {"n": 1})
+        with pytest.raises(psycopg.OperationalError):
+            outbox.send_in_transaction(conn, "orders", {"n": 1}, commit)
+
+    async def scenario() -> None:
+        conn = await psycopg.AsyncConnection.connect(settings.database_url, autocommit=True)
+        await conn.close()
+        with pytest.raises(psycopg.OperationalError):
+            await outbox.rollback(conn, 1)
+        with pytest.raises(psycopg.OperationalError):
+            await outbox.publish(conn, "orders", {"n": 1})
+        with pytest.raises(psycopg.OperationalError):
+            await outbox.send_in_transaction(conn, "orders", {"n": 1}, commit)
+
+    asyncio.run(scenario())
