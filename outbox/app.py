@@ -401,7 +401,7 @@ class Outbox:
                 returned = await returned
             answer = to_resolution(returned, "the local transaction")
             if answer is not Resolution.UNKNOWN:
-                connectors.require_idle_after(engine)
+                await connectors.require_idle_after_async(engine)
                 await self._decide_async(engine, message_id, answer)
         return TransactionResult(message_id, answer)
 

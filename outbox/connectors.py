@@ -139,9 +139,7 @@ def deciding(bind: SyncBind | AsyncBind) -> SyncBind | AsyncBind:
     ``AUTOCOMMIT`` connection on psycopg2 or asyncpg; anything else as given."""
     target = _under_autocommit(unproxied(bind))
     if isinstance(target, psycopg.Connection | psycopg.AsyncConnection):
-        if isinstance(target, psycopg.Connection) and target.autocommit:
-            _synced(target)  # an async one is synced by deciding_async; unsynced, it is busy
-        if target.autocommit and not _busy(target):
+        if target.autocommit and not _busy(target):  # an async one synced by deciding_async
             return (AsyncOwnTransaction(target) if isinstance(target, psycopg.AsyncConnection)
                     else OwnTransaction(target))
     elif isinstance(target, DjangoConnection) and not _busy(target):
@@ -234,7 +232,7 @@ async def execute_async(bind: AsyncBind, statement: TextClause, params: dict[str
             async with target.begin() as conn:
                 return list(await conn.execute(statement, params))
         if isinstance(target, AsyncOwnTransaction):
-            _require_idle(_busy(target.connection))
+            _require_idle(_busy(await _synced_async(target.connection)))
             async with target.connection.transaction():
                 return await _run_on_async_psycopg(target.connection, statement, params)
         if isinstance(target, AsyncAutocommitting):
@@ -427,9 +425,12 @@ def _busy(bind: psycopg.Connection[Any] | psycopg.AsyncConnection[Any] | DjangoC
           ) -> bool:
     """Whether a transaction is open on the connection (psycopg's, outside autocommit, opens
     at the first statement; Django's, in ``atomic()`` or with autocommit off). A lost one
-    has none, and its statement then raises psycopg's error."""
+    has none, and its statement then raises psycopg's error. A pipeline is synced first (an
+    async one by the caller: unsynced, statements queued read as a transaction)."""
     if isinstance(bind, DjangoConnection):
         return bind.in_atomic_block or not bind.get_autocommit()
+    if isinstance(bind, psycopg.Connection):
+        _synced(bind)
     return bind.info.transaction_status not in (TransactionStatus.IDLE, LOST)
 
 
@@ -452,3 +453,10 @@ def require_idle_after(owner: SyncBind | AsyncBind) -> None:
             "send_in_transaction() was given (psycopg opens one at the first statement "
             "outside autocommit): commit or roll it back before returning, or use another "
             "connection; its answer was not recorded")
+
+
+async def require_idle_after_async(owner: AsyncBind) -> None:
+    """:func:`require_idle_after` for an async connection, whose pipeline is synced first."""
+    if isinstance(owner, AsyncOwnTransaction):
+        await _synced_async(owner.connection)
+    require_idle_after(owner)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Callable
+from typing import Any
 
 import psycopg
 import pytest
@@ -327,3 +329,38 @@ def test_a_closed_or_lost_autocommit_connection_is_reported_as_such(
             await outbox.send_in_transaction(conn, "orders", {"n": 1}, commit)
 
     asyncio.run(scenario())
+
+
+def test_send_in_transaction_on_an_autocommit_pipeline_runs_outside_any_transaction(
+    outbox: Outbox, engine: Engine, schema: str, settings: Settings
+) -> None:
+    """An autocommit connection in pipeline mode, outside any block, is outside any
+    transaction; but with statements queued its status reads ACTIVE, so send_in_transaction
+    refused it ("call it on a connection outside any transaction"), and refused the answer
+    of a local transaction that queued a statement there ("left a transaction open")."""
+
+    def pay(conn: psycopg.Connection[Any]) -> Callable[[Message], str]:
+        def local_transaction(message: Message) -> str:
+            conn.execute("SELECT 1")
+            return "COMMIT"
+        return local_transaction
+
+    with psycopg.connect(settings.database_url, autocommit=True) as conn, conn.pipeline():
+        conn.execute("SELECT 1")
+        committed = outbox.send_in_transaction(conn, "orders", {"n": 1}, pay(conn))
+
+    async def scenario() -> int:
+        connecting = psycopg.AsyncConnection.connect(settings.database_url, autocommit=True)
+        async with await connecting as conn, conn.pipeline():
+            await conn.execute("SELECT 1")
+
+            async def refuse(message: Message) -> str:
+                await conn.execute("SELECT 1")
+                return "ROLLBACK"
+
+            return (await outbox.send_in_transaction(conn, "orders", {"n": 2}, refuse)
+                    ).message_id
+
+    rolled_back = asyncio.run(scenario())
+    assert resolutions(engine, schema) == {committed.message_id: "COMMIT",
+                                           rolled_back: "ROLLBACK"}
