@@ -48,6 +48,7 @@ from outbox.relay.transport import (
     Headers,
     Transport,
     UnsendableRecord,
+    failure_reason,
     is_permanent,
     make_transport_unless,
     refuses_topic,
@@ -546,7 +547,8 @@ class Relay:
                     self._suspects.add(row.id)
                     rejected.add(row.id)
                     permanent = False
-                failures.append(store.Failure(row.id, describe(delivery.error), permanent))
+                failures.append(store.Failure(row.id, failure_reason(delivery.error,
+                                                                     self.settings), permanent))
         if salvaging:  # the pass failed already: not these rows' own (kafka-python fails
             failures = refusals = []  # the records after a refusal with the same error)
             refused = {}

@@ -25,6 +25,7 @@ from kafka.errors import (
     InvalidTimestampError,
     InvalidTopicError,
     KafkaError,
+    MessageSizeTooLargeError,
     OutOfOrderSequenceNumberError,
     ProducerFencedError,
     SaslAuthenticationFailedError,
@@ -35,7 +36,7 @@ from kafka.errors import (
     UnsupportedVersionError,
 )
 
-from outbox.exceptions import ConfigurationError, ServiceUnavailable
+from outbox.exceptions import ConfigurationError, ServiceUnavailable, describe
 from outbox.settings import RelaySettings
 
 Headers = Sequence[tuple[str, bytes]]
@@ -181,6 +182,17 @@ def is_permanent(error: BaseException | None) -> bool:
     return (isinstance(error, KafkaError) and not error.retriable
             and not isinstance(error, PRODUCER_STATE_ERRORS + TOPIC_ERRORS + CLUSTER_ERRORS
                                + BROKER_FAULTS))
+
+
+def failure_reason(error: BaseException | None, settings: RelaySettings) -> str:
+    """What a failed record's row and its PARKED op record say (:func:`describe`); a record
+    too large also names the limits an operator can raise (kafka-python's text names its own
+    ``max_request_size``, librdkafka's none)."""
+    reason = describe(error)
+    if isinstance(error, MessageSizeTooLargeError):
+        reason += (f" (the record is larger than OUTBOX_KAFKA_MAX_REQUEST_SIZE, "
+                   f"{settings.kafka_max_request_size} bytes, or the broker's message.max.bytes)")
+    return reason
 
 
 def make_transport(settings: RelaySettings) -> Transport:

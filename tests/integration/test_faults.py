@@ -307,6 +307,11 @@ def test_permanently_rejected_message_is_parked_and_other_keys_flow(
                 f"AND action = 'PARKED'"), {"id": too_big}).scalar_one()
         assert row.attempts == 3
         assert "MessageSizeTooLarge" in row.last_error and "MessageSizeTooLarge" in parked_op
+        # kafka-python's text names its own max_request_size, librdkafka's none: the
+        # reason names the setting (and the broker's limit) an operator can change
+        assert row.last_error.endswith(" (the record is larger than OUTBOX_KAFKA_MAX_REQUEST_"
+                                       "SIZE, 20000 bytes, or the broker's message.max.bytes)"), \
+            row.last_error
         resumed = run_outbox(strict, "resume", str(too_big))
         assert resumed.returncode == 0, resumed.stderr
         assert f"resumed message {too_big} (was PARKED)" in resumed.stdout
