@@ -177,6 +177,9 @@ def setup_logging(level: str) -> None:
     # kafka-python logs every failed connection attempt; the relay reports outages itself.
     logging.getLogger("kafka").setLevel(
         logging.DEBUG if level.upper() == "DEBUG" else logging.CRITICAL)
+    # Spark's Python bridge logs its connection's close at exit, after a run's last line.
+    logging.getLogger("py4j").setLevel(
+        logging.DEBUG if level.upper() == "DEBUG" else logging.WARNING)
 
 
 kafka_bootstrap_option = click.option(

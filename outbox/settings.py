@@ -775,6 +775,13 @@ class SweepSettings(DatabaseSettings, _CheckTiming):
         return value
 
 
+#: The masters Spark 4 starts under (``SparkContext.createTaskScheduler``, spark-submit).
+_SPARK_MASTER = re.compile(
+    r"local|local\[(\*|[1-9][0-9]*)(\s*,\s*[0-9]+)?\]"
+    r"|local-cluster\[\s*[1-9][0-9]*\s*,\s*[1-9][0-9]*\s*,\s*[1-9][0-9]*\s*\]"
+    r"|spark://\S+|k8s://\S+|yarn")
+
+
 class ReconcileSettings(DatabaseSettings, KafkaSettings):
     """The Spark reconciliation job."""
 
@@ -823,6 +830,16 @@ class ReconcileSettings(DatabaseSettings, KafkaSettings):
     reconcile_spark_master: str = Field(
         default="", description="Spark master; empty: spark-submit's, or local[*] from the CLI"
     )
+
+    @field_validator("reconcile_spark_master")
+    @classmethod
+    def _spark_master(cls, value: str) -> str:
+        """Spark's own refusal came after its start, as a Java traceback and exit code 1."""
+        if value and not _SPARK_MASTER.fullmatch(value):
+            raise ValueError(f"{value!r} is not a Spark master: write local, local[N], "
+                             "local[*], spark://HOST:PORT, yarn or k8s://HOST:PORT")
+        return value
+
     reconcile_jdbc_jar: str = Field(
         default="/usr/share/java/postgresql.jar",
         description="the PostgreSQL JDBC driver jar (Debian: libpostgresql-jdbc-java)",

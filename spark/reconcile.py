@@ -33,7 +33,7 @@ from typing import Any
 import psycopg
 from kafka.errors import KafkaTimeoutError
 from py4j.protocol import Py4JJavaError
-from pyspark.errors import PythonException
+from pyspark.errors import PySparkRuntimeError, PythonException
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from sqlalchemy import Engine, NullPool, func, select
@@ -119,16 +119,34 @@ def job_failure(exc: BaseException) -> str | None:
         return describe(exc)
     if not isinstance(exc, PythonException | Py4JJavaError):
         return None
-    lines = [line.strip() for line in str(exc).splitlines()]
+    return _error_line(exc)
+
+
+def _error_line(exc: BaseException) -> str:
+    """The innermost error line of a Python or Java traceback, else its first line."""
+    lines = [line.strip().removeprefix(": ").removeprefix("Caused by: ")
+             for line in str(exc).splitlines()]
     errors = [line for line in lines if _ERROR_LINE.match(line)]
     return errors[-1] if errors else next((line for line in lines if line), type(exc).__name__)
+
+
+def _started(settings: ReconcileSettings) -> SparkSession:
+    """local_session, or one line when Spark does not start: a master it cannot reach or run
+    under gave a Python traceback and exit code 1, a run that found too much to a cron job."""
+    try:
+        return local_session(settings)
+    except (PySparkRuntimeError, Py4JJavaError) as exc:
+        master = settings.reconcile_spark_master or "local[*]"
+        raise ConfigurationError(
+            f"Spark did not start with master {master!r} (nothing was recorded; Spark's own "
+            f"lines above say why): {_error_line(exc)}") from None
 
 
 @contextlib.contextmanager
 def session(settings: ReconcileSettings) -> Iterator[SparkSession]:
     """The active session, or a new one (see local_session) stopped when the block ends."""
     active = SparkSession.getActiveSession()
-    spark = active or local_session(settings)
+    spark = active or _started(settings)
     try:
         yield spark
     finally:

@@ -6,6 +6,7 @@ import os
 import signal
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 from sqlalchemy import Engine, text
@@ -187,8 +188,12 @@ def test_a_database_url_with_a_wrong_parameter(
          ["threshold of discarded must be 0 or more"]),
         (["--output-dir", "/proc/outbox-reports"], {},
          ["cannot write the reconciliation's files under /proc/outbox-reports"]),
+        (["--master", "nonsense://x"], {}, ["'nonsense://x' is not a Spark master", "local[*]"]),
+        ([], {"OUTBOX_RECONCILE_SPARK_MASTER": "local[0]"},
+         ["'local[0]' is not a Spark master"]),
     ],
-    ids=["unknown-finding-env", "unknown-finding-option", "negative-threshold", "output-dir"],
+    ids=["unknown-finding-env", "unknown-finding-option", "negative-threshold", "output-dir",
+         "master-unknown", "master-no-threads"],
 )
 def test_a_reconciliation_misconfigured_says_so_before_spark_starts(
     settings: Settings, args: list[str], variables: dict[str, str], fragments: list[str]
@@ -197,6 +202,23 @@ def test_a_reconciliation_misconfigured_says_so_before_spark_starts(
     were read: one line, and nothing else."""
     result = run_outbox(None, "reconcile", *args, env=outbox_env(settings, **variables))
     assert_one_line_error(result, *fragments)
+
+
+def test_a_spark_that_does_not_start_is_a_configuration_error_not_a_finding(
+        settings: Settings, tmp_path: Path) -> None:
+    """A master Spark accepts but cannot start under (YARN with no Hadoop configuration)
+    gave a Python traceback and exit code 1, a run that found too much to a cron job. Spark's
+    own lines come first; the command's last line says Spark did not start, and it exits 2."""
+    env = {k: v for k, v in outbox_env(settings).items()
+           if k not in ("HADOOP_CONF_DIR", "YARN_CONF_DIR")}
+    result = run_outbox(None, "reconcile", "--master", "yarn", "--output-dir", str(tmp_path),
+                        env=env)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "outbox: error: Spark did not start with master 'yarn' (nothing was recorded; "
+        "Spark's own lines above say why): [JAVA_GATEWAY_EXITED] Java gateway process exited "
+        "before sending its port number.")
 
 
 @pytest.mark.parametrize(("command", "table"), [

@@ -21,6 +21,7 @@ import psycopg
 import pytest
 from click.testing import CliRunner
 from kafka import KafkaProducer
+from py4j.protocol import Py4JJavaError
 from pyspark.errors import PythonException
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
@@ -665,6 +666,9 @@ def test_a_job_that_fails_as_it_runs_says_one_line_and_exits_4(
     assert job.job_failure(lost) == ("OperationalError: consuming input failed: server closed "
                                      "the connection unexpectedly"), "it exited 2"
     assert job.job_failure(psycopg.errors.UniqueViolation("duplicate key")) is None
+    with pytest.raises(Py4JJavaError) as java:  # a Java error's line is its innermost cause's
+        spark.sparkContext._jvm.java.lang.Class.forName("no.such.Kind")  # type: ignore[union-attr]
+    assert job.job_failure(java.value) == "java.lang.ClassNotFoundException: no.such.Kind"
 
     def run(*_: object, **__: object) -> job.Result:
         raise failed.value

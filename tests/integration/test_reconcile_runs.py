@@ -76,6 +76,7 @@ def test_a_second_run_of_the_schema_exits_while_the_first_runs_then_follows_it(
     assert first.returncode == 0, errors[-3000:]
     assert "reconciliation run 1: CLEAN" in output
     assert "still running" not in errors, "a progress line before reconcile_progress_seconds"
+    assert "py4j" not in errors, "Spark's bridge logged its close at exit, after the report"
     after = job.run(spark, settings, until=datetime.now(UTC))
     with engine.connect() as conn:
         windows = conn.execute(text(
