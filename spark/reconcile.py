@@ -16,6 +16,7 @@ what is still open, not the history.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -105,6 +106,8 @@ def local_session(settings: ReconcileSettings) -> SparkSession:
     return spark
 
 
+#: What the disk says when the run's files no longer fit, or it fails them.
+_DISK_TROUBLE = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EFBIG})
 #: An error line of a Python or Java traceback: ``package.Name(Error|Exception...): text``.
 _ERROR_LINE = re.compile(r"^(?:[\w$]+\.)*\w*(?:Error|Exception|Timeout\w*): .+")
 
@@ -114,9 +117,11 @@ def job_failure(exc: BaseException) -> str | None:
     or the database's JDBC read failed: an outage, not a bug), or None for any other error.
     Its tracebacks ran to 400 lines, with the exit code of a run that found too much. The
     database lost by the job's own connections is an outage too (it exited 2, a usage
-    error's code)."""
+    error's code), and so is a disk that fails the run's files (it exited 1)."""
     if isinstance(exc, psycopg.Error | DBAPIError) and server_trouble(exc):
         return describe(exc)
+    if isinstance(exc, OSError) and exc.errno in _DISK_TROUBLE:  # the run's own files
+        return f"{type(exc).__name__}: {exc}"
     if not isinstance(exc, PythonException | Py4JJavaError):
         return None
     return _error_line(exc)
@@ -316,6 +321,8 @@ def _run(spark: SparkSession, settings: ReconcileSettings, engine: Engine,
                     if limits[name] is not None and n > limits[name]]  # type: ignore[operator]
         outcome = (RunOutcome.FAILED if exceeded
                    else RunOutcome.FINDINGS if any(counts.values()) else RunOutcome.CLEAN)
+        # The files are written before the run's row commits: a disk that fills up leaves
+        # neither a recorded run without its report nor a report of a run never recorded.
         with engine.begin() as conn:
             run_id = queries.record_run(conn, schema, {
                 "started_at": started_at, "window_since": window.since,
@@ -325,28 +332,29 @@ def _run(spark: SparkSession, settings: ReconcileSettings, engine: Engine,
                 "kafka_records": kafka_count, "findings": counts, "outcome": outcome.value,
                 "output_path": str(output),
             })
+            summary = {
+                "run_id": run_id,
+                "outcome": outcome.value,
+                "started_at": _iso(started_at),
+                "seconds": round(time.monotonic() - clock_start, 3),
+                "window": {"since": _iso(window.since), "until": _iso(window.until),
+                           "requested_until": _iso(clock.requested_until), "source": source},
+                "read_topics": records is not None,
+                "sla_seconds": settings.reconcile_sla_seconds,
+                "counts": {"messages": message_count, "op_records": op_count,
+                           "kafka_records": kafka_count, "carried_in": carried_count,
+                           "carried_out": carrying},
+                "seconds_by_phase": timings,
+                "findings": _findings_summary(counts, samples, limits, exceeded),
+                "kafka_offsets": read_to,
+                "stats": stats,
+                "output_path": str(output),
+            }
+            text = report.render(summary)
+            (output / "summary.json").write_text(
+                json.dumps(summary, indent=2, default=str) + "\n")
+            (output / "report.txt").write_text(text)
         recorded = True
-        summary = {
-            "run_id": run_id,
-            "outcome": outcome.value,
-            "started_at": _iso(started_at),
-            "seconds": round(time.monotonic() - clock_start, 3),
-            "window": {"since": _iso(window.since), "until": _iso(window.until),
-                       "requested_until": _iso(clock.requested_until), "source": source},
-            "read_topics": records is not None,
-            "sla_seconds": settings.reconcile_sla_seconds,
-            "counts": {"messages": message_count, "op_records": op_count,
-                       "kafka_records": kafka_count, "carried_in": carried_count,
-                       "carried_out": carrying},
-            "seconds_by_phase": timings,
-            "findings": _findings_summary(counts, samples, limits, exceeded),
-            "kafka_offsets": read_to,
-            "stats": stats,
-            "output_path": str(output),
-        }
-        text = report.render(summary)
-        (output / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
-        (output / "report.txt").write_text(text)
         log.info("run %d %s in %.1fs: %s", run_id, outcome.value,
                  time.monotonic() - clock_start, output)
         return Result(run_id, outcome, window, counts, exceeded, output, summary, text)

@@ -208,3 +208,47 @@ def test_a_run_names_its_phase_and_tasks_while_its_spark_jobs_work(
                             r"done, \d+ running|the driver's own work, no Spark job)", line), line
     assert any("tasks done" in line for line in said), said
     assert "reconcile-progress" not in {t.name for t in threading.enumerate()}
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A disk of 64 KiB (tmpfs), to fill up for real."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], check=True)
+    yield disk
+    subprocess.run(["umount", str(disk)], check=True)
+
+
+@pytest.mark.parametrize("free_kib", [4, 36, 44, 48],
+                         ids=["findings", "carry", "summary", "report"])
+def test_a_run_whose_disk_fills_up_records_nothing_and_exits_4(
+    spark: SparkSession, services: devservices.Services, engine: Engine, schema: str,
+    small_disk: Path, free_kib: int
+) -> None:
+    """A disk that filled up as Spark wrote the findings exited 4, nothing recorded. As the
+    run wrote its carry-over or its report, the same disk gave a traceback and exit code 1,
+    a run that found too much to a cron job; at the summary or the report, the run had been
+    recorded with a folder that held neither. With the room left here each of those files is
+    the one that does not fit (what one run of an empty window writes: it needs about 50 KiB
+    in all); the next run, with room, covers the same window."""
+    (small_disk / "filler").write_bytes(bytes((64 - free_kib) * 1024))
+    env = {"OUTBOX_DATABASE_URL": services.database_url, "OUTBOX_SCHEMA": schema,
+           "OUTBOX_RECONCILE_OUTPUT_DIR": str(small_disk / "out")}
+
+    full = CliRunner().invoke(main, ["reconcile", "--tables-only"], env=env)
+
+    assert full.exit_code == 4, full.output
+    assert full.stderr.strip().splitlines()[-1].startswith(
+        "outbox: error: the reconciliation job failed as it ran (nothing was recorded; the "
+        "next run reads the same window): "), full.stderr[-2000:]
+    assert "No space left on device" in full.stderr.strip().splitlines()[-1]
+    assert list((small_disk / "out").glob("run-*")) == [], "an unrecorded run's folder"
+    with engine.connect() as conn:
+        assert conn.execute(text(f"SELECT count(*) FROM {schema}.reconcile_run")).scalar() == 0
+
+    (small_disk / "filler").unlink()
+    room = CliRunner().invoke(main, ["reconcile", "--tables-only"], env=env)
+    assert room.exit_code == 0, room.output
+    assert re.search(r"reconciliation run \d+: CLEAN\nwindow    beginning \.\. .* \(first run\)",
+                     room.stdout), room.stdout  # its id may be the next: sequences do not roll back
