@@ -15,6 +15,7 @@ if TYPE_CHECKING:  # what each name is, for type checkers (`X as X`: a re-export
     from outbox.exceptions import DecisionConflict as DecisionConflict
     from outbox.exceptions import InvalidMessage as InvalidMessage
     from outbox.exceptions import MessageNotFound as MessageNotFound
+    from outbox.exceptions import NotAwaited as NotAwaited
     from outbox.exceptions import NotInTransaction as NotInTransaction
     from outbox.exceptions import OutboxError as OutboxError
     from outbox.exceptions import SchemaNotMigrated as SchemaNotMigrated
@@ -32,6 +33,7 @@ _HOMES = {
     "InvalidMessage": "outbox.exceptions",
     "Message": "outbox.message",
     "MessageNotFound": "outbox.exceptions",
+    "NotAwaited": "outbox.exceptions",
     "NotInTransaction": "outbox.exceptions",
     "Outbox": "outbox.app",
     "OutboxError": "outbox.exceptions",

@@ -16,7 +16,7 @@ import psycopg
 from sqlalchemy import Engine, TextClause
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from outbox import connectors, store
+from outbox import connectors, store, unawaited
 from outbox.checkers import Checker, is_coroutine_function, synchronous, to_resolution
 from outbox.connectors import AsyncBind, AsyncTarget, DjangoConnection, Rows, SyncBind, SyncTarget
 from outbox.encoding import (
@@ -136,7 +136,8 @@ class Outbox:
             **delivery_time,
         )
         _refuse_engine(session)
-        return self._execute(session, statement, params, _message_id)
+        return self._execute(session, statement, params, _message_id,
+                             f"publish() to topic {topic!r}")
 
     def _delivery_time(self, options: PublishOptions) -> dict[str, Any]:
         return delivery_time(options.get("deliver_after"), options.get("deliver_at"),
@@ -173,6 +174,7 @@ class Outbox:
         statement: TextClause,
         params: dict[str, Any],
         read: Callable[[Rows], T],
+        call: str = "",
     ) -> T: ...
 
     @overload
@@ -182,6 +184,7 @@ class Outbox:
         statement: TextClause,
         params: dict[str, Any],
         read: Callable[[Rows], T],
+        call: str = "",
     ) -> Coroutine[Any, Any, T]: ...
 
     def _execute(
@@ -190,10 +193,13 @@ class Outbox:
         statement: TextClause,
         params: dict[str, Any],
         read: Callable[[Rows], T],
+        call: str = "",
     ) -> T | Coroutine[Any, Any, T]:
-        """Run one statement in the caller's open transaction, or in an engine's own one."""
+        """Run one statement in the caller's open transaction, or in an engine's own one.
+        An async ``call`` is recorded until it runs (a commit without it is refused)."""
         if connectors.is_async(bind):
-            return self._execute_async(bind, statement, params, read)
+            started = unawaited.record(bind, call) if call else None
+            return self._execute_async(bind, statement, params, read, started)
         return read(connectors.execute(bind, statement, params, _unmigrated(self.schema)))
 
     async def _execute_async(
@@ -202,7 +208,10 @@ class Outbox:
         statement: TextClause,
         params: dict[str, Any],
         read: Callable[[Rows], T],
+        started: Callable[[], None] | None = None,
     ) -> T:
+        if started is not None:
+            started()
         return read(await connectors.execute_async(bind, statement, params,
                                                    _unmigrated(self.schema)))
 
@@ -244,7 +253,8 @@ class Outbox:
         message = self._encode(topic, payload, options)
         statement, params = self._prepare_statement(message, options)
         _refuse_engine(session)
-        return self._execute(session, statement, params, _message_id)
+        return self._execute(session, statement, params, _message_id,
+                             f"prepare() to topic {topic!r}")
 
     def _prepare_statement(
         self, message: EncodedMessage, options: PrepareOptions
@@ -306,15 +316,18 @@ class Outbox:
                 ) -> Coroutine[Any, Any, None] | None:
         message_id = _decided_id(message_id, self.schema)
         if connectors.is_async(bind):
-            return self._decide_async(bind, message_id, resolution)
+            started = unawaited.record(bind, f"{resolution.lower()}() of message {message_id}")
+            return self._decide_async(bind, message_id, resolution, started)
         bind = connectors.deciding(bind)
         statement, params = store.decide(self.schema, message_id, resolution, self._actor)
         row = self._execute(bind, statement, params, _one_or_none)
         _check_decision(row, message_id, resolution, self.schema)
         return None
 
-    async def _decide_async(self, bind: AsyncBind, message_id: int, resolution: Resolution
-                            ) -> None:
+    async def _decide_async(self, bind: AsyncBind, message_id: int, resolution: Resolution,
+                            started: Callable[[], None] | None = None) -> None:
+        if started is not None:
+            started()
         bind = await connectors.deciding_async(bind)
         statement, params = store.decide(self.schema, message_id, resolution, self._actor)
         row = await self._execute(bind, statement, params, _one_or_none)

@@ -16,6 +16,11 @@ class NotInTransaction(OutboxError):
     transaction (autocommit included), or ``publish``/``prepare`` given an Engine."""
 
 
+class NotAwaited(OutboxError, RuntimeError):
+    """A transaction holding an async ``publish``, ``prepare`` or decision that was never
+    awaited is committed: refused, since the message was never written."""
+
+
 class ConfigurationError(OutboxError):
     """A setting is missing or invalid."""
 

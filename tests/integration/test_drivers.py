@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -30,7 +31,7 @@ from sqlalchemy.orm import (
 )
 from sqlalchemy.pool import NullPool
 
-from outbox import Message, NotInTransaction, Outbox, Resolution, SchemaNotMigrated
+from outbox import Message, NotAwaited, NotInTransaction, Outbox, Resolution, SchemaNotMigrated
 from outbox.dev.topics import read_topic
 from outbox.exceptions import ConfigurationError
 from outbox.relay.relay import Relay
@@ -373,3 +374,59 @@ def test_a_missing_table_of_the_application_is_not_called_an_unmigrated_outbox(
 
     with pytest.raises(ProgrammingError, match="driver_orders_never_created"):
         stack.run(async_ if stack.is_async else sync)
+
+
+@pytest.mark.parametrize("stack", ["psycopg_async", "asyncpg"], indirect=True)
+def test_a_forgotten_await_refuses_the_commit_and_the_business_rows_roll_back(
+    stack: Stack, outbox: Outbox, engine: Engine, schema: str
+) -> None:
+    """``publish`` on an async session returns a coroutine: without ``await`` it wrote nothing,
+    the business rows committed without their message, and only a RuntimeWarning at garbage
+    collection said so. The call now records itself at once and the commit is refused, so the
+    business rows roll back with the message that was never written (and a connection's
+    next transaction does not commit them); the same for prepare and a decision, through a
+    session or a connection. Awaited later, before the commit, it is fine."""
+    with engine.begin() as conn:
+        Base.metadata.create_all(conn)
+        conn.execute(text("TRUNCATE driver_orders"))
+    with engine.begin() as conn:
+        prepared = outbox.prepare(conn, "orders", {"n": 0})
+    insert = text("INSERT INTO driver_orders VALUES (:id, 'new')")
+
+    async def scenario(bound: AsyncEngine) -> None:
+        calls: list[Callable[[Any], Any]] = [
+            lambda s: outbox.publish(s, "orders", {"n": 1}),
+            lambda s: outbox.prepare(s, "orders", {"n": 2}),
+            lambda s: outbox.commit(s, prepared),
+        ]
+        for n, call in enumerate(calls, start=1):
+            with pytest.warns(RuntimeWarning, match="never awaited"):
+                async with AsyncSession(bound) as session:
+                    with pytest.raises(NotAwaited, match="never awaited"):
+                        async with session.begin():
+                            await session.execute(insert, {"id": n})
+                            call(session)  # forgotten await
+                async with bound.connect() as conn:
+                    with pytest.raises(NotAwaited, match="never awaited"):
+                        async with conn.begin():
+                            await conn.execute(insert, {"id": n})
+                            call(conn)  # forgotten await
+                    async with conn.begin():  # the refused rows are not in the next one
+                        await conn.execute(insert, {"id": 10 + n})
+                gc.collect()
+        async with AsyncSession(bound) as session, session.begin():
+            await session.execute(insert, {"id": 9})
+            pending = outbox.publish(session, "orders", {"n": 9})
+            await pending
+
+    try:
+        stack.run(scenario)
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT id FROM driver_orders ORDER BY id")
+                                ).scalars().all() == [9, 11, 12, 13]
+            assert dict(conn.execute(text(
+                f"SELECT resolution, count(*) FROM {schema}.message_state GROUP BY 1")).all()
+            ) == {"UNKNOWN": 1, "COMMIT": 1}
+    finally:
+        with engine.begin() as conn:
+            Base.metadata.drop_all(conn)
