@@ -29,6 +29,7 @@ from outbox.encoding import (
     merged_headers,
 )
 from outbox.exceptions import (
+    INSUFFICIENT_PRIVILEGE,
     MISSING_OBJECTS,
     ConfigurationError,
     DecisionConflict,
@@ -37,6 +38,7 @@ from outbox.exceptions import (
     NotInTransaction,
     SchemaNotMigrated,
     db_command,
+    first_line,
     sqlstate,
 )
 from outbox.message import Message, PrepareOptions, PublishOptions, TransactionResult
@@ -200,7 +202,7 @@ class Outbox:
         if connectors.is_async(bind):
             started = unawaited.record(bind, call) if call else None
             return self._execute_async(bind, statement, params, read, started)
-        return read(connectors.execute(bind, statement, params, _unmigrated(self.schema)))
+        return read(connectors.execute(bind, statement, params, _setup_errors(self.schema)))
 
     async def _execute_async(
         self,
@@ -213,7 +215,7 @@ class Outbox:
         if started is not None:
             started()
         return read(await connectors.execute_async(bind, statement, params,
-                                                   _unmigrated(self.schema)))
+                                                   _setup_errors(self.schema)))
 
     # Two-phase messages (RocketMQ transactional messages) -------------------------------
 
@@ -479,17 +481,32 @@ def _check_options(call: str, options: Mapping[str, object], allowed: frozenset[
         raise TypeError(f"{call}() got an unexpected keyword argument {min(unknown)!r}")
 
 
+#: How revision 0005's check words a decision refused to a login outside the producer
+#: group's role (``producer_group_role``): the role it names is the one to grant.
+_GROUP_ROLE_REFUSAL = "only as a member of"
+
+
 @contextlib.contextmanager
-def _unmigrated(schema: str) -> Iterator[None]:
-    """An unmigrated schema is a setup mistake: say which command fixes it."""
+def _setup_errors(schema: str) -> Iterator[None]:
+    """A setup mistake, an unmigrated schema or a login without the application's role,
+    says what fixes it; the driver's error is its cause."""
     try:
         yield
     except Exception as exc:
-        missing = MISSING_OBJECTS.get(sqlstate(exc) or "")
+        state = sqlstate(exc) or ""
+        missing = MISSING_OBJECTS.get(state)
         if missing is not None:
             raise SchemaNotMigrated(
                 f"outbox schema {schema!r} {missing[1]}: run `{db_command(schema)}` "
                 "(or outbox.migrate.upgrade) against this database first"
+            ) from exc
+        if state == INSUFFICIENT_PRIVILEGE:
+            refused = first_line(exc)
+            fix = ("grant it that role" if _GROUP_ROLE_REFUSAL in refused else
+                   f"grant it the role {schema}_app (`GRANT {schema}_app TO <login>`; "
+                   f"`{db_command(schema, 'upgrade --create-roles')}` makes the roles)")
+            raise ConfigurationError(
+                f"this login may not use outbox schema {schema!r} ({refused}): {fix}"
             ) from exc
         raise
 

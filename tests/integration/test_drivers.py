@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import gc
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -33,7 +33,7 @@ from sqlalchemy.pool import NullPool
 
 from outbox import Message, NotAwaited, NotInTransaction, Outbox, Resolution, SchemaNotMigrated
 from outbox.dev.topics import read_topic
-from outbox.exceptions import ConfigurationError
+from outbox.exceptions import ConfigurationError, sqlstate
 from outbox.relay.relay import Relay
 from outbox.settings import Settings
 from tests.conftest import count_status, wait_delivered
@@ -430,3 +430,54 @@ def test_a_forgotten_await_refuses_the_commit_and_the_business_rows_roll_back(
     finally:
         with engine.begin() as conn:
             Base.metadata.drop_all(conn)
+
+
+@pytest.fixture
+def ungranted(engine: Engine, schema: str, roles: list[str]) -> Iterator[str]:
+    """A login role that was not granted ``<schema>_app``."""
+    login = f"{schema}_nobody"
+    with engine.begin() as conn:
+        conn.execute(text(f"CREATE ROLE {login} LOGIN PASSWORD 'pw'"))
+    yield login
+    with engine.begin() as conn:
+        conn.execute(text(f"DROP OWNED BY {login}"))
+        conn.execute(text(f"DROP ROLE {login}"))
+
+
+def test_a_login_without_the_app_role_is_told_which_role_to_grant_with_every_driver(
+    stack: Stack, outbox: Outbox, engine: Engine, schema: str, ungranted: str
+) -> None:
+    """publish, prepare and the decisions raised the driver's own error ("permission denied
+    for schema t_..."), with no word of the role the outbox made for them. They now raise
+    ConfigurationError naming it, with the driver's error as its cause."""
+    with engine.begin() as conn:
+        prepared = outbox.prepare(conn, "orders", {"n": 0})
+    stack.url = stack.url.set(username=ungranted, password="pw")
+    calls: list[Callable[[Any], Any]] = [
+        lambda s: outbox.publish(s, "orders", {"n": 1}),
+        lambda s: outbox.prepare(s, "orders", {"n": 2}),
+        lambda s: outbox.commit(s, prepared),
+    ]
+
+    def sync(bound: Engine) -> list[BaseException]:
+        failures = []
+        for call in calls:
+            with Session(bound) as session, session.begin(), \
+                    pytest.raises(ConfigurationError) as refused:
+                call(session)
+            failures.append(refused.value)
+        return failures
+
+    async def async_(bound: AsyncEngine) -> list[BaseException]:
+        failures = []
+        for call in calls:
+            async with AsyncSession(bound) as session, session.begin():
+                with pytest.raises(ConfigurationError) as refused:
+                    await call(session)
+            failures.append(refused.value)
+        return failures
+
+    for failure in stack.run(async_ if stack.is_async else sync):
+        assert f"grant it the role {schema}_app" in str(failure)
+        assert "permission denied" in str(failure) and "\n" not in str(failure)
+        assert sqlstate(failure.__cause__) == "42501"  # type: ignore[arg-type]

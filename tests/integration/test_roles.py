@@ -13,7 +13,7 @@ import pytest
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.orm import Session
 
-from outbox import Outbox, store
+from outbox import ConfigurationError, Outbox, store
 from outbox.dev import services as devservices
 from outbox.dev.topics import read_topic
 from outbox.schema import SHARDS
@@ -208,7 +208,8 @@ def test_a_producer_group_bound_to_a_role_is_decided_only_by_its_members(
             bound = payments.prepare(session, "t", {"n": 1})
             free = Outbox(settings=settings).prepare(session, "t", {"n": 2})
         Outbox(settings=settings).commit(app_engine, free)  # an unbound group: any app role
-        with pytest.raises(Exception, match=f"only as a member of {schema}_payments"):
+        with pytest.raises(ConfigurationError,
+                           match=f"only as a member of {schema}_payments\\): grant it that role"):
             payments.commit(app_engine, bound)
         with engine.begin() as conn:
             conn.execute(text(f"GRANT {schema}_payments TO {schema}_app_login"))
