@@ -890,13 +890,15 @@ S = TypeVar("S", bound=_Base)
 
 
 def load_settings(cls: type[S] = Settings, **overrides: Any) -> S:  # type: ignore[assignment]
-    """Build ``cls`` from its sources, turning validation errors into one line per bad field."""
+    """Build ``cls`` from its sources, turning validation errors into one line per bad field,
+    each named as the user wrote it (keyword, variable or config file key)."""
+    given = _given(overrides)
     try:
-        return cls(**_given(overrides))
+        return cls(**given)
     except SettingsError as exc:
         raise ConfigurationError(_unparsed(exc)) from None
     except ValidationError as exc:
-        raise ConfigurationError(_one_line(exc)) from None
+        raise ConfigurationError(_one_line(exc, _keywords(overrides), sources=True)) from None
 
 
 def _unparsed(exc: SettingsError) -> str:
@@ -915,8 +917,8 @@ def with_overrides(settings: S, **overrides: Any) -> S:
     """``settings`` with some values replaced and validated again (no source is re-read)."""
     try:
         return type(settings).model_validate({**settings.model_dump(), **_given(overrides)})
-    except ValidationError as exc:
-        raise ConfigurationError(_one_line(exc)) from None
+    except ValidationError as exc:  # only the overrides are new: no source is named
+        raise ConfigurationError(_one_line(exc, _keywords(overrides), sources=False)) from None
 
 
 def _given(overrides: dict[str, Any]) -> dict[str, Any]:
@@ -927,8 +929,51 @@ def _given(overrides: dict[str, Any]) -> dict[str, Any]:
     return given
 
 
-def _one_line(exc: ValidationError) -> str:
-    """``field: message; ...`` (a rule across fields names them in its message)."""
-    lines = [f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" if err["loc"]
-             else err["msg"].removeprefix("Value error, ") for err in exc.errors()]
+def _keywords(overrides: dict[str, Any]) -> dict[str, str]:
+    """Each field given as a keyword argument (or a flag's) to the name it was given by."""
+    return {("schema_name" if name == "schema" else name): name
+            for name, value in overrides.items() if value is not None}
+
+
+def _one_line(exc: ValidationError, keywords: Mapping[str, str], *, sources: bool) -> str:
+    """``name: message; ...``, each bad value named as the user wrote it (a rule across fields
+    names them in its message)."""
+    lines = []
+    for err in exc.errors():
+        message = err["msg"].removeprefix("Value error, ")
+        if not err["loc"]:
+            lines.append(message)
+            continue
+        field = _field(str(err["loc"][0]))
+        name = keywords.get(field) or (_written(field) if sources else field)
+        inside = ".".join(str(part) for part in err["loc"][1:])
+        lines.append(f"{name}{f' at {inside}' if inside else ''}: {message}")
     return "invalid settings: " + "; ".join(lines)
+
+
+def _field(name: str) -> str:
+    """A field's name from an error's location, which names the schema by its alias."""
+    for field, info in Settings.model_fields.items():
+        if name in (field, info.validation_alias):
+            return field
+    return name
+
+
+def _written(field: str) -> str:
+    """Where a field's value came from, the sources in their order (flags are keywords): the
+    variable as it is spelled in the environment, else the config file's key; a default or
+    an unknown keyword keeps the field's name."""
+    variables = _variables()
+    spelled = sorted(name for name in os.environ if variables.get(name.upper()) == field)
+    if spelled:  # several agree (_one_variable_per_setting): any one is where it came from
+        return spelled[0]
+    config_file = os.environ.get(CONFIG_ENV)
+    if config_file:
+        try:
+            keys = tomllib.loads(Path(config_file).read_text())
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):  # refused when read
+            keys = {}
+        for key in keys:
+            if key.lower() == field:
+                return f"key {key!r} in config file {config_file}"
+    return field

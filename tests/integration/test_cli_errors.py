@@ -104,9 +104,9 @@ def test_a_reconciliation_window_that_cannot_be_is_refused_before_spark_starts(
     ("variable", "value", "fragment"),
     [
         ("OUTBOX_SCHEMA", "Robert'); DROP TABLE x;--", "invalid schema name"),
-        ("OUTBOX_RELAY_BATCH_SIZE", "0", "relay_batch_size"),
+        ("OUTBOX_RELAY_BATCH_SIZE", "0", "OUTBOX_RELAY_BATCH_SIZE: Input should be greater"),
         ("OUTBOX_DATABASE_URL", "mysql://u@h/db", "database URL must be postgresql://"),
-        ("OUTBOX_KAFKA_DELIVERY_TIMEOUT_MS", "999", "kafka_delivery_timeout_ms"),
+        ("OUTBOX_KAFKA_DELIVERY_TIMEOUT_MS", "999", "OUTBOX_KAFKA_DELIVERY_TIMEOUT_MS: "),
     ],
 )
 def test_invalid_settings(settings: Settings, variable: str, value: str, fragment: str) -> None:

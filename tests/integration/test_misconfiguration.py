@@ -38,8 +38,8 @@ def login_url(engine: Engine, settings: Settings) -> Iterator[str]:
         (("db", "upgrade", "--revision", "nosuchrev"), "nosuchrev"),
         (("db", "downgrade", "nosuchrev"), "nosuchrev"),
         (("db", "upgrade", "--revision", "0001"), "an upgrade does not go back; `outbox "),
-        (("relay",), "relay_lease_seconds"),
-        (("sweep",), "checker_timeout"),
+        (("relay",), "OUTBOX_RELAY_LEASE_SECONDS: "),
+        (("sweep",), "OUTBOX_CHECKER_TIMEOUT: "),
         (("sweep", "--metrics-port", "99999"), "sweep_metrics_port"),
     ],
     ids=["upgrade-unknown-revision", "downgrade-unknown-revision", "upgrade-to-an-older-one",
@@ -60,7 +60,7 @@ def test_bad_values_get_one_line(settings: Settings, args: tuple[str, ...], frag
 def test_a_lease_too_short_to_renew_is_refused(settings: Settings, lease: str) -> None:
     result = run_outbox(None, "relay", env=outbox_env(settings,
                                                        OUTBOX_RELAY_LEASE_SECONDS=lease))
-    assert_one_line_error(result, "relay_lease_seconds")
+    assert_one_line_error(result, "OUTBOX_RELAY_LEASE_SECONDS: ")
 
 
 @pytest.mark.parametrize(
@@ -155,7 +155,7 @@ def test_migrating_and_pruning_are_not_stopped_by_the_relay_s_own_settings(
         pruned = run_outbox(None, "prune", env=env)
         assert pruned.returncode == 0, pruned.stderr
         assert pruned.stdout.startswith("dropped 0 partitions older than 72 h")
-        assert_one_line_error(run_outbox(None, "relay", env=env), "relay_batch_size")
+        assert_one_line_error(run_outbox(None, "relay", env=env), "OUTBOX_RELAY_BATCH_SIZE: ")
     finally:
         drop_schema(engine, schema)
 

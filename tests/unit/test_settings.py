@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -141,7 +142,8 @@ def test_the_library_ignores_what_only_the_outbox_s_own_processes_read(tmp_path:
     config.write_text('database_tcp_timeout = 0\n')
     os.environ.update(OUTBOX_CONFIG=str(config), OUTBOX_LOG_LEVEL="chatty")
     assert Outbox().settings.schema_name == "outbox"
-    with pytest.raises(ConfigurationError, match=r"database_tcp_timeout: .*; log_level: "):
+    with pytest.raises(ConfigurationError,
+                       match=r"'database_tcp_timeout' in config file .*; OUTBOX_LOG_LEVEL: "):
         load_settings(RelaySettings)
 
 
@@ -174,6 +176,44 @@ def test_invalid_values_are_one_line_per_field() -> None:
             f"invalid settings: OUTBOX_SQL_CHECKERS is not valid JSON: {why}"), error.value
 
 
+def refusal(load: Callable[[], object]) -> str:
+    with pytest.raises(ConfigurationError) as error:
+        load()
+    return str(error.value)
+
+
+def test_a_bad_value_is_named_as_the_user_wrote_it(tmp_path: Path) -> None:
+    """Errors named the field (``max_payload_bytes``), which is neither the variable the user
+    set nor, in its case, the config file's key: they now name the variable, as written, or
+    the key and its file; a keyword argument (a flag's) keeps its own name."""
+    from outbox import Outbox
+
+    os.environ["OUTBOX_MAX_PAYLOAD_BYTES"] = "abc"
+    assert refusal(Outbox).startswith(
+        "invalid settings: OUTBOX_MAX_PAYLOAD_BYTES: Input should be a valid integer")
+    del os.environ["OUTBOX_MAX_PAYLOAD_BYTES"]
+    lower_case = "outbox_relay_batch_size"
+    os.environ[lower_case] = "-1"
+    assert refusal(lambda: load_settings(RelaySettings)) == (
+        f"invalid settings: {lower_case}: Input should be greater than 0")
+    del os.environ[lower_case]
+    use_config(tmp_path, 'RELAY_BATCH_SIZE = -1\nschema_name = "Bad"\n')
+    where = f"in config file {tmp_path / 'outbox.toml'}"
+    assert refusal(lambda: load_settings(RelaySettings)) == (
+        f"invalid settings: key 'schema_name' {where}: invalid schema name 'Bad': use "
+        "lower-case letters, digits and '_' (at most 53 characters, not starting with a "
+        f"digit); key 'RELAY_BATCH_SIZE' {where}: Input should be greater than 0")
+    del os.environ["OUTBOX_CONFIG"]
+    os.environ["OUTBOX_SCHEMA"] = "Also_Bad"
+    assert refusal(lambda: load_settings(PublishSettings)).startswith(
+        "invalid settings: OUTBOX_SCHEMA: invalid schema name 'Also_Bad'")
+    del os.environ["OUTBOX_SCHEMA"]
+    for keyword in (lambda: load_settings(PublishSettings, schema="No-Way"),
+                    lambda: Outbox(settings=Settings(), schema="No-Way")):
+        assert refusal(keyword).startswith(
+            "invalid settings: schema: invalid schema name 'No-Way'")
+
+
 def test_a_json_setting_that_gives_a_key_twice_is_refused_naming_it() -> None:
     """The last of the two silently won: a second checker of a group pasted below the
     first replaced it without a word."""
@@ -187,7 +227,8 @@ def test_a_json_setting_that_gives_a_key_twice_is_refused_naming_it() -> None:
 
 def test_a_threshold_of_true_in_the_file_is_not_taken_for_one(tmp_path: Path) -> None:
     use_config(tmp_path, "[reconcile_thresholds]\ndiscarded = true\n")
-    with pytest.raises(ConfigurationError, match=r"reconcile_thresholds: .*true given for "
+    with pytest.raises(ConfigurationError, match=r"'reconcile_thresholds' in config file "
+                       r".*: true given for "
                        r"discarded: a threshold is a count"):
         load_settings(ReconcileSettings)
 
@@ -368,7 +409,7 @@ def test_database_urls_are_pinned_to_psycopg_3() -> None:
 @pytest.mark.parametrize("value", ["0", "-5", "inf", "nan", "1e12", "soon"])
 def test_the_topic_hold_bound_must_be_a_finite_positive_duration(value: str) -> None:
     os.environ["OUTBOX_TOPIC_HOLD_PARK_AFTER"] = value
-    with pytest.raises(ConfigurationError, match="topic_hold_park_after"):
+    with pytest.raises(ConfigurationError, match="OUTBOX_TOPIC_HOLD_PARK_AFTER: "):
         load_settings(RelaySettings)
 
 
@@ -463,7 +504,8 @@ def test_true_or_false_in_the_file_is_not_taken_for_a_number(tmp_path: Path, lin
     ``relay_batch_size = true`` relayed one message a batch: a boolean was read as 1 or 0."""
     use_config(tmp_path, f"{line}\n")
     field = line.split(" = ")[0]
-    with pytest.raises(ConfigurationError, match=f"{field}: .*is a number, not true or false"):
+    with pytest.raises(ConfigurationError,
+                       match=f"'{field}' in config file .*: .*is a number, not true or false"):
         load_settings(RelaySettings)
 
 
