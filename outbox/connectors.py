@@ -195,7 +195,8 @@ def execute(bind: SyncBind, statement: TextClause, params: dict[str, Any],
         with errors:
             if driver is not None:
                 return _run_on_driver(driver, statement, params)
-            return list(target.execute(statement, params))
+            # the session's connection, not Session.execute, which SQLModel deprecates
+            return list(connection.execute(statement, params))
     with errors:
         if isinstance(target, Engine):
             with target.begin() as conn:
@@ -226,7 +227,8 @@ async def execute_async(bind: AsyncBind, statement: TextClause, params: dict[str
         if isinstance(target, AsyncSession) and not target.sync_session._is_clean():
             await target.run_sync(Session._autoflush)  # a round into SQLAlchemy's greenlet
         with errors:
-            return list(await target.execute(statement, params))
+            # the session's connection: SQLModel's AsyncSession.execute warns (use exec)
+            return list(await connection.execute(statement, params))
     with errors:
         if isinstance(target, AsyncEngine):
             async with target.begin() as conn:

@@ -481,3 +481,35 @@ def test_a_login_without_the_app_role_is_told_which_role_to_grant_with_every_dri
         assert f"grant it the role {schema}_app" in str(failure)
         assert "permission denied" in str(failure) and "\n" not in str(failure)
         assert sqlstate(failure.__cause__) == "42501"  # type: ignore[arg-type]
+
+
+@pytest.mark.filterwarnings("error::DeprecationWarning")
+def test_sqlmodel_sessions_publish_and_decide_without_a_warning_with_every_driver(
+    stack: Stack, outbox: Outbox, engine: Engine, schema: str
+) -> None:
+    """SQLModel's sessions are SQLAlchemy's, but its AsyncSession deprecates ``execute`` (use
+    ``exec``): every async publish went through it and printed SQLModel's advice to the
+    application's log, or raised where warnings are errors (pytest's ``-W error``)."""
+    import sqlmodel
+    from sqlmodel.ext.asyncio.session import AsyncSession as SQLModelAsyncSession
+
+    def sync(bound: Engine) -> tuple[int, int]:
+        with sqlmodel.Session(bound) as session, session.begin():
+            published = outbox.publish(session, "orders", {"n": 1})
+            prepared = outbox.prepare(session, "orders", {"n": 2})
+        with sqlmodel.Session(bound) as session, session.begin():
+            outbox.commit(session, prepared)
+        return published, prepared
+
+    async def async_(bound: AsyncEngine) -> tuple[int, int]:
+        async with SQLModelAsyncSession(bound) as session, session.begin():
+            published = await outbox.publish(session, "orders", {"n": 1})
+            prepared = await outbox.prepare(session, "orders", {"n": 2})
+        async with SQLModelAsyncSession(bound) as session, session.begin():
+            await outbox.commit(session, prepared)
+        return published, prepared
+
+    published, prepared = stack.run(async_ if stack.is_async else sync)
+    with engine.connect() as conn:
+        assert dict(conn.execute(text(f"SELECT id, resolution FROM {schema}.message_state")
+                                 ).all()) == {published: "COMMIT", prepared: "COMMIT"}
