@@ -264,7 +264,8 @@ def _require_one_engine(session: Session) -> None:
         raise ConfigurationError(
             f"this {type(session).__name__} routes to several engines, and the message would "
             "go through another connection than your writes: pass the connection they go "
-            "through, session.connection(bind_arguments={'mapper': YourModel})")
+            "through, session.connection(bind_arguments={'mapper': YourModel}), after "
+            "session.flush() (that connection does not flush the session)")
 
 
 def _require_sqlalchemy_transaction(in_transaction: bool, connection: Session | Connection
