@@ -970,7 +970,8 @@ def _written(field: str) -> str:
     config_file = os.environ.get(CONFIG_ENV)
     if config_file:
         try:
-            keys = tomllib.loads(Path(config_file).read_text())
+            with open(config_file, "rb") as file:
+                keys = tomllib.load(file)
         except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):  # refused when read
             keys = {}
         for key in keys:
