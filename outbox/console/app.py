@@ -133,12 +133,14 @@ class Console:
 
     def report(self, request: Request) -> Response:
         """A reconciliation run's report.txt, when its output folder is visible here."""
-        run_id = int(request.path_params["run_id"])
-        with self.engine.connect() as conn:
-            runs = store.reconcile_runs(conn, self.settings.schema_name, 1, run_id)
+        asked = request.path_params["run_id"]
+        runs = []
+        if _an_id(asked):  # one past bigint was a 500, out of range in the database
+            with self.engine.connect() as conn:
+                runs = store.reconcile_runs(conn, self.settings.schema_name, 1, int(asked))
         if not runs:
             return self.render(request, "outcome.html", status=404, title="report",
-                               refused=f"no reconciliation run {run_id}")
+                               refused=f"no reconciliation run {asked}")
         path = Path(runs[0]["output_path"], "report.txt")
         try:
             text: str | None = path.read_text(errors="replace")
@@ -151,10 +153,15 @@ def _now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
+def _an_id(value: str) -> bool:
+    """Digits a bigint holds (up to 18)."""
+    return ascii_digits(value) and 0 < len(value) < 19
+
+
 def _ids(values: list[str]) -> list[int]:
     if not values:
         raise guard.Refused(400, "refused: select at least one message")
-    if len(values) > MAX_SELECTION or not all(ascii_digits(v) and 0 < len(v) < 19 for v in values):
+    if len(values) > MAX_SELECTION or not all(_an_id(v) for v in values):
         raise guard.Refused(400, f"refused: message ids are numbers (at most {MAX_SELECTION})")
     return sorted({int(v) for v in values})
 
@@ -172,7 +179,7 @@ def create_app(settings: ConsoleSettings, overdue_seconds: float) -> Starlette:
     routes = [
         Route("/", console.page, methods=["GET"]),
         Route("/resume", console.resume, methods=["POST"]),
-        Route("/runs/{run_id:int}/report", console.report, methods=["GET"]),
+        Route("/runs/{run_id}/report", console.report, methods=["GET"]),
         Route("/healthz", lambda _request: PlainTextResponse("ok"), methods=["GET"]),
     ]
     return Starlette(routes=routes, middleware=[
