@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from types import FrameType
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import click
 import psycopg
@@ -48,6 +48,9 @@ from outbox.settings import (
     mask_url,
     unknown_variables,
 )
+
+if TYPE_CHECKING:
+    from outbox.spark.reconcile import Result
 
 DEFAULT_STATE = Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state"),
                      "outbox", "dev-services.json")
@@ -682,7 +685,6 @@ def reconcile(shared: Shared, kafka_bootstrap: str | None, since: datetime | Non
     """
     try:
         from outbox.spark import reconcile as job
-        from outbox.spark.runs import RunInProgress
     except ImportError as exc:
         raise ConfigurationError(
             f"reconcile needs the spark extra ({exc}): pip install "
@@ -696,19 +698,38 @@ def reconcile(shared: Shared, kafka_bootstrap: str | None, since: datetime | Non
     settings = settings.model_copy(update={
         "reconcile_thresholds": {**settings.reconcile_thresholds, **thresholds}})
     setup_logging(settings.log_level)
+    job.stop_on_signals()
+    try:
+        result = _reconciled(settings, since, until)
+    except BaseException:
+        signum = job.stopped_by()
+        if signum is None:
+            raise
+        click.echo(f"outbox: error: the reconciliation was stopped ({signal.Signals(signum).name})"
+                   ": nothing was recorded; the next run reads the same window", err=True)
+        sys.exit(128 + signum)
+    click.echo(result.report, nl=False)
+    sys.exit(result.exit_code)
+
+
+def _reconciled(settings: ReconcileSettings, since: datetime | None, until: datetime | None
+                ) -> Result:
+    """The run's result; exits 3 or 4 with one line when it could not run or failed."""
+    from outbox.spark import reconcile as job
+    from outbox.spark.runs import RunInProgress
+
     job.preflight(settings, since=since, until=until)
     with job.session(settings) as spark:
+        job.stop_on_signals()
         try:
-            result = job.run(spark, settings, since=since, until=until)
+            return job.run(spark, settings, since=since, until=until)
         except RunInProgress as exc:
             click.echo(f"outbox: {exc}", err=True)
             sys.exit(3)
         except Exception as exc:
             cause = job.job_failure(exc)
-            if cause is None:
+            if cause is None or job.stopped_by() is not None:
                 raise
             click.echo("outbox: error: the reconciliation job failed as it ran (nothing was "
                        f"recorded; the next run reads the same window): {cause}", err=True)
             sys.exit(4)
-    click.echo(result.report, nl=False)
-    sys.exit(result.exit_code)

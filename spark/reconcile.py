@@ -22,18 +22,22 @@ import logging
 import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import psycopg
 from kafka.errors import KafkaTimeoutError
 from py4j.protocol import Py4JJavaError
+from pyspark import SparkContext
 from pyspark.errors import PySparkRuntimeError, PythonException
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -137,14 +141,71 @@ def _error_line(exc: BaseException) -> str:
 
 def _started(settings: ReconcileSettings) -> SparkSession:
     """local_session, or one line when Spark does not start: a master it cannot reach or run
-    under gave a Python traceback and exit code 1, a run that found too much to a cron job."""
+    under gave a Python traceback and exit code 1, a run that found too much to a cron job.
+    A signal while it starts stops it once started: raised in the middle of PySpark's
+    launch, it left the JVM running with no one to stop it."""
+    global _starting
+    _starting = True
     try:
-        return local_session(settings)
+        spark = local_session(settings)
     except (PySparkRuntimeError, Py4JJavaError) as exc:
         master = settings.reconcile_spark_master or "local[*]"
         raise ConfigurationError(
             f"Spark did not start with master {master!r} (nothing was recorded; Spark's own "
             f"lines above say why): {_error_line(exc)}") from None
+    finally:
+        _starting = False
+    signum = stopped_by()
+    if signum is not None:  # stopped as it started: its JVM, cut off then, lived on
+        spark.stop()
+        raise Stopped(signum)
+    return spark
+
+
+class Stopped(BaseException):
+    """A signal stopped the run before it was recorded (a BaseException, as KeyboardInterrupt
+    is: no ``except Exception`` takes it for an error to report)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+#: The signal that is stopping this process's run, if one is.
+_stopping: list[int] = []
+#: Whether Spark is starting: a signal then waits for it (see _started).
+_starting = False
+
+
+def stopped_by() -> int | None:
+    """The signal that stopped the run, or None."""
+    return _stopping[0] if _stopping else None
+
+
+def stop_on_signals() -> None:
+    """SIGTERM, Ctrl-C and SIGHUP stop the run: before Spark starts at once (Stopped), after
+    it by stopping the SparkContext from a thread of its own, so that the job in hand fails
+    as a lost executor's does and the run is undone on its usual path (``_run``'s folder
+    removed, nothing recorded); the command then says it was stopped. An exception raised in
+    the handler instead would cut a call to the JVM in half and leave its answer for the next
+    call to read. A second signal raises Stopped at once. SIGTERM killed a run without a
+    word, leaving a half-written folder; Ctrl-C (PySpark's own handler, installed again by
+    each new SparkContext: call this after the session starts) gave a traceback and exit code
+    1, a run that found too much."""
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        context = SparkContext._active_spark_context
+        if _stopping or (context is None and not _starting):
+            _stopping[:1] = [signum]
+            raise Stopped(signum)
+        _stopping.append(signum)
+        log.info("%s: stopping the run (nothing will be recorded; signal again to stop at "
+                 "once)", signal.Signals(signum).name)
+        if context is not None and not _starting:
+            threading.Thread(target=context.stop, name="outbox-reconcile-stop",
+                             daemon=True).start()
+
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, on_signal)
 
 
 @contextlib.contextmanager
@@ -359,13 +420,13 @@ def _run(spark: SparkSession, settings: ReconcileSettings, engine: Engine,
                  time.monotonic() - clock_start, output)
         return Result(run_id, outcome, window, counts, exceeded, output, summary, text)
     finally:
-        for df in cached:
-            df.unpersist()
-        spark.sparkContext.setJobDescription(None)  # type: ignore[arg-type]
         if output is not None and not recorded:
             # no run reads a folder it did not record; half of one only misleads
             shutil.rmtree(output, ignore_errors=True)
             log.info("removed the unfinished run folder %s", output)
+        for df in cached:
+            df.unpersist()
+        spark.sparkContext.setJobDescription(None)  # type: ignore[arg-type]
 
 
 def _findings_summary(counts: dict[str, int], samples: dict[str, list[int]],
