@@ -1,3 +1,3 @@
-from outbox.cli import main
+from outbox.entry import main
 
 main()

@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import click
@@ -21,6 +20,7 @@ from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from outbox.encoding import MAX_MESSAGE_ID, ascii_digits
+from outbox.entry import stop_before_start
 from outbox.exceptions import (
     INSUFFICIENT_PRIVILEGE,
     LOCK_NOT_AVAILABLE,
@@ -298,7 +298,7 @@ def relay(shared: Shared, kafka_bootstrap: str | None, batch_size: int | None,
           poll_interval: float | None, lease_seconds: float | None, metrics_port: int | None,
           log_level: str | None) -> None:
     """Deliver committed messages to Kafka until SIGTERM or Ctrl-C."""
-    _stop_at_once_until_running("relay")
+    stop_before_start("relay")  # set by outbox.entry too, unless main() was called directly
     from outbox.relay.daemon import run_until_signalled, serve_metrics
     from outbox.relay.relay import Relay
 
@@ -312,20 +312,6 @@ def relay(shared: Shared, kafka_bootstrap: str | None, batch_size: int | None,
     if settings.relay_metrics_port is not None:
         serve_metrics(settings.relay_metrics_port, logging.getLogger("outbox.relay"))
     run_until_signalled(daemon)
-
-
-def _stop_at_once_until_running(name: str) -> None:
-    """Until ``run_until_signalled`` takes the signals over, SIGTERM, Ctrl-C or SIGHUP ends
-    a starting daemon (its imports, settings, the database's first answer) at once, exit 0,
-    with a line: SIGTERM killed it without a word (exit 143), Ctrl-C printed a traceback of
-    whatever it was importing."""
-    def on_signal(signum: int, _frame: FrameType | None) -> None:
-        click.echo(f"outbox: {name} stopped before it started "
-                   f"({signal.Signals(signum).name})", err=True)
-        raise SystemExit(0)
-
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(signum, on_signal)
 
 
 @main.command()
@@ -536,7 +522,7 @@ def sweep(shared: Shared, app_path: str | None, check_interval: float | None,
 
     Checkers come from --app (Python) and OUTBOX_SQL_CHECKERS (SQL queries, as JSON).
     """
-    _stop_at_once_until_running("sweeper")
+    stop_before_start("sweeper")
     from outbox.relay.daemon import run_until_signalled, serve_metrics
     from outbox.relay.sweeper import Sweeper, load_app
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 import uuid
@@ -306,3 +307,27 @@ def test_a_signal_while_a_daemon_starts_stops_it_at_once_with_a_line(
     name = "sweeper" if command == "sweep" else command
     assert (daemon.returncode, output.strip()) == (
         0, f"outbox: {name} stopped before it started ({signum.name})")
+
+
+@pytest.mark.parametrize("command", ["relay", "sweep"])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_while_a_daemon_is_still_imported_stops_it_at_once_with_a_line(
+    settings: Settings, command: str, signum: signal.Signals
+) -> None:
+    """Signalled as it imports its command line (here once click is imported, before psycopg,
+    SQLAlchemy and pydantic: the first half second of a daemon's life), the daemon had set no
+    handler yet: SIGTERM killed it without a word (exit 143), SIGINT printed a traceback.
+    Python's own import-time trace says when it got that far."""
+    daemon = start_outbox(settings, command, OUTBOX_SQL_CHECKERS='{"g": "SELECT 1"}',
+                          PYTHONPROFILEIMPORTTIME="1")
+    try:
+        wait_until(lambda: re.search(r"\|\s+click$", Path(daemon.log).read_text(), re.M)
+                   is not None, 30, "the daemon to import click")
+        daemon.send_signal(signum)
+        output, _ = daemon.communicate(timeout=10)
+    finally:
+        daemon.kill()
+    lines = [line for line in output.splitlines() if not line.startswith("import time:")]
+    name = "sweeper" if command == "sweep" else command
+    assert (daemon.returncode, lines) == (
+        0, [f"outbox: {name} stopped before it started ({signum.name})"])

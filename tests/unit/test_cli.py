@@ -10,6 +10,7 @@ import pytest
 from click.testing import CliRunner, Result
 
 from outbox.cli import _thresholds, _timestamp, main, reconcile
+from outbox.entry import daemon_of
 from tests.unit.test_docs import cli_commands
 
 
@@ -96,3 +97,19 @@ def test_thresholds_are_finding_equals_a_count_or_none() -> None:
         result = outbox("reconcile", "--threshold", bad)
         assert result.exit_code == 2, bad
         assert "use FINDING=N or FINDING=none" in result.output
+
+
+@pytest.mark.parametrize(("args", "daemon"), [
+    (["relay"], "relay"),
+    (["sweep", "--app", "x:y"], "sweeper"),
+    (["--database-url", "x", "--schema=s", "relay"], "relay"),
+    (["--config", "c.toml", "sweep"], "sweeper"),
+    (["--schema", "relay", "status"], None),
+    (["status"], None),
+    (["--help"], None),
+    ([], None),
+])
+def test_the_console_script_knows_a_daemon_from_its_command_line(args: list[str],
+                                                                  daemon: str | None) -> None:
+    """outbox.entry sets its early signal handler for the relay and the sweeper only."""
+    assert daemon_of(args) == daemon

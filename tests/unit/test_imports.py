@@ -83,6 +83,16 @@ def test_the_commands_and_daemons_load_alembic_only_to_migrate() -> None:
     assert among(loaded, ("alembic", "mako")) == []
 
 
+def test_the_console_script_sets_its_signal_handler_before_any_heavy_import() -> None:
+    """``outbox relay`` signalled in its first half second (importing click, psycopg,
+    SQLAlchemy, pydantic) died without a line: outbox.entry sets the handler first."""
+    loaded = loaded_by("import outbox.entry")
+    assert "outbox.entry" in loaded
+    assert [m for m in loaded if m.startswith("outbox.") and m != "outbox.entry"] == []
+    assert among(loaded, ("click", "psycopg", "sqlalchemy", "pydantic", "prometheus_client",
+                          "kafka", "tenacity")) == []
+
+
 def test_the_revisions_read_from_the_scripts_names_are_alembics() -> None:
     """:func:`outbox.migrate.revisions` reads the ids from the file names; Alembic reads the
     scripts. They must agree, one chain from the first revision to the head."""
@@ -126,10 +136,10 @@ def test_reconciliation_shares_no_code_with_the_relay_or_the_cli(path: Path) -> 
     assert reaching(path, ("outbox.relay", "outbox.cli")) == []
 
 
-#: outbox/*.py but the command line (cli.py, and __main__.py that runs it); outbox/dev/ is
-#: not in the glob.
+#: outbox/*.py but the command line (cli.py, and entry.py and __main__.py that run it);
+#: outbox/dev/ is not in the glob.
 LIBRARY = sorted(p for p in (ROOT / "outbox").glob("*.py")
-                 if p.name not in ("cli.py", "__main__.py"))
+                 if p.name not in ("cli.py", "entry.py", "__main__.py"))
 
 
 @pytest.mark.parametrize("path", LIBRARY, ids=lambda p: p.name)
