@@ -815,6 +815,24 @@ def leave(conn: Connection, schema: str, worker_id: str, unsettled: Sequence[int
     )
 
 
+def abandon_leases(conn: Connection, schema: str, worker_id: str, grace_seconds: float,
+                   wait_seconds: float) -> int:
+    """End this relay's leases within ``grace_seconds``, not clean, and leave the relays'
+    list, waiting ``wait_seconds`` at most (a lock, a slow server); returns how many shards
+    it held."""
+    conn.execute(query("cut_off_after", schema), {"timeout_ms": _milliseconds(wait_seconds)})
+    return int(conn.execute(query("abandon_leases", schema), {
+        "worker_id": worker_id, "grace_seconds": grace_seconds,
+        "channel": notify_channel(schema)}).scalar_one())
+
+
+def next_lease_expiry(conn: Connection, schema: str, worker_id: str) -> float | None:
+    """Seconds until the first lease of another relay ends; None when no other holds one."""
+    seconds = conn.execute(query("next_lease_expiry", schema),
+                           {"worker_id": worker_id}).scalar_one()
+    return None if seconds is None else float(seconds)
+
+
 def unrecorded_candidates(conn: Connection, schema: str, shards: Sequence[int]
                           ) -> list[tuple[str, bytes | None, datetime]]:
     """``(topic, key, sent after)`` of the pending messages of ``shards`` (see

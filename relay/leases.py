@@ -33,6 +33,14 @@ from outbox.settings import RelaySettings
 log = logging.getLogger("outbox.relay")
 #: How long a session ended by :meth:`WorkerIdentity._claim` may take to let its lock go.
 LOST_SESSION_EXIT_SECONDS = 5.0
+#: How long a relay abandoning its work waits for the database to take its leases back
+#: (:meth:`Leases.abandon`); then they end as a dead relay's do.
+ABANDON_WAIT_SECONDS = 2.0
+#: libpq's bounds of that hand-back's connection: to connect, and for the server to answer.
+ABANDON_CONNECT_ARGS = {"connect_timeout": round(ABANDON_WAIT_SECONDS),
+                        "tcp_user_timeout": round(ABANDON_WAIT_SECONDS * 1000)}
+#: The least wait between two ticks that wait for another relay's lease to end.
+CLAIM_RETRY_SECONDS = 0.2
 
 
 class Leases:
@@ -51,6 +59,9 @@ class Leases:
         #: until their tails are read (none is in flight meanwhile)
         self._doubted: frozenset[int] = frozenset()
         self._valid_until = 0.0
+        #: monotonic time another relay's lease ends, when this relay wants more shards
+        #: (None: no sooner than the next renewal)
+        self._claim_at: float | None = None
         #: relays alive at the last heartbeat, this one included
         self.live = 1
         #: set when this relay takes shards, has some to hand back, or has its lapsed leases
@@ -111,6 +122,8 @@ class Leases:
                     conn, self.schema, self.worker_id, self.lease_seconds, share - len(mine)
                 )
                 mine |= set(claimed)
+            ends_in = store.next_lease_expiry(conn, self.schema, self.worker_id) \
+                if len(mine) < share else None
         with self._lock:
             before = self._owned
             lapsed = time.monotonic() >= self._valid_until  # the loop may be waiting them out
@@ -121,6 +134,7 @@ class Leases:
             self._unsettled = (self._unsettled | dirty) & self._owned
             self._surplus = frozenset(sorted(mine)[share:])
             self._valid_until = started + self.lease_seconds * 0.8
+            self._claim_at = None if ends_in is None else started + ends_in
         if self._owned - before or self._surplus or (lapsed and self._owned):
             self.changed.set()
         if before != self._owned:
@@ -128,6 +142,15 @@ class Leases:
                      self.worker_id, len(self._owned), len(self._owned - before),
                      len(before - self._owned), len(self._unsettled), live)
         metrics.OWNED_SHARDS.set(len(self._owned))
+
+    def next_tick_in(self, interval: float) -> float:
+        """Seconds until the keeper ticks again: ``interval``, or sooner when a lease of
+        another relay ends first (one abandoned by a relay that stopped without waiting for
+        its sends is claimed as it ends, not up to a third of a lease later)."""
+        claim_at = self._claim_at
+        if claim_at is None:
+            return interval
+        return min(interval, max(CLAIM_RETRY_SECONDS, claim_at - time.monotonic() + 0.05))
 
     def doubt(self, ids: Iterable[int] | None) -> None:
         """A pass failed: ``ids`` were sent and not recorded (some may be in Kafka); None
@@ -174,6 +197,20 @@ class Leases:
     def leave(self, conn: Connection) -> None:
         with conn.begin():
             store.leave(conn, self.schema, self.worker_id, self._unsettled_of(self._owned))
+        self._forget()
+
+    def abandon(self, conn: Connection, grace_seconds: float) -> int:
+        """Stopping without waiting for the sends in flight (its producer closed first):
+        the leases end ``grace_seconds`` from now at the latest, when none of those sends
+        can land any more, and their next owner reads the tails; returns how many shards
+        were held. Waits :data:`ABANDON_WAIT_SECONDS` at most for the database."""
+        with conn.begin():
+            held = store.abandon_leases(conn, self.schema, self.worker_id, grace_seconds,
+                                        ABANDON_WAIT_SECONDS)
+        self._forget()
+        return held
+
+    def _forget(self) -> None:
         with self._lock:
             self._owned = self._surplus = self._unsettled = self._doubted = frozenset()
             self._valid_until = 0.0
@@ -315,7 +352,7 @@ class LeaseKeeper(threading.Thread):
                             log.info("relay %s: lease renewals work again", self._leases.worker_id)
                             self._failing = False
                         self.first_tick.set()
-                        self._poke.wait(interval)
+                        self._poke.wait(self._leases.next_tick_in(interval))
                         self._poke.clear()
             except Exception as exc:
                 if setup_error(exc) is not None:

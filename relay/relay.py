@@ -29,6 +29,7 @@ import psycopg
 from kafka.errors import KafkaError, TopicAuthorizationFailedError, UnknownTopicOrPartitionError
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.pool import NullPool
 
 from outbox import store
 from outbox.encoding import CONTENT_TYPE_HEADER, ID_HEADER
@@ -38,7 +39,7 @@ from outbox.pooling import refuse_transaction_pooling
 from outbox.relay import metrics
 from outbox.relay.daemon import Abandoned, Lifecycle
 from outbox.relay.holds import PROBE_SECONDS, TopicHolds
-from outbox.relay.leases import LeaseKeeper, Leases, WorkerIdentity
+from outbox.relay.leases import ABANDON_CONNECT_ARGS, LeaseKeeper, Leases, WorkerIdentity
 from outbox.relay.prefetch import Prefetch
 from outbox.relay.recovery import Recovery
 from outbox.relay.retention import Pruner
@@ -240,9 +241,11 @@ class Relay:
                                        self.worker_id, self.delivered)
 
     def _leave(self) -> None:
-        if self.lifecycle.abandon.is_set():
-            return
+        """Hand the shards back, clean (after a graceful stop)."""
         owned = bool(self._leases.owned)  # none: it stopped before it took any
+        if self.lifecycle.abandon.is_set():
+            self._abandon_leases(owned)
+            return
         try:
             with self._engine.connect() as conn:
                 self._leases.leave(conn)
@@ -251,6 +254,31 @@ class Relay:
                 log.warning("relay %s could not hand back its shards (%s); they expire in "
                             "%.0fs", self.worker_id, describe(exc),
                             self.settings.relay_lease_seconds)
+
+    def _abandon_leases(self, owned: bool) -> None:
+        """After work was abandoned: the shards go as soon as no send of this relay's can
+        land any more (:meth:`Leases.abandon`), not after a whole lease (up to an hour). On
+        a connection of its own that gives up within seconds: a pooled one may be silent
+        (the database away), and a second signal is to stop now."""
+        self._producer.close(timeout=0)  # none of its records is sent from here on
+        grace = self.settings.kafka_delivery_timeout_ms / 1000
+        engine = store.engine(self.settings.sqlalchemy_url, poolclass=NullPool,
+                              connect_args=ABANDON_CONNECT_ARGS)
+        try:
+            with engine.connect() as conn:
+                held = self._leases.abandon(conn, grace)
+        except DBAPIError as exc:
+            if owned:
+                log.warning("relay %s could not hand back its shards (%s); they expire in "
+                            "%.0fs", self.worker_id, describe(exc),
+                            self.settings.relay_lease_seconds)
+            return
+        finally:
+            engine.dispose()
+        if held:
+            log.info("relay %s: its shards are taken over within %.0fs (the Kafka producer's "
+                     "delivery timeout, while a send of its may still land), their tails "
+                     "read first", self.worker_id, min(grace, self.settings.relay_lease_seconds))
 
     def _passes(self) -> None:
         """Passes until one fails, or returns; one a held topic's refusal ended (the

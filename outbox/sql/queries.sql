@@ -516,6 +516,29 @@ WITH released AS (
 )
 SELECT pg_notify(:channel, 'rebalance');
 
+-- name: abandon_leases
+-- A relay stopping without waiting for its sends (a second signal, its stop timeout) keeps
+-- its shards only until a send it made can no longer land: :grace_seconds from now (its
+-- producer, closed, sends nothing more), or sooner if the lease ends sooner. Not clean: the
+-- next owner reads the tails first. It leaves the relays' list and tells the others, whose
+-- keepers claim the shards as the leases end (next_lease_expiry). Returns how many it held.
+WITH abandoned AS (
+    UPDATE {schema}.relay_lease
+    SET expires_at = LEAST(expires_at, now() + make_interval(secs => :grace_seconds)),
+        clean = false
+    WHERE owner = :worker_id
+    RETURNING shard
+), gone AS (
+    DELETE FROM {schema}.relay_member WHERE worker_id = :worker_id
+)
+SELECT (SELECT count(*) FROM abandoned) AS shards, pg_notify(:channel, 'rebalance');
+
+-- name: next_lease_expiry
+-- Seconds until the first lease of another relay ends (NULL: none is held): one that relay
+-- no longer renews (abandoned, or it died) is claimed then, not at the keeper's next tick.
+SELECT extract(epoch FROM min(expires_at) - now()) FROM {schema}.relay_lease
+WHERE owner <> :worker_id;
+
 -- name: resume
 -- Re-queue PARKED rows for delivery and re-arm the check-backs of DISCARDED rows
 -- (RocketMQ's RESUME_CHECK_HALF_MESSAGE); each gets a RESUMED op record.

@@ -5,14 +5,24 @@ from __future__ import annotations
 import signal
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from sqlalchemy import Engine, text
 
 from outbox import Outbox, store
+from outbox.dev import services as devservices
 from outbox.dev.topics import read_topic
 from outbox.settings import Settings
-from tests.conftest import both_transports, count_status, publish_orders, wait_delivered, wait_until
+from tests.conftest import (
+    both_transports,
+    count_status,
+    publish_orders,
+    running_relay,
+    wait_delivered,
+    wait_until,
+)
+from tests.kafka_proxy import KafkaProxy
 from tests.processes import start_outbox
 
 pytestmark = both_transports
@@ -76,6 +86,43 @@ def test_sigterm_stops_the_relay_cleanly_and_hands_back_its_shards(
             f"SELECT count(*) FROM {schema}.relay_lease WHERE owner IS NOT NULL")).scalar_one()
         members = conn.execute(text(f"SELECT count(*) FROM {schema}.relay_member")).scalar_one()
     assert (owned, members) == (0, 0)
+
+
+def test_a_relay_that_abandons_its_batch_hands_its_shards_over_once_its_sends_cannot_land(
+    engine: Engine, outbox: Outbox, topic: str, schema: str, settings: Settings,
+    services: devservices.Services,
+) -> None:
+    """A second SIGTERM abandons a batch Kafka does not acknowledge (here answered
+    NOT_ENOUGH_REPLICAS, which the producer retries): the relay kept its shards for the rest
+    of its lease, and the next relay waited up to an hour (relay_lease_seconds 3600). Now
+    the leases end when none of its sends can land any more (its delivery timeout, 6 s here)
+    and the next relay reads the tails and delivers each message once."""
+    proxy = KafkaProxy(services.kafka_port)
+    proxy.refuse(topic)
+    relay = start_outbox(settings, "relay", OUTBOX_KAFKA_BOOTSTRAP=proxy.bootstrap,
+                         OUTBOX_RELAY_LEASE_SECONDS="3600",
+                         OUTBOX_KAFKA_DELIVERY_TIMEOUT_MS="6000")
+    try:
+        ids = publish_orders(engine, outbox, topic, [(f"k{i % 3}", i) for i in range(9)])
+        wait_until(lambda: proxy.refusals[topic] > 0, 30, "the relay to send")
+        relay.send_signal(signal.SIGTERM)
+        wait_until(lambda: "signal again to abandon" in Path(relay.log).read_text(), 10,
+                   "the relay to start stopping")
+        relay.send_signal(signal.SIGTERM)
+        output, _ = relay.communicate(timeout=20)
+    finally:
+        relay.kill()
+        proxy.close()
+    assert relay.returncode == 0, output
+    with engine.connect() as conn:
+        lasts = conn.execute(text(
+            f"SELECT max(extract(epoch FROM expires_at - now())), bool_or(clean) "
+            f"FROM {schema}.relay_lease WHERE owner IS NOT NULL")).one()
+    assert lasts[0] is None or (float(lasts[0]) <= 6 and not lasts[1]), (lasts, output)
+    with running_relay(settings.model_copy(update={"relay_lease_seconds": 3600})):
+        wait_delivered(engine, schema, len(ids), timeout=30)
+    seen = Counter(r.message_id for r in read_topic(settings.kafka_bootstrap, topic))
+    assert seen == Counter(ids), "each message once"
 
 
 def holds_its_worker_id(engine: Engine) -> bool:
