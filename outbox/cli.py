@@ -28,6 +28,7 @@ from outbox.exceptions import (
     ConfigurationError,
     OutboxError,
     first_line,
+    lock_wait_exceeded,
     read_only,
     setup_error,
     sqlstate,
@@ -130,18 +131,13 @@ def error_line(ctx: click.Context, exc: Exception) -> str | None:
     return None
 
 
-#: How long a short command (status, resume, discarded, prune) waits for a lock on the
-#: outbox's tables, held by an upgrade or an operator's LOCK TABLE, before it says who holds
-#: it.
-LOCK_WAIT_SECONDS = 5
-
-
 def short_session() -> dict[str, str]:
     """The session settings of a short command's connections: its wait for a lock is
-    bounded (a command that printed nothing for as long as an upgrade ran looked hung)."""
+    bounded by :data:`LOCK_WAIT_SECONDS` (a command that printed nothing for as long as an
+    upgrade ran looked hung)."""
     from outbox import store
 
-    return {**store.SESSION_SETTINGS, "lock_timeout": f"{LOCK_WAIT_SECONDS}s"}
+    return dict(store.SHORT_SESSION_SETTINGS)
 
 
 @contextlib.contextmanager
@@ -164,8 +160,7 @@ def database(settings: DatabaseSettings) -> Iterator[Connection]:
             raise
         with engine.connect() as conn:
             holders = store.lock_holders(conn, settings.schema_name)
-        raise OutboxError(f"waited up to {LOCK_WAIT_SECONDS}s for a lock on schema "
-                          f"{settings.schema_name}'s tables, held by {holders}: try again "
+        raise OutboxError(f"{lock_wait_exceeded(settings.schema_name, holders)}: try again "
                           "when it ends") from exc
     finally:
         engine.dispose()

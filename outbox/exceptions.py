@@ -112,6 +112,10 @@ def sqlstate(exc: BaseException) -> str | None:
 
 #: A statement gave up waiting for a lock (``lock_timeout``).
 LOCK_NOT_AVAILABLE = "55P03"
+#: How long a short command (status, resume, discarded, prune) and the relay's retention pass
+#: wait for a lock on the outbox's tables, held by an upgrade or an operator's LOCK TABLE,
+#: ALTER or DETACH PARTITION, before they say who holds it.
+LOCK_WAIT_SECONDS = 5
 #: A write in a read-only transaction (or on a standby).
 READ_ONLY_TRANSACTION = "25006"
 #: SQLSTATEs (and classes) of a server that cannot run any statement now: connection
@@ -153,3 +157,10 @@ def setup_error(exc: BaseException, schema: str = "outbox") -> str | None:
     return (f"{what} ({first_line(exc)}): run `{db_command(schema)}` (with "
             "--create-roles for the roles) and grant this login the role it needs "
             "(docs/operations.md)")
+
+
+def lock_wait_exceeded(schema: str, holders: str) -> str:
+    """What a statement that gave up after :data:`LOCK_WAIT_SECONDS` says (``holders``:
+    ``store.lock_holders``)."""
+    return (f"waited up to {LOCK_WAIT_SECONDS}s for a lock on schema {schema}'s tables, "
+            f"held by {holders}")

@@ -30,6 +30,7 @@ from sqlalchemy.exc import DBAPIError
 from outbox.encoding import EncodedMessage, ascii_digits
 from outbox.exceptions import (
     INSUFFICIENT_PRIVILEGE,
+    LOCK_WAIT_SECONDS,
     CheckerRefused,
     first_line,
     server_trouble,
@@ -216,6 +217,10 @@ SET_ASIDE_SETTINGS = {"statement_timeout": "0", "idle_session_timeout": "0",
 #: it), and SQL_ASCII made psycopg hand SQLAlchemy bytes for text at the first connect.
 CONNECT_ARGS = {"client_encoding": "UTF8"}
 SESSION_SETTINGS = {**SET_ASIDE_SETTINGS, "jit": "off", "plan_cache_mode": "force_custom_plan"}
+#: A short command's sessions and retention's (``outbox prune``, the relay's pruner): their
+#: waits for a lock are bounded (:data:`~outbox.exceptions.LOCK_WAIT_SECONDS`). Retention's
+#: steps that lock a partition exclusively set shorter waits of their own.
+SHORT_SESSION_SETTINGS = {**SESSION_SETTINGS, "lock_timeout": f"{LOCK_WAIT_SECONDS}s"}
 DELIVERY_SETTINGS = {**SESSION_SETTINGS, "enable_sort": "off"}
 #: The relay's fetching connection: the fetch, planned once (see
 #: :func:`fetch_deliverable`).

@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 
 from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.pool import NullPool
 
 from outbox import store
-from outbox.exceptions import first_line
+from outbox.exceptions import LOCK_NOT_AVAILABLE, first_line, lock_wait_exceeded, sqlstate
 from outbox.settings import PruneSettings, RelaySettings
 
 log = logging.getLogger("outbox.retention")
@@ -149,7 +150,10 @@ def _tend_ranges(conn: Connection, settings: PruneSettings, pruned: Pruned,
 
 class Pruner(threading.Thread):
     """Runs :func:`prune` inside the relay: at start (so the partitions ahead exist), then
-    every ``prune_interval`` seconds."""
+    every ``prune_interval`` seconds. Its waits for a lock are bounded as ``outbox
+    prune``'s: an operator's transaction holding a range of history exclusively (an ALTER or
+    DETACH PARTITION left open) stalled it at its first read, its snapshot held, for as long
+    as that lasted, and its session stayed queued after the relay stopped."""
 
     def __init__(self, settings: RelaySettings) -> None:
         super().__init__(name="pruner", daemon=True)
@@ -163,7 +167,8 @@ class Pruner(threading.Thread):
         warned = False
         while not self._halt.is_set():
             try:
-                ranges = prune(self._settings, self._halt).ranges
+                ranges = prune(self._settings, self._halt,
+                               session=store.SHORT_SESSION_SETTINGS).ranges
                 if ranges > MANY_RANGES and not warned:
                     warned = True
                     log.warning(
@@ -175,5 +180,20 @@ class Pruner(threading.Thread):
                         ranges, f"{self._settings.partition_size:,}")
             except DBAPIError as exc:
                 log.warning("retention pass failed (%s); trying again in %.0fs",
-                            first_line(exc), self._settings.prune_interval)
+                            self._failure(exc), self._settings.prune_interval)
             self._halt.wait(self._settings.prune_interval)
+
+    def _failure(self, exc: DBAPIError) -> str:
+        """Why a pass failed; for a lock not granted in time, who holds the schema's."""
+        if sqlstate(exc) != LOCK_NOT_AVAILABLE:
+            return first_line(exc)
+        try:
+            engine = store.engine(self._settings.sqlalchemy_url, poolclass=NullPool)
+            try:
+                with engine.connect() as conn:
+                    holders = store.lock_holders(conn, self._settings.schema_name)
+            finally:
+                engine.dispose()
+        except DBAPIError:
+            return first_line(exc)
+        return lock_wait_exceeded(self._settings.schema_name, holders)

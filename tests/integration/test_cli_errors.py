@@ -13,8 +13,8 @@ import pytest
 from sqlalchemy import Engine, text
 
 from outbox import migrate
-from outbox.cli import LOCK_WAIT_SECONDS
 from outbox.dev import services as devservices
+from outbox.exceptions import LOCK_WAIT_SECONDS
 from outbox.settings import Settings
 from tests.blackhole import mute_server
 from tests.conftest import both_transports, wait_until

@@ -14,6 +14,7 @@ from sqlalchemy.exc import DBAPIError
 from outbox import Outbox, store
 from outbox.dev import services as devservices
 from outbox.dev.topics import read_topic
+from outbox.exceptions import LOCK_WAIT_SECONDS
 from outbox.relay import retention
 from outbox.settings import Settings
 from tests.conftest import (
@@ -454,3 +455,28 @@ def test_a_fresh_install_s_first_pass_reports_no_dropped_partition(
     assert ranges(engine, alembic_schema)[0] == "message_p0"
     assert "dropped 0 partitions older than 72 h" in prune(fresh)
     assert ranges(engine, alembic_schema)[0] == "message_p1"
+
+
+def test_the_relay_s_retention_waits_for_an_operator_s_lock_on_history_for_a_bounded_time(
+    engine: Engine, outbox: Outbox, small: Settings, schema: str, topic: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An operator's transaction holding a range of history exclusively (an ALTER or a
+    DETACH PARTITION left open, a LOCK TABLE) stalled the relay's pruner at its first read,
+    of the history's span, for as long as it lasted: no pass (no ranges made ahead), its
+    snapshot held (vacuum's horizon with it), a relay's stop waiting 5 s for it, and a
+    stopped relay's session still queued for the lock. Now it waits as `outbox prune` does,
+    says who holds the lock, and tries again at its next pass."""
+    caplog.set_level(logging.WARNING, logger="outbox.retention")
+    deliver(engine, outbox, small, topic, 12)  # ids 1-10 in p1, 11-12 in p11
+    with engine.connect() as operator:
+        operator.execute(text(f"LOCK TABLE {schema}.message_p1 IN ACCESS EXCLUSIVE MODE"))
+        with running_relay(small.model_copy(update={"prune_interval": 3600})):
+            wait_until(lambda: waiting_on(engine, schema, "message_p1"), 20,
+                       "the pruner to queue for the lock")
+            wait_until(lambda: "held by pid" in caplog.text, 20,
+                       "the pruner to give up waiting")
+            assert not waiting_on(engine, schema, "message_p1")
+        operator.rollback()
+    assert f"waited up to {LOCK_WAIT_SECONDS}s for a lock on schema {schema}'s tables" \
+        in caplog.text
