@@ -263,10 +263,11 @@ def engine(url: str, *, settings: Mapping[str, str] = SESSION_SETTINGS, **option
       (BENCHMARKS.md, "Latency, session 17").
 
     SETs after connecting rather than startup options, which connection poolers such as
-    PgBouncer refuse."""
+    PgBouncer refuse; before SQLAlchemy's own first statements (its look at the server's
+    types), which a ``statement_timeout`` of a millisecond in the URL cancelled."""
     connect_args = {**options.pop("connect_args", {}), **CONNECT_ARGS}
     made = create_engine(url, connect_args=connect_args, **options)
-    event.listen(made, "connect", partial(_session_settings, settings))
+    event.listen(made, "connect", partial(_session_settings, settings), insert=True)
     return made
 
 
@@ -286,8 +287,26 @@ def _session_settings(settings: Mapping[str, str], dbapi_connection: Any, _recor
     set_session(dbapi_connection, settings)
 
 
+#: Tries of the statement that lifts a session's ``statement_timeout`` (:func:`set_session`).
+SET_TRIES = 3
+
+
 def set_session(connection: psycopg.Connection[Any], settings: Mapping[str, str]) -> None:
-    """SET ``settings`` and the server's side of the connection's TCP timeouts."""
+    """SET ``settings`` and the server's side of the connection's TCP timeouts. A
+    ``statement_timeout`` among them is SET first, alone, in the shortest statement there
+    is: one of a millisecond (in the URL's ``options``, or the role's) cancelled the
+    statement that sets them all about one time in ten."""
+    if "statement_timeout" in settings:
+        lift = sql.SQL("SET statement_timeout = {}").format(
+            sql.Literal(settings["statement_timeout"]))
+        for tries_left in reversed(range(SET_TRIES)):
+            try:
+                connection.execute(lift)
+                break
+            except psycopg.errors.QueryCanceled:  # even that one, now and then
+                connection.rollback()
+                if not tries_left:
+                    raise
     connection.execute(settings_sql({**settings, **server_tcp_timeouts(connection)}))
     connection.commit()
 

@@ -3,6 +3,7 @@ and never a retry loop that cannot succeed (issue: production hazards §4)."""
 
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
 import sys
@@ -13,10 +14,11 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine, make_url, text
 
+from outbox import Outbox
 from outbox.settings import RESERVED_WORDS, Settings
-from tests.conftest import drop_schema
+from tests.conftest import count_status, drop_schema, publish_orders, wait_until
 from tests.integration.test_cli_errors import assert_one_line_error
-from tests.processes import outbox_env, run_outbox
+from tests.processes import outbox_env, run_outbox, start_outbox
 
 
 @pytest.fixture
@@ -180,3 +182,31 @@ def test_the_reserved_words_refused_as_schema_names_are_the_servers(engine: Engi
 def test_a_reserved_word_as_schema_gets_one_line(settings: Settings) -> None:
     env = outbox_env(settings, OUTBOX_SCHEMA="user")
     assert_one_line_error(run_outbox(None, "db", "upgrade", env=env), "schema name 'user'")
+
+
+def test_a_one_millisecond_statement_timeout_in_the_url_stops_no_relay_or_command(
+    engine: Engine, outbox: Outbox, settings: Settings, schema: str, topic: str
+) -> None:
+    """``?options=-c statement_timeout=1`` (1 ms, meant as a second) cancelled SQLAlchemy's
+    first look at the server's types, made before the outbox set its sessions' timeouts
+    aside, and about one time in ten the statement that sets them aside: the relay exited 2
+    ("cannot use PostgreSQL at ...: canceling statement due to statement timeout"), and so
+    did `outbox status`. The outbox's sessions now lift it first, alone."""
+    url = make_url(settings.database_url).update_query_dict(
+        {"options": "-c statement_timeout=1"}).render_as_string(hide_password=False)
+    ids = publish_orders(engine, outbox, topic, [(f"k{i % 3}", i) for i in range(30)])
+    relay = start_outbox(settings, "relay", OUTBOX_DATABASE_URL=url)
+    try:
+        wait_until(lambda: relay.poll() is not None
+                   or count_status(engine, schema, "DELIVERED") == len(ids), 60,
+                   "the messages to be delivered")
+        assert relay.poll() is None, relay.communicate()[0]
+        relay.send_signal(signal.SIGTERM)
+        output, _ = relay.communicate(timeout=30)
+    finally:
+        relay.kill()
+    assert relay.returncode == 0, output
+    assert "paused" not in output and "failed" not in output, output
+    for command in (["status"], ["db", "upgrade"]):
+        result = run_outbox(None, *command, env=outbox_env(settings, OUTBOX_DATABASE_URL=url))
+        assert result.returncode == 0, (command, result.stderr)
