@@ -684,6 +684,9 @@ def test_a_decision_arriving_during_a_check_wins_over_its_answer(
 def test_two_sweepers_never_check_one_message_at_the_same_time(
     engine: Engine, orders: Outbox, fast: Settings, schema: str
 ) -> None:
+    """Also with one worker id (both sweepers' here): a claim is the message's own (its
+    token), not the sweeper's, so a sweeper need not refuse a twin as a relay does; the id
+    only names its op records' actor."""
     checks: dict[int, list[tuple[float, float]]] = defaultdict(list)
     by_sweeper: dict[str, int] = defaultdict(int)
     lock = threading.Lock()
@@ -699,8 +702,9 @@ def test_two_sweepers_never_check_one_message_at_the_same_time(
         return checker
 
     ids = [prepare(engine, orders) for _ in range(30)]
-    with sweeping(fast, {GROUP: recording("a")}, check_max=3, sweep_concurrency=2), \
-            sweeping(fast, {GROUP: recording("b")}, check_max=3, sweep_concurrency=2):
+    with sweeping(fast, {GROUP: recording("a")}, check_max=3, sweep_concurrency=2) as a, \
+            sweeping(fast, {GROUP: recording("b")}, check_max=3, sweep_concurrency=2) as b:
+        assert a.settings.worker_id == b.settings.worker_id
         for message_id in ids:
             wait_status(engine, schema, message_id, "DISCARDED")
 
