@@ -662,7 +662,8 @@ def reconcile(shared: Shared, kafka_bootstrap: str | None, since: datetime | Non
     prints a short report and writes Parquet details under --output-dir. Exit code 0: no
     finding over its threshold; 1: at least one is; 2: a usage or configuration error;
     3: another run of the schema is in progress, this one did nothing; 4: the job failed as
-    it ran (Kafka or the database went away), nothing was recorded.
+    it ran (Kafka or the database went away), nothing was recorded; 130, 143: stopped by
+    Ctrl-C or SIGTERM, nothing was recorded.
     """
     try:
         from outbox.spark import reconcile as job

@@ -16,20 +16,28 @@ import sys
 from types import FrameType
 from typing import Any
 
-#: The daemons' commands, and their names in the line.
-DAEMONS = {"relay": "relay", "sweep": "sweeper"}
+#: The commands stopped at once while they start, and their names in the line. The
+#: daemons hold nothing yet and exit 0; a reconciliation that did not run exits as a shell
+#: says a signal ended it (128 + the signal), as it does when stopped later: 0 would read as
+#: a clean run, 1 as findings (spark/reconcile.py, stop_on_signals).
+DAEMONS = {"relay": "relay", "sweep": "sweeper", "reconcile": "reconciliation"}
+#: Of those, the ones whose early stop is not a success.
+UNFINISHED = frozenset({"reconciliation"})
 #: The group's options that take a value (outbox/cli.py): the word after one is no command.
 VALUED_OPTIONS = ("--config", "--database-url", "--schema")
 
 
 def stop_before_start(name: str) -> None:
-    """Until the daemon takes the signals over, SIGTERM, Ctrl-C or SIGHUP ends it at once,
-    exit 0, with one line: it holds nothing yet (no connection, no lease, no claim)."""
+    """Until the command takes the signals over, SIGTERM, Ctrl-C or SIGHUP ends it at once
+    with one line: a daemon exits 0, as it holds nothing yet (no connection, no lease, no
+    claim); a reconciliation 128 + the signal."""
     def on_signal(signum: int, _frame: FrameType | None) -> None:
+        unfinished = name in UNFINISHED
         sys.stderr.write(f"outbox: {name} stopped before it started "
-                         f"({signal.Signals(signum).name})\n")
+                         f"({signal.Signals(signum).name})"
+                         f"{': nothing was recorded' if unfinished else ''}\n")
         sys.stderr.flush()
-        raise SystemExit(0)
+        raise SystemExit(128 + signum if unfinished else 0)
 
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, on_signal)

@@ -309,7 +309,7 @@ def test_a_signal_while_a_daemon_starts_stops_it_at_once_with_a_line(
         0, f"outbox: {name} stopped before it started ({signum.name})")
 
 
-@pytest.mark.parametrize("command", ["relay", "sweep"])
+@pytest.mark.parametrize("command", ["relay", "sweep", "reconcile"])
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_while_a_daemon_is_still_imported_stops_it_at_once_with_a_line(
     settings: Settings, command: str, signum: signal.Signals
@@ -328,6 +328,11 @@ def test_a_signal_while_a_daemon_is_still_imported_stops_it_at_once_with_a_line(
     finally:
         daemon.kill()
     lines = [line for line in output.splitlines() if not line.startswith("import time:")]
+    if command == "reconcile":  # a run that did not run: neither clean (0) nor findings (1)
+        assert (daemon.returncode, lines) == (128 + signum, [
+            f"outbox: reconciliation stopped before it started ({signum.name}): nothing was "
+            "recorded"])
+        return
     name = "sweeper" if command == "sweep" else command
     assert (daemon.returncode, lines) == (
         0, [f"outbox: {name} stopped before it started ({signum.name})"])

@@ -4,7 +4,9 @@ end back for other roles' open transactions (issue 15, "no blind spots")."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -26,7 +28,7 @@ from outbox.spark import reconcile as job
 from outbox.spark.runs import RUN_LOCK_CLASS, RunOutcome
 from tests.conftest import assert_refused, publish_orders, running_relay, wait_delivered, wait_until
 from tests.integration import test_reconcile
-from tests.processes import outbox_env
+from tests.processes import outbox_env, start_outbox
 
 #: The suite's one local SparkSession (test_reconcile.py's fixture).
 spark = test_reconcile.spark
@@ -252,3 +254,62 @@ def test_a_run_whose_disk_fills_up_records_nothing_and_exits_4(
     assert room.exit_code == 0, room.output
     assert re.search(r"reconciliation run \d+: CLEAN\nwindow    beginning \.\. .* \(first run\)",
                      room.stdout), room.stdout  # its id may be the next: sequences do not roll back
+
+
+def children(pid: int) -> set[int]:
+    """The processes whose parent is ``pid`` (Spark's JVM, for a reconciliation)."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.add(int(stat.parent.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(("moment", "line"), [
+    ("as Spark starts", "Using incubator modules"),
+    ("as it reads the tables", "outbox.reconcile: window "),
+])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_run_stopped_by_a_signal_says_so_records_nothing_and_leaves_no_spark_behind(
+    services: devservices.Services, engine: Engine, schema: str, tmp_path: Path,
+    moment: str, line: str, signum: signal.Signals
+) -> None:
+    """SIGTERM killed a run without a word (exit 143); as Spark started, it left Spark's JVM
+    running with no parent. Ctrl-C (PySpark's own handler) gave a traceback and exit code 1,
+    a run that found too much. Now the run is undone on the path of a failed one, the
+    command says it was stopped, and exits as a shell says a signal ended it."""
+    settings = tables_only(services, schema, tmp_path)
+    publish_orders(engine, Outbox(settings=settings), "orders", [("k", 1), ("k", 2)])
+    run = start_outbox(settings, "reconcile", "--tables-only", "--master", "local[1]",
+                       OUTBOX_RECONCILE_OUTPUT_DIR=str(tmp_path), OUTBOX_LOG_LEVEL="INFO")
+    try:
+        wait_until(lambda: line in Path(run.log).read_text(), 120, f"the run {moment}")
+        spark = children(run.pid)
+        run.send_signal(signum)
+        output, _ = run.communicate(timeout=60)
+    finally:
+        run.kill()
+
+    assert run.returncode == 128 + signum, output[-3000:]
+    assert output.strip().splitlines()[-1] == (
+        f"outbox: error: the reconciliation was stopped ({signum.name}): nothing was recorded; "
+        "the next run reads the same window"), output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    assert list(tmp_path.glob("run-*")) == []
+    with engine.connect() as conn:
+        assert conn.execute(text(f"SELECT count(*) FROM {schema}.reconcile_run")).scalar() == 0
+    assert not holds_run_lock(engine, schema)
+    assert spark, "Spark's JVM, started by the run"
+    wait_until(lambda: not any(alive(pid) for pid in spark), 30, "Spark's JVM to exit")

@@ -104,6 +104,7 @@ def test_thresholds_are_finding_equals_a_count_or_none() -> None:
     (["sweep", "--app", "x:y"], "sweeper"),
     (["--database-url", "x", "--schema=s", "relay"], "relay"),
     (["--config", "c.toml", "sweep"], "sweeper"),
+    (["reconcile", "--tables-only"], "reconciliation"),
     (["--schema", "relay", "status"], None),
     (["status"], None),
     (["--help"], None),
@@ -111,5 +112,6 @@ def test_thresholds_are_finding_equals_a_count_or_none() -> None:
 ])
 def test_the_console_script_knows_a_daemon_from_its_command_line(args: list[str],
                                                                   daemon: str | None) -> None:
-    """outbox.entry sets its early signal handler for the relay and the sweeper only."""
+    """outbox.entry sets its early signal handler for the relay, the sweeper and the
+    reconciliation only."""
     assert daemon_of(args) == daemon
