@@ -59,3 +59,24 @@ def run_outbox(settings: Settings | None, *args: str, env: dict[str, str] | None
         text=True,
         timeout=120,
     )
+
+
+def children(pid: int) -> set[int]:
+    """The processes whose parent is ``pid`` (Spark's JVM, for a reconciliation)."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.add(int(stat.parent.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

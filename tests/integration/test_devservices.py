@@ -16,7 +16,7 @@ from outbox import migrate
 from outbox.dev import services as devservices
 from outbox.dev.services import Services
 from tests.conftest import wait_until
-from tests.processes import run_outbox
+from tests.processes import alive, run_outbox
 
 
 def test_dev_up_prints_settings_and_dev_down_stops_everything(tmp_path: Path) -> None:
@@ -105,14 +105,6 @@ def test_dev_up_starts_new_services_when_the_recorded_ones_are_gone_with_their_f
         assert Services.load(state).exists()
     finally:
         assert run_outbox(None, "dev", "down", "--state-file", str(state)).returncode == 0
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_the_next_start_stops_what_a_killed_process_left_running(services: Services) -> None:

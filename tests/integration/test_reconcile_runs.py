@@ -4,7 +4,6 @@ end back for other roles' open transactions (issue 15, "no blind spots")."""
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
@@ -28,7 +27,7 @@ from outbox.spark import reconcile as job
 from outbox.spark.runs import RUN_LOCK_CLASS, RunOutcome
 from tests.conftest import assert_refused, publish_orders, running_relay, wait_delivered, wait_until
 from tests.integration import test_reconcile
-from tests.processes import outbox_env, start_outbox
+from tests.processes import alive, children, outbox_env, start_outbox
 
 #: The suite's one local SparkSession (test_reconcile.py's fixture).
 spark = test_reconcile.spark
@@ -254,27 +253,6 @@ def test_a_run_whose_disk_fills_up_records_nothing_and_exits_4(
     assert room.exit_code == 0, room.output
     assert re.search(r"reconciliation run \d+: CLEAN\nwindow    beginning \.\. .* \(first run\)",
                      room.stdout), room.stdout  # its id may be the next: sequences do not roll back
-
-
-def children(pid: int) -> set[int]:
-    """The processes whose parent is ``pid`` (Spark's JVM, for a reconciliation)."""
-    found = set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.add(int(stat.parent.name))
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 @pytest.mark.parametrize(("moment", "line"), [
