@@ -680,16 +680,17 @@ def reconcile(shared: Shared, kafka_bootstrap: str | None, since: datetime | Non
     settings = settings.model_copy(update={
         "reconcile_thresholds": {**settings.reconcile_thresholds, **thresholds}})
     setup_logging(settings.log_level)
-    job.stop_on_signals()
-    try:
-        result = _reconciled(settings, since, until)
-    except BaseException:
-        signum = job.stopped_by()
-        if signum is None:
-            raise
-        click.echo(f"outbox: error: the reconciliation was stopped ({signal.Signals(signum).name})"
-                   ": nothing was recorded; the next run reads the same window", err=True)
-        sys.exit(128 + signum)
+    with job.stopped_by_signals():
+        try:
+            result = _reconciled(settings, since, until)
+        except BaseException:
+            signum = job.stopped_by()
+            if signum is None:
+                raise
+            click.echo(f"outbox: error: the reconciliation was stopped "
+                       f"({signal.Signals(signum).name}): nothing was recorded; the next run "
+                       "reads the same window", err=True)
+            sys.exit(128 + signum)
     click.echo(result.report, nl=False)
     sys.exit(result.exit_code)
 

@@ -171,6 +171,7 @@ class Stopped(BaseException):
         self.signum = signum
 
 
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 #: The signal that is stopping this process's run, if one is.
 _stopping: list[int] = []
 #: Whether Spark is starting: a signal then waits for it (see _started).
@@ -204,8 +205,22 @@ def stop_on_signals() -> None:
             threading.Thread(target=context.stop, name="outbox-reconcile-stop",
                              daemon=True).start()
 
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    for signum in _STOP_SIGNALS:
         signal.signal(signum, on_signal)
+
+
+@contextlib.contextmanager
+def stopped_by_signals() -> Iterator[None]:
+    """stop_on_signals for the block; then the handlers as they were, and no stop pending
+    (a test's process runs the command many times)."""
+    previous = {signum: signal.getsignal(signum) for signum in _STOP_SIGNALS}
+    stop_on_signals()
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        _stopping.clear()
 
 
 @contextlib.contextmanager

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import json
+import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -676,9 +677,12 @@ def test_a_job_that_fails_as_it_runs_says_one_line_and_exits_4(
     monkeypatch.setattr(job, "run", run)
     env = {"OUTBOX_DATABASE_URL": services.database_url, "OUTBOX_SCHEMA": schema,
            "OUTBOX_RECONCILE_OUTPUT_DIR": str(tmp_path)}
+    handlers = [signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)]
     result = CliRunner().invoke(main, ["reconcile", "--tables-only"], env=env)
 
     assert result.exit_code == 4, result.output
+    assert [signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)] == handlers, \
+        "the command's signal handlers outlived it"
     assert result.output.strip().splitlines() == [
         "outbox: error: the reconciliation job failed as it ran (nothing was recorded; the "
         "next run reads the same window): ConnectionError: Kafka at 127.0.0.1:9 went away"]
