@@ -200,8 +200,8 @@ class Outbox:
         """Run one statement in the caller's open transaction, or in an engine's own one.
         An async ``call`` is recorded until it runs (a commit without it is refused)."""
         if connectors.is_async(bind):
-            started = unawaited.record(bind, call) if call else None
-            return self._execute_async(bind, statement, params, read, started)
+            coroutine = self._execute_async(bind, statement, params, read)
+            return unawaited.recorded(bind, call, coroutine) if call else coroutine
         return read(connectors.execute(bind, statement, params, _setup_errors(self.schema)))
 
     async def _execute_async(
@@ -210,10 +210,7 @@ class Outbox:
         statement: TextClause,
         params: dict[str, Any],
         read: Callable[[Rows], T],
-        started: Callable[[], None] | None = None,
     ) -> T:
-        if started is not None:
-            started()
         return read(await connectors.execute_async(bind, statement, params,
                                                    _setup_errors(self.schema)))
 
@@ -318,18 +315,16 @@ class Outbox:
                 ) -> Coroutine[Any, Any, None] | None:
         message_id = _decided_id(message_id, self.schema)
         if connectors.is_async(bind):
-            started = unawaited.record(bind, f"{resolution.lower()}() of message {message_id}")
-            return self._decide_async(bind, message_id, resolution, started)
+            return unawaited.recorded(bind, f"{resolution.lower()}() of message {message_id}",
+                                      self._decide_async(bind, message_id, resolution))
         bind = connectors.deciding(bind)
         statement, params = store.decide(self.schema, message_id, resolution, self._actor)
         row = self._execute(bind, statement, params, _one_or_none)
         _check_decision(row, message_id, resolution, self.schema)
         return None
 
-    async def _decide_async(self, bind: AsyncBind, message_id: int, resolution: Resolution,
-                            started: Callable[[], None] | None = None) -> None:
-        if started is not None:
-            started()
+    async def _decide_async(self, bind: AsyncBind, message_id: int, resolution: Resolution
+                            ) -> None:
         bind = await connectors.deciding_async(bind)
         statement, params = store.decide(self.schema, message_id, resolution, self._actor)
         row = await self._execute(bind, statement, params, _one_or_none)

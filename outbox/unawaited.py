@@ -5,14 +5,18 @@ nothing, and Python warns only when the coroutine is garbage-collected, after th
 rows committed without their message. So the call records itself on the SQLAlchemy session or
 connection as it is made, its coroutine's first step strikes it off, and a commit while one is
 recorded raises :class:`NotAwaited`: the business rows roll back with the message that was
-never written. A psycopg ``AsyncConnection`` has no hook before its commit: there only the
-warning, and a type checker (mypy's ``unused-coroutine``), can tell.
+never written. A call cancelled before its first step (``wait_for`` timing out, a request
+task cancelled) wrote nothing either: it refuses the commit of the transaction it was made in,
+and is forgotten if it was made outside any (a later transaction is not its). A psycopg
+``AsyncConnection`` has no hook before its commit: there only the warning, and a type checker
+(mypy's ``unused-coroutine``), can tell.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Coroutine, Generator
+from typing import Any, TypeVar
 
 from sqlalchemy import Connection, event
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession, async_scoped_session
@@ -20,41 +24,77 @@ from sqlalchemy.orm import Session, SessionTransaction
 
 from outbox.exceptions import NotAwaited
 
+T = TypeVar("T")
+
 #: The calls not yet started, by the session or connection they will run on.
 _pending: weakref.WeakKeyDictionary[Session | Connection, list[_Call]] = (
     weakref.WeakKeyDictionary())
 
 
-def record(bind: object, call: str) -> Callable[[], None]:
-    """Record ``call`` (``publish() to topic 'orders'``) on ``bind`` if a commit of it can be
-    refused; returns what the coroutine runs first, to strike it off."""
+def recorded(bind: object, call: str, coroutine: Coroutine[Any, Any, T]
+             ) -> Coroutine[Any, Any, T]:
+    """``coroutine`` of ``call`` (``publish() to topic 'orders'``), recorded on ``bind``
+    until it starts if a commit of it can be refused."""
     holder = _holder(bind)
     if holder is None:
-        return _nothing
+        return coroutine
     calls = _pending.get(holder)
     if calls is None:
         calls = _pending[holder] = []
         _watch(holder, calls)
     pending = _Call(call)
     calls.append(pending)
-
-    def started() -> None:
-        calls[:] = [other for other in calls if other is not pending]
-
-    return started
-
-
-def _nothing() -> None:
-    pass
+    return _Recorded(coroutine, calls, pending, in_transaction=holder.in_transaction())
 
 
 class _Call:
     """One call, struck off by identity (two equal calls are two calls)."""
 
-    __slots__ = ("what",)
+    __slots__ = ("cancelled", "what")
 
     def __init__(self, what: str) -> None:
         self.what = what
+        self.cancelled = False
+
+
+class _Recorded(Coroutine[Any, Any, T]):
+    """A call's coroutine that strikes it off as it starts, and tells a cancellation before
+    it started (thrown into or closed by its task) from a forgotten ``await``."""
+
+    __slots__ = ("_call", "_calls", "_coroutine", "_in_transaction", "_started")
+
+    def __init__(self, coroutine: Coroutine[Any, Any, T], calls: list[_Call], call: _Call,
+                 *, in_transaction: bool) -> None:
+        self._coroutine = coroutine
+        self._calls = calls
+        self._call = call
+        self._in_transaction = in_transaction
+        self._started = False
+
+    def _start(self, cancelled: bool = False) -> None:
+        if self._started:
+            return
+        self._started = True
+        if cancelled and self._in_transaction:  # that transaction must not commit
+            self._call.cancelled = True
+            return
+        self._calls[:] = [other for other in self._calls if other is not self._call]
+
+    def send(self, value: Any) -> Any:
+        self._start()
+        return self._coroutine.send(value)
+
+    def throw(self, *args: Any) -> Any:
+        self._start(cancelled=True)
+        return self._coroutine.throw(*args)
+
+    def close(self) -> None:
+        self._start(cancelled=True)
+        self._coroutine.close()
+
+    def __await__(self) -> Generator[Any, None, T]:
+        self._start()
+        return self._coroutine.__await__()
 
 
 def _holder(bind: object) -> Session | Connection | None:
@@ -101,7 +141,9 @@ def _watch(holder: Session | Connection, calls: list[_Call]) -> None:
 def _refuse(calls: list[_Call]) -> None:
     if calls:
         more = f" (and {len(calls) - 1} more)" if len(calls) > 1 else ""
+        what = "cancelled before it ran" if calls[0].cancelled else "never awaited"
         raise NotAwaited(
-            f"outbox {calls[0].what}{more} was never awaited, so nothing of it was written: "
+            f"outbox {calls[0].what}{more} was {what}, so nothing of it was written: "
             "the commit is refused, and nothing of this transaction is committed; await every "
-            "publish, prepare, commit and rollback on an async session or connection")
+            "publish, prepare, commit and rollback on an async session or connection, and "
+            "roll back a transaction in which one was cancelled")

@@ -432,6 +432,46 @@ def test_a_forgotten_await_refuses_the_commit_and_the_business_rows_roll_back(
             Base.metadata.drop_all(conn)
 
 
+@pytest.mark.parametrize("stack", ["psycopg_async", "asyncpg"], indirect=True)
+def test_a_publish_cancelled_before_it_ran_refuses_only_its_own_transaction(
+    stack: Stack, outbox: Outbox, engine: Engine, schema: str
+) -> None:
+    """A publish cancelled before its first step (``wait_for`` timing out, a request task
+    cancelled as its client goes away) wrote nothing. Made outside any transaction, it stayed
+    recorded as never awaited, and the next commit of that session or connection, a later
+    unit of work that awaited all of its own calls, was refused. It is now forgotten; made in
+    a transaction, it still refuses that transaction's commit, saying it was cancelled."""
+
+    async def cancelled(call: Any) -> None:
+        task = asyncio.ensure_future(call)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    async def scenario(bound: AsyncEngine) -> list[str]:
+        refusals = []
+        async with AsyncSession(bound) as session:
+            await cancelled(outbox.publish(session, "orders", {"n": 1}))
+            async with session.begin():
+                await outbox.publish(session, "orders", {"n": 2})
+            with pytest.raises(NotAwaited) as refused:
+                async with session.begin():
+                    await cancelled(outbox.publish(session, "orders", {"n": 3}))
+            refusals.append(str(refused.value))
+        async with bound.connect() as conn:
+            await cancelled(outbox.publish(conn, "orders", {"n": 4}))
+            await conn.rollback()
+            async with conn.begin():
+                await outbox.publish(conn, "orders", {"n": 5})
+        return refusals
+
+    refusals = stack.run(scenario)
+    assert len(refusals) == 1 and "cancelled before it ran" in refusals[0], refusals
+    with engine.connect() as conn:
+        assert conn.execute(text(f"SELECT count(*) FROM {schema}.message_state")
+                            ).scalar_one() == 2
+
+
 @pytest.fixture
 def ungranted(engine: Engine, schema: str, roles: list[str]) -> Iterator[str]:
     """A login role that was not granted ``<schema>_app``."""
