@@ -18,7 +18,7 @@ import weakref
 from collections.abc import Coroutine, Generator
 from typing import Any, TypeVar
 
-from sqlalchemy import Connection, event
+from sqlalchemy import Connection, NestedTransaction, event
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession, async_scoped_session
 from sqlalchemy.orm import Session, SessionTransaction
 
@@ -42,18 +42,21 @@ def recorded(bind: object, call: str, coroutine: Coroutine[Any, Any, T]
     if calls is None:
         calls = _pending[holder] = []
         _watch(holder, calls)
-    pending = _Call(call)
+    pending = _Call(call, holder.get_nested_transaction())
     calls.append(pending)
     return _Recorded(coroutine, calls, pending, in_transaction=holder.in_transaction())
 
 
 class _Call:
-    """One call, struck off by identity (two equal calls are two calls)."""
+    """One call, struck off by identity (two equal calls are two calls); ``savepoint``: the
+    innermost one it was made in, whose rollback drops it with the rest of that step."""
 
-    __slots__ = ("cancelled", "what")
+    __slots__ = ("cancelled", "savepoint", "what")
 
-    def __init__(self, what: str) -> None:
+    def __init__(self, what: str, savepoint: SessionTransaction | NestedTransaction | None
+                 ) -> None:
         self.what = what
+        self.savepoint = savepoint
         self.cancelled = False
 
 
@@ -113,8 +116,11 @@ def _watch(holder: Session | Connection, calls: list[_Call]) -> None:
             _refuse(calls)
 
         def after_transaction_end(session: Session, transaction: SessionTransaction) -> None:
+            """Committed, a savepoint released, with a call recorded: refused before this."""
             if transaction.parent is None:  # rolled back: nothing of it is written
                 calls.clear()
+            elif transaction.nested:
+                calls[:] = [call for call in calls if call.savepoint is not transaction]
 
         event.listen(holder, "before_commit", before_commit)  # a savepoint's release too
         event.listen(holder, "after_transaction_end", after_transaction_end)
@@ -134,8 +140,15 @@ def _watch(holder: Session | Connection, calls: list[_Call]) -> None:
     def rollback(conn: Connection) -> None:
         calls.clear()
 
+    def rollback_savepoint(conn: Connection, name: str, context: object) -> None:
+        """Fired while the savepoint rolled back is still the innermost, and active."""
+        rolled_back = conn.get_nested_transaction()
+        calls[:] = [call for call in calls if call.savepoint is None or (
+            call.savepoint is not rolled_back and call.savepoint.is_active)]
+
     event.listen(holder, "commit", commit)
     event.listen(holder, "rollback", rollback)
+    event.listen(holder, "rollback_savepoint", rollback_savepoint)
 
 
 def _refuse(calls: list[_Call]) -> None:

@@ -472,6 +472,38 @@ def test_a_publish_cancelled_before_it_ran_refuses_only_its_own_transaction(
                             ).scalar_one() == 2
 
 
+@pytest.mark.parametrize("stack", ["psycopg_async", "asyncpg"], indirect=True)
+def test_a_call_cancelled_in_a_savepoint_rolled_back_refuses_no_commit(
+    stack: Stack, outbox: Outbox, engine: Engine, schema: str
+) -> None:
+    """A step that fails in a savepoint (``begin_nested()``) is rolled back with it and the
+    transaction goes on: that is how a transaction survives one failed step. A publish
+    cancelled before it ran there stayed recorded, and the outer commit was refused though
+    nothing of the savepoint was left to commit; so was a forgotten one."""
+
+    async def cancelled(call: Any) -> None:
+        task = asyncio.ensure_future(call)
+        task.cancel()
+        await task
+
+    async def scenario(bound: AsyncEngine) -> None:
+        async with AsyncSession(bound) as session, session.begin():
+            await outbox.publish(session, "orders", {"n": 1})
+            with pytest.raises(asyncio.CancelledError):
+                async with session.begin_nested():
+                    await cancelled(outbox.publish(session, "orders", {"n": 2}))
+        async with bound.connect() as conn, conn.begin():
+            await outbox.publish(conn, "orders", {"n": 3})
+            with pytest.raises(asyncio.CancelledError):
+                async with conn.begin_nested():
+                    await cancelled(outbox.publish(conn, "orders", {"n": 4}))
+
+    stack.run(scenario)
+    with engine.connect() as conn:
+        assert conn.execute(text(f"SELECT count(*) FROM {schema}.message_state")
+                            ).scalar_one() == 2
+
+
 @pytest.fixture
 def ungranted(engine: Engine, schema: str, roles: list[str]) -> Iterator[str]:
     """A login role that was not granted ``<schema>_app``."""
