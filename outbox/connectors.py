@@ -193,8 +193,8 @@ def execute(bind: SyncBind, statement: TextClause, params: dict[str, Any],
             target._autoflush()
         driver = _psycopg_of(connection)
         with errors:
-            if driver is not None:
-                return _run_on_driver(driver, statement, params)
+            if driver is not None and isinstance(connection, Connection):
+                return _run_on_sqlalchemy_driver(connection, driver, statement, params)
             # the session's connection, not Session.execute, which SQLModel deprecates
             return list(connection.execute(statement, params))
     with errors:
@@ -398,6 +398,17 @@ def _run_on_driver(bind: psycopg.Connection[Any] | DjangoConnection, statement: 
         cursor.execute(store.driver_sql(statement), params)
         row = namedtuple("row", [column[0] for column in cursor.description])  # type: ignore[misc]
         return [row._make(values) for values in cursor.fetchall()]
+
+
+def _run_on_sqlalchemy_driver(connection: Connection, driver: psycopg.Connection[Any],
+                              statement: TextClause, params: dict[str, Any]) -> Rows:
+    """On the psycopg connection under ``connection``, failing as SQLAlchemy's own execution
+    does: the error wrapped in its DBAPIError (what retry code written for SQLAlchemy
+    catches), a lost connection invalidated, its ``handle_error`` hooks run."""
+    try:
+        return _run_on_driver(driver, statement, params)
+    except psycopg.Error as exc:
+        connection._handle_dbapi_exception(exc, store.driver_sql(statement), params, None, None)
 
 
 async def _run_on_async_psycopg(bind: psycopg.AsyncConnection[Any], statement: TextClause,

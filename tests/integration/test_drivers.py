@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ProgrammingError
+from sqlalchemy.exc import DBAPIError, ProgrammingError
 from sqlalchemy.ext.asyncio import (
     AsyncEngine,
     AsyncSession,
@@ -502,6 +502,72 @@ def test_a_call_cancelled_in_a_savepoint_rolled_back_refuses_no_commit(
     with engine.connect() as conn:
         assert conn.execute(text(f"SELECT count(*) FROM {schema}.message_state")
                             ).scalar_one() == 2
+
+
+def test_a_publish_on_a_lost_connection_or_past_a_lock_timeout_raises_what_sqlalchemy_does(
+    stack: Stack, outbox: Outbox, engine: Engine, schema: str
+) -> None:
+    """Through a sync session on psycopg 3 the statement goes to psycopg directly, and its
+    errors came out bare: a backend ended by pg_terminate_backend raised
+    psycopg.errors.AdminShutdown, not the sqlalchemy.exc.OperationalError that retry code
+    written for SQLAlchemy waits for, SQLAlchemy did not invalidate the connection (nor run
+    its handle_error hooks), and a lock_timeout on a key's lock raised a bare
+    LockNotAvailable. Now every driver raises SQLAlchemy's DBAPIError with the driver's error
+    as ``orig``, a lost connection flagged invalidated; nothing of either is written."""
+    kill = text("SELECT pg_terminate_backend(:pid)")
+    wait = text("SET LOCAL lock_timeout = '100ms'")
+
+    def sync(bound: Engine) -> list[DBAPIError]:
+        failures = []
+        with Session(bound) as session:
+            session.begin()
+            pid = session.execute(text("SELECT pg_backend_pid()")).scalar_one()
+            with engine.begin() as admin:
+                admin.execute(kill, {"pid": pid})
+            with pytest.raises(DBAPIError) as lost:
+                outbox.publish(session, "orders", {"n": 1}, key="k")
+            failures.append(lost.value)
+        with engine.connect() as holder, Session(bound) as session:
+            holder.begin()
+            outbox.publish(holder, "orders", {"n": 2}, key="held")
+            session.begin()
+            session.execute(wait)
+            with pytest.raises(DBAPIError) as waited:
+                outbox.publish(session, "orders", {"n": 3}, key="held")
+            failures.append(waited.value)
+            session.rollback()
+            holder.rollback()
+        return failures
+
+    async def async_(bound: AsyncEngine) -> list[DBAPIError]:
+        failures = []
+        async with AsyncSession(bound) as session:
+            await session.begin()
+            pid = (await session.execute(text("SELECT pg_backend_pid()"))).scalar_one()
+            with engine.begin() as admin:
+                admin.execute(kill, {"pid": pid})
+            with pytest.raises(DBAPIError) as lost:
+                await outbox.publish(session, "orders", {"n": 1}, key="k")
+            failures.append(lost.value)
+        with engine.connect() as holder:
+            holder.begin()
+            outbox.publish(holder, "orders", {"n": 2}, key="held")
+            async with AsyncSession(bound) as session:
+                await session.begin()
+                await session.execute(wait)
+                with pytest.raises(DBAPIError) as waited:
+                    await outbox.publish(session, "orders", {"n": 3}, key="held")
+                failures.append(waited.value)
+                await session.rollback()
+            holder.rollback()
+        return failures
+
+    lost, waited = stack.run(async_ if stack.is_async else sync)
+    assert lost.connection_invalidated, repr(lost)
+    assert sqlstate(waited) == "55P03" and not waited.connection_invalidated, repr(waited)
+    with engine.connect() as conn:
+        assert conn.execute(text(f"SELECT count(*) FROM {schema}.message_state")
+                            ).scalar_one() == 0
 
 
 @pytest.fixture
