@@ -144,9 +144,9 @@ def deciding(bind: SyncBind | AsyncBind) -> SyncBind | AsyncBind:
                     else OwnTransaction(target))
     elif isinstance(target, DjangoConnection) and not _busy(target):
         return OwnTransaction(target)
-    elif isinstance(target, AsyncConnection) and _autocommit_mode(target.sync_connection):
+    elif isinstance(target, AsyncConnection) and autocommit_mode(target.sync_connection):
         return AsyncAutocommitting(target)
-    elif isinstance(target, Connection) and _autocommit_mode(target):
+    elif isinstance(target, Connection) and autocommit_mode(target):
         return Autocommitting(target)
     return bind
 
@@ -163,14 +163,15 @@ def _under_autocommit(bind: Any) -> Any:
     """The psycopg connection under a SQLAlchemy one in ``AUTOCOMMIT`` mode (where SQLAlchemy's
     transaction opens none in the database); anything else as given."""
     sync = bind.sync_connection if isinstance(bind, AsyncConnection) else bind
-    if isinstance(sync, Connection) and _autocommit_mode(sync):
+    if isinstance(sync, Connection) and autocommit_mode(sync):
         driver = sync.connection.driver_connection
         if isinstance(driver, psycopg.Connection | psycopg.AsyncConnection):
             return driver
     return bind
 
 
-def _autocommit_mode(connection: Connection | None) -> bool:
+def autocommit_mode(connection: Connection | None) -> bool:
+    """Whether a SQLAlchemy connection is in ``AUTOCOMMIT`` mode (each statement commits)."""
     return connection is not None and not connection.closed and _autocommit(connection)
 
 

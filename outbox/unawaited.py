@@ -2,18 +2,20 @@
 
 ``outbox.publish(async_session, ...)`` returns a coroutine: without ``await`` it writes
 nothing, and Python warns only when the coroutine is garbage-collected, after the business
-rows committed without their message. So the call records itself on the SQLAlchemy session or
-connection as it is made, its coroutine's first step strikes it off, and a commit while one is
-recorded raises :class:`NotAwaited`: the business rows roll back with the message that was
-never written. A call cancelled before its first step (``wait_for`` timing out, a request
-task cancelled) wrote nothing either: it refuses the commit of the transaction it was made in,
-and is forgotten if it was made outside any (a later transaction is not its). A psycopg
-``AsyncConnection`` has no hook before its commit: there only the warning, and a type checker
-(mypy's ``unused-coroutine``), can tell.
+rows committed without their message. So the call records itself on the SQLAlchemy session
+or connection as it is made, its coroutine's first step strikes it off, and a commit while
+one is recorded raises :class:`NotAwaited`: the business rows roll back with the message
+that was never written. A call cancelled before it completed (``wait_for`` timing out, a
+request task cancelled: before its first step, waiting for a pooled connection, or while its
+statement ran) may have written nothing either: it refuses the commit of the transaction it
+was made in, and is forgotten if it was made outside any (a later transaction is not its). A
+psycopg ``AsyncConnection`` has no hook before its commit: there only the warning, and a
+type checker (mypy's ``unused-coroutine``), can tell.
 """
 
 from __future__ import annotations
 
+import asyncio
 import weakref
 from collections.abc import Coroutine, Generator
 from typing import Any, TypeVar
@@ -22,6 +24,7 @@ from sqlalchemy import Connection, NestedTransaction, event
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession, async_scoped_session
 from sqlalchemy.orm import Session, SessionTransaction
 
+from outbox.connectors import autocommit_mode
 from outbox.exceptions import NotAwaited
 
 T = TypeVar("T")
@@ -44,27 +47,31 @@ def recorded(bind: object, call: str, coroutine: Coroutine[Any, Any, T]
         _watch(holder, calls)
     pending = _Call(call, holder.get_nested_transaction())
     calls.append(pending)
-    return _Recorded(coroutine, calls, pending, in_transaction=holder.in_transaction())
+    # in AUTOCOMMIT mode a call commits on its own: no transaction to leave without it
+    in_transaction = holder.in_transaction() and not (
+        isinstance(holder, Connection) and autocommit_mode(holder))
+    return _Recorded(coroutine, calls, pending, in_transaction=in_transaction)
 
 
 class _Call:
     """One call, struck off by identity (two equal calls are two calls); ``savepoint``: the
     innermost one it was made in, whose rollback drops it with the rest of that step."""
 
-    __slots__ = ("cancelled", "savepoint", "what")
+    __slots__ = ("savepoint", "state", "what")
 
     def __init__(self, what: str, savepoint: SessionTransaction | NestedTransaction | None
                  ) -> None:
         self.what = what
         self.savepoint = savepoint
-        self.cancelled = False
+        self.state = "was never awaited, so nothing of it was written"
 
 
 class _Recorded(Coroutine[Any, Any, T]):
-    """A call's coroutine that strikes it off as it starts, and tells a cancellation before
-    it started (thrown into or closed by its task) from a forgotten ``await``."""
+    """A call's coroutine, struck off as it starts. Cancelled, before it started (thrown into
+    or closed by its task) or before it completed, it refuses the commit of the transaction
+    it was made in (made outside any, it is forgotten); neither, it was never awaited."""
 
-    __slots__ = ("_call", "_calls", "_coroutine", "_in_transaction", "_started")
+    __slots__ = ("_call", "_calls", "_coroutine", "_in_transaction", "_started", "_steps")
 
     def __init__(self, coroutine: Coroutine[Any, Any, T], calls: list[_Call], call: _Call,
                  *, in_transaction: bool) -> None:
@@ -73,31 +80,47 @@ class _Recorded(Coroutine[Any, Any, T]):
         self._call = call
         self._in_transaction = in_transaction
         self._started = False
+        self._steps = self._run()
 
-    def _start(self, cancelled: bool = False) -> None:
-        if self._started:
-            return
-        self._started = True
-        if cancelled and self._in_transaction:  # that transaction must not commit
-            self._call.cancelled = True
-            return
+    def _run(self) -> Generator[Any, Any, T]:
+        self._strike()  # running: a commit it issues itself (an autocommit decision) is its
+        try:
+            return (yield from self._coroutine.__await__())
+        except (asyncio.CancelledError, GeneratorExit):
+            self._cancelled()
+            raise
+
+    def _strike(self) -> None:
         self._calls[:] = [other for other in self._calls if other is not self._call]
 
+    def _cancelled(self) -> None:
+        self._strike()
+        if self._in_transaction:  # that transaction must not commit
+            self._call.state = ("was cancelled before it completed, so its message may be "
+                                "missing")
+            self._calls.append(self._call)
+
+    def _cancelled_before_start(self) -> None:
+        if not self._started:
+            self._started = True
+            self._coroutine.close()  # never to run: no "never awaited" warning
+            self._cancelled()
+
     def send(self, value: Any) -> Any:
-        self._start()
-        return self._coroutine.send(value)
+        self._started = True
+        return self._steps.send(value)
 
     def throw(self, *args: Any) -> Any:
-        self._start(cancelled=True)
-        return self._coroutine.throw(*args)
+        self._cancelled_before_start()
+        return self._steps.throw(*args)
 
     def close(self) -> None:
-        self._start(cancelled=True)
-        self._coroutine.close()
+        self._cancelled_before_start()
+        self._steps.close()
 
     def __await__(self) -> Generator[Any, None, T]:
-        self._start()
-        return self._coroutine.__await__()
+        self._started = True
+        return self._steps
 
 
 def _holder(bind: object) -> Session | Connection | None:
@@ -154,9 +177,8 @@ def _watch(holder: Session | Connection, calls: list[_Call]) -> None:
 def _refuse(calls: list[_Call]) -> None:
     if calls:
         more = f" (and {len(calls) - 1} more)" if len(calls) > 1 else ""
-        what = "cancelled before it ran" if calls[0].cancelled else "never awaited"
         raise NotAwaited(
-            f"outbox {calls[0].what}{more} was {what}, so nothing of it was written: "
-            "the commit is refused, and nothing of this transaction is committed; await every "
+            f"outbox {calls[0].what}{more} {calls[0].state}: the commit is refused, and "
+            "nothing of this transaction is committed; await every "
             "publish, prepare, commit and rollback on an async session or connection, and "
             "roll back a transaction in which one was cancelled")

@@ -29,7 +29,7 @@ from sqlalchemy.orm import (
     scoped_session,
     sessionmaker,
 )
-from sqlalchemy.pool import NullPool
+from sqlalchemy.pool import AsyncAdaptedQueuePool, NullPool
 
 from outbox import Message, NotAwaited, NotInTransaction, Outbox, Resolution, SchemaNotMigrated
 from outbox.dev.topics import read_topic
@@ -59,7 +59,7 @@ class Stack:
                 engine.dispose()
 
         async def main() -> Any:
-            engine = create_async_engine(self.url, poolclass=NullPool, **engine_options)
+            engine = create_async_engine(self.url, **{"poolclass": NullPool, **engine_options})
             try:
                 return await scenario(engine)
             finally:
@@ -466,7 +466,7 @@ def test_a_publish_cancelled_before_it_ran_refuses_only_its_own_transaction(
         return refusals
 
     refusals = stack.run(scenario)
-    assert len(refusals) == 1 and "cancelled before it ran" in refusals[0], refusals
+    assert len(refusals) == 1 and "cancelled before it completed" in refusals[0], refusals
     with engine.connect() as conn:
         assert conn.execute(text(f"SELECT count(*) FROM {schema}.message_state")
                             ).scalar_one() == 2
@@ -502,6 +502,80 @@ def test_a_call_cancelled_in_a_savepoint_rolled_back_refuses_no_commit(
     with engine.connect() as conn:
         assert conn.execute(text(f"SELECT count(*) FROM {schema}.message_state")
                             ).scalar_one() == 2
+
+
+@pytest.mark.parametrize("stack", ["psycopg_async", "asyncpg"], indirect=True)
+def test_a_publish_cancelled_before_its_statement_ran_refuses_the_commit(
+    stack: Stack, outbox: Outbox, engine: Engine, schema: str
+) -> None:
+    """``asyncio.timeout()`` around a publish that waits for a pooled connection (or for the
+    session's flush) cancels it before its statement is sent: nothing of it is written and
+    the connection is not invalidated. Code that went on after the timeout then committed the
+    business rows without their message. The commit is now refused (``NotAwaited``, "was
+    cancelled before it completed"); rolled back, the session is usable again."""
+    insert = text("INSERT INTO driver_orders VALUES (1, 'new')")
+    with engine.begin() as conn:
+        Base.metadata.create_all(conn)
+        conn.execute(text("TRUNCATE driver_orders"))
+
+    async def scenario(bound: AsyncEngine) -> str:
+        async with AsyncSession(bound) as session:
+            await session.begin()
+            async with bound.connect() as only:  # the pool's one connection
+                await only.execute(text("SELECT 1"))
+                with pytest.raises(TimeoutError):
+                    async with asyncio.timeout(0.2):
+                        await outbox.publish(session, "orders", {"n": 1})
+            await session.execute(insert)
+            with pytest.raises(NotAwaited) as refused:
+                await session.commit()
+            await session.rollback()
+            async with session.begin():
+                await session.execute(insert)
+                await outbox.publish(session, "orders", {"n": 2})
+        return str(refused.value)
+
+    try:
+        refusal = stack.run(scenario, poolclass=AsyncAdaptedQueuePool, pool_size=1,
+                            max_overflow=0)
+        assert "cancelled before it completed" in refusal, refusal
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT count(*) FROM driver_orders")).scalar_one() == 1
+            assert conn.execute(text(f"SELECT count(*) FROM {schema}.message_state")
+                                ).scalar_one() == 1
+    finally:
+        with engine.begin() as conn:
+            Base.metadata.drop_all(conn)
+
+
+@pytest.mark.parametrize("stack", ["psycopg_async"], indirect=True)
+def test_a_decision_cancelled_on_an_autocommit_connection_refuses_no_later_commit(
+    stack: Stack, outbox: Outbox, engine: Engine, schema: str
+) -> None:
+    """On an ``AUTOCOMMIT`` connection a decision commits on its own (on psycopg 3, on the
+    psycopg connection under it, which SQLAlchemy does not invalidate when it is cancelled):
+    there is no transaction a cancelled one could leave without its message, so it is not
+    kept to refuse the connection's commits. Decided again, it is recorded."""
+    with engine.begin() as conn:
+        prepared = outbox.prepare(conn, "orders", {"n": 1}, key="k")
+
+    async def scenario(bound: AsyncEngine) -> None:
+        with engine.connect() as holder:
+            holder.begin()
+            outbox.commit(holder, prepared)  # holds the message's row
+            async with bound.connect() as conn:
+                await conn.execute(text("SELECT 1"))
+                with pytest.raises(TimeoutError):
+                    async with asyncio.timeout(0.2):
+                        await outbox.commit(conn, prepared)
+                holder.rollback()
+                await outbox.commit(conn, prepared)
+                await conn.commit()
+
+    stack.run(scenario, isolation_level="AUTOCOMMIT")
+    with engine.connect() as conn:
+        assert conn.execute(text(f"SELECT resolution FROM {schema}.message_state")
+                            ).scalar_one() == "COMMIT"
 
 
 def test_a_publish_on_a_lost_connection_or_past_a_lock_timeout_raises_what_sqlalchemy_does(
