@@ -364,3 +364,34 @@ def test_send_in_transaction_on_an_autocommit_pipeline_runs_outside_any_transact
     rolled_back = asyncio.run(scenario())
     assert resolutions(engine, schema) == {committed.message_id: "COMMIT",
                                            rolled_back: "ROLLBACK"}
+
+
+def test_a_publish_cancelled_while_it_waits_for_its_key_aborts_the_transaction(
+    outbox: Outbox, engine: Engine, schema: str, settings: Settings
+) -> None:
+    """``asyncio.timeout()`` around a publish waiting for its key's lock: psycopg cancels the
+    statement on the server, so the commit that follows writes neither the business rows nor
+    a message, and the connection is usable at once; after the holder's rollback, the retry
+    publishes."""
+
+    async def scenario() -> int:
+        with psycopg.connect(settings.database_url) as holder:
+            outbox.publish(holder, "orders", {"n": 1}, key="k")  # holds the key's lock
+            async with await psycopg.AsyncConnection.connect(settings.database_url) as conn:
+                await conn.execute("CREATE TEMP TABLE paid (id int)")
+                await conn.commit()
+                await conn.execute("INSERT INTO paid VALUES (1)")
+                with pytest.raises(TimeoutError):
+                    async with asyncio.timeout(0.2):
+                        await outbox.publish(conn, "orders", {"n": 2}, key="k")
+                await conn.commit()
+                holder.rollback()
+                async with conn.transaction():
+                    await conn.execute("INSERT INTO paid VALUES (2)")
+                    await outbox.publish(conn, "orders", {"n": 3}, key="k")
+                cursor = await conn.execute("SELECT array_agg(id) FROM paid")
+                row = await cursor.fetchone()
+                assert row is not None and row[0] == [2]
+                return len(resolutions(engine, schema))
+
+    assert asyncio.run(scenario()) == 1
