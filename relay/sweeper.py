@@ -100,12 +100,14 @@ def load_app(path: str) -> Outbox:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ConfigurationError(f"--app {path}: cannot import {module_name!r} ({exc})") from None
-    app = getattr(module, attribute or "outbox", None)
+    name = attribute or "outbox"
+    app = getattr(module, name, None)
     if not isinstance(app, Outbox):
+        what = (f"{module_name} has no attribute {name!r}" if not hasattr(module, name)
+                else f"{module_name}.{name} is a {type(app).__name__}, not an outbox.Outbox")
         raise ConfigurationError(
-            f"--app {path}: {module_name}.{attribute or 'outbox'} is not an outbox.Outbox "
-            "(give module:attribute of the Outbox your checkers are registered on)"
-        )
+            f"--app {path}: {what} (give module:attribute of the Outbox your checkers are "
+            "registered on)")
     return app
 
 

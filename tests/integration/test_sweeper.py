@@ -1226,7 +1226,10 @@ def test_a_second_sigterm_abandons_the_checks_the_sweeper_waits_for(
 @pytest.mark.parametrize(("args", "env", "error"), [
     (("--app", "no_such_service.outbox:outbox"), {},
      "--app no_such_service.outbox:outbox: cannot import 'no_such_service.outbox'"),
-    (("--app", "tests.checker_app:missing"), {}, "tests.checker_app.missing is not an outbox"),
+    (("--app", "tests.checker_app:missing"), {},
+     "--app tests.checker_app:missing: tests.checker_app has no attribute 'missing'"),
+    (("--app", "tests.checker_app:order_was_placed"), {},
+     "tests.checker_app.order_was_placed is a function, not an outbox.Outbox"),
     ((), {}, "the sweeper has no checkers: pass --app module:outbox"),
     (("--app", ":outbox"), {}, "--app :outbox: give module:attribute"),
     (("--app", ".checker_app:outbox"), {}, "--app .checker_app:outbox: give module:attribute"),
