@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -95,12 +96,72 @@ class Shared:
         return settings
 
 
+#: The commands that take SIGTERM, Ctrl-C and SIGHUP over themselves: the daemons, the
+#: console (uvicorn) and a reconciliation (its Spark jobs).
+OWN_SIGNALS = frozenset({"relay", "sweep", "console", "reconcile"})
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+#: ``ctx.meta`` key (shared by a command's nested contexts): what a short command stopped
+#: by a signal left behind, said after the signal's name.
+ON_STOP, COMMAND = "outbox.on_stop", "outbox.command"
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM, Ctrl-C or SIGHUP in a short command, raised where the command is, as Ctrl-C's
+    KeyboardInterrupt: psycopg cancels the statement in hand, and every ``with`` block rolls
+    its transaction back and closes on the way out. SIGTERM killed such a command without a
+    word (exit 143), Ctrl-C said 'Aborted!' with exit code 1 (for resume: ids not resumed)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_stopped(signum: int, _frame: object) -> None:
+    for each in STOP_SIGNALS:  # the way out (a rollback, services stopped) is not cut short
+        signal.signal(each, signal.SIG_IGN)
+    raise Stopped(signum)
+
+
+def on_stop(consequence: str) -> None:
+    """Say ``consequence`` (what is left) if a signal stops the running command from now."""
+    click.get_current_context().meta[ON_STOP] = consequence
+
+
+class OutboxCommand(click.Command):
+    """A command that names itself (``db upgrade``) for the line of a stop."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        names: list[str] = []
+        each = ctx
+        while each.parent is not None:
+            names.insert(0, each.info_name or "")
+            each = each.parent
+        ctx.meta[COMMAND] = " ".join(names)
+        return super().invoke(ctx)
+
+
+class OutboxSubgroup(click.Group):
+    command_class = OutboxCommand
+
+
 class OutboxGroup(click.Group):
-    """Errors a user can fix become one line on stderr and exit code 2, never a traceback."""
+    """Errors a user can fix become one line on stderr and exit code 2, never a traceback;
+    a short command stopped by a signal says so in one line and exits 128 + the signal."""
+
+    command_class = OutboxCommand
+    group_class = OutboxSubgroup
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
+        except KeyboardInterrupt as exc:
+            if ctx.invoked_subcommand in OWN_SIGNALS:
+                raise
+            signum = exc.signum if isinstance(exc, Stopped) else signal.SIGINT
+            click.echo(f"outbox: error: {ctx.meta.get(COMMAND, 'the command')} was "
+                       f"stopped ({signal.Signals(signum).name})"
+                       f"{ctx.meta.get(ON_STOP, ': it changed nothing')}", err=True)
+            ctx.exit(128 + signum)
         except Exception as exc:
             line = error_line(ctx, exc)
             if line is None:
@@ -201,6 +262,11 @@ def main(ctx: click.Context, config_file: str | None, database_url: str | None,
     for warning in unknown_variables(os.environ):
         click.echo(f"outbox: warning: {warning}", err=True)
     ctx.obj = Shared(database_url=database_url, schema=schema)
+    if ctx.invoked_subcommand not in OWN_SIGNALS \
+            and threading.current_thread() is threading.main_thread():
+        found = {signum: signal.signal(signum, _raise_stopped) for signum in STOP_SIGNALS}
+        ctx.call_on_close(lambda: [signal.signal(signum, handler)
+                                   for signum, handler in found.items() if handler is not None])
 
 
 @main.command("config")
@@ -230,6 +296,8 @@ def _migrate(shared: Shared, direction: str, revision: str) -> DatabaseSettings:
     from outbox import migrate
 
     settings = shared.settings(MigrateSettings)
+    on_stop(f": a migration not yet committed was rolled back, whole (`outbox db current` "
+            f"prints the revision schema {settings.schema_name} is at)")
     if direction == "upgrade":  # its first ranges of history are partition_size ids each
         migrate.upgrade(settings.sqlalchemy_url, settings.schema_name, revision,
                         settings.partition_size)
@@ -385,6 +453,8 @@ def prune(shared: Shared, retention_hours: float | None) -> None:
     from outbox.relay.retention import prune as prune_all
 
     settings = shared.settings(PruneSettings, retention_hours=retention_hours)
+    on_stop(": the ranges and rows it pruned stay pruned, the others are kept for the next "
+            "pass")
     with database(settings):  # refuses a schema behind the code, names a lock's holder
         pruned = prune_all(settings, session=short_session())
     click.echo(pruned.summary(settings.retention_hours))
@@ -481,9 +551,11 @@ def resume(shared: Shared, ids: tuple[int, ...], resume_all: bool) -> None:
     if ids and resume_all:  # ran as --all, and said the ids were not resumed
         raise click.UsageError("give message ids or --all, not both")
     settings = shared.settings(DatabaseSettings)
+    on_stop(": its transaction was rolled back, nothing was resumed")
     with database(settings) as conn, conn.begin():
         resumed = store.resume(conn, settings.schema_name, f"cli:{settings.worker_id}",
                                ids, resume_all=resume_all)
+    on_stop(f": {len(resumed)} messages were resumed")
     for message_id, was in resumed:
         click.echo(f"resumed message {message_id} (was {was})")
     missing = set(ids) - {message_id for message_id, _ in resumed}

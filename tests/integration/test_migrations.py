@@ -7,6 +7,10 @@ themselves, and that the copy every other test gets (tests/conftest.py) is the s
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -971,3 +975,32 @@ def test_an_upgrade_as_a_role_with_a_statement_timeout_copies_every_row(
         with engine.begin() as conn:
             conn.execute(text(f"DROP OWNED BY {login}"))
             conn.execute(text(f"DROP ROLE {login}"))
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_an_upgrade_stopped_by_a_signal_mid_migration_rolls_back_whole_and_says_so(
+    services: devservices.Services, engine: Engine, signum: signal.Signals
+) -> None:
+    """SIGTERM killed `db upgrade` without a word (exit 143), its statement left queued for
+    the lock it waited for; Ctrl-C said 'Aborted!' and exit code 1. It now cancels the
+    statement, rolls the migration back and says where the schema is."""
+    name = f"m_{uuid.uuid4().hex[:12]}"
+    migrate.upgrade(services.database_url, name, "0003")
+    env = {**os.environ, "OUTBOX_DATABASE_URL": services.database_url, "OUTBOX_SCHEMA": name}
+    try:
+        with engine.connect() as holder:
+            holder.execute(text(f"LOCK TABLE {name}.op_record IN SHARE MODE"))
+            upgrading = subprocess.Popen([sys.executable, "-m", "outbox", "db", "upgrade"],
+                                         env=env, stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE, text=True)
+            wait_until(lambda: statement_waits(engine, name), 10, "the upgrade to wait")
+            upgrading.send_signal(signum)
+            stdout, stderr = upgrading.communicate(timeout=20)
+            assert not statement_waits(engine, name), "its statement still queued"
+        assert (upgrading.returncode, stdout, stderr) == (128 + signum, "", (
+            f"outbox: error: db upgrade was stopped ({signum.name}): a migration not yet "
+            f"committed was rolled back, whole (`outbox db current` prints the revision "
+            f"schema {name} is at)\n"))
+        assert migrate.current(services.database_url, name) == "0003"
+    finally:
+        drop_schema(engine, name)
