@@ -481,6 +481,8 @@ def up(state_file: Path, durable: bool) -> None:
                    f"{services.root}: starting new ones", err=True)
         services = None
     if services is not None:
+        on_stop(f" while it started again the services recorded in {state_file}: `outbox dev "
+                "env` says which run, `outbox dev up` starts the others")
         restarted = devservices.resume(services)
         if not restarted:
             raise ConfigurationError(
@@ -491,8 +493,11 @@ def up(state_file: Path, durable: bool) -> None:
                    f"{state_file}" + ("; the broker's topics were in memory and are gone"
                                       if "Kafka broker" in restarted else ""), err=True)
     else:
-        services = devservices.start(durable=durable, keep=True)
-        services.save(state_file)
+        on_stop(" while it started the services: it stopped them again and removed their "
+                "folder")
+        services = devservices.start(durable=durable, keep=True)  # stops them on a signal
+        _record(services, state_file)
+        on_stop(f": the services are recorded in {state_file}")
     click.echo(f"# PostgreSQL on port {services.pg_port}, Kafka on port {services.kafka_port}; "
                f"files in {services.root}", err=True)
     _exports(services)
@@ -514,6 +519,22 @@ def env(state_file: Path) -> None:
     _exports(services)
 
 
+def _record(services: Any, state_file: Path) -> None:
+    """Record new ``services`` in ``state_file``, or stop them: unrecorded, no ``outbox dev
+    down`` could (a full disk gave a traceback and left both servers running)."""
+    from outbox.dev import services as devservices
+
+    try:
+        services.save(state_file)
+    except BaseException as exc:
+        devservices.stop(services)
+        if not isinstance(exc, OSError):
+            raise
+        raise ConfigurationError(
+            f"cannot record the services in {state_file} ({exc.strerror or exc}): stopped "
+            "them again; free some room there or give another --state-file") from None
+
+
 def _exports(services: Any) -> None:
     for name, value in services.env().items():
         click.echo(f"export {name}={value}")
@@ -529,6 +550,8 @@ def down(state_file: Path) -> None:
     if not state_file.exists():
         click.echo(f"nothing recorded in {state_file}; nothing to stop", err=True)
         return
+    on_stop(f": it may have stopped some of them; `outbox dev down` again stops the others "
+            f"recorded in {state_file}")
     stopped = devservices.stop(devservices.Services.load(state_file))
     state_file.unlink()
     if stopped:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import subprocess
 import threading
 import time
 import uuid
@@ -55,6 +56,16 @@ def services() -> Iterator[devservices.Services]:
     started = devservices.start()
     yield started
     devservices.stop(started)
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A disk of 64 KiB (tmpfs), to fill up for real."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], check=True)
+    yield disk
+    subprocess.run(["umount", str(disk)], check=True)
 
 
 @pytest.fixture(scope="session")

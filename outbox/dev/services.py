@@ -73,8 +73,16 @@ class Services:
         }
 
     def save(self, path: Path) -> None:
+        """Whole or not at all: a state file cut short by a full disk named nothing that
+        ``outbox dev down`` could stop."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(asdict(self), indent=2))
+        partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+        try:
+            partial.write_text(json.dumps(asdict(self), indent=2))
+            os.replace(partial, path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                partial.unlink()
 
     @classmethod
     def load(cls, path: Path) -> Services:
@@ -198,7 +206,12 @@ def start_broker(log_dir: str, port: int, advertised_port: int = 0, *,
         stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True, cwd=schemas,
     )
     log.close()
-    _wait_for_port(port, "the embedded Kafka broker", process)
+    try:
+        _wait_for_port(port, "the embedded Kafka broker", process)
+    except BaseException:  # not opening its port, or the caller stopped: no broker left behind
+        process.kill()
+        process.wait()
+        raise
     return process
 
 

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
+import pytest
 from kafka import KafkaProducer
 
 from outbox import migrate
@@ -171,3 +176,78 @@ def test_a_state_file_dev_up_did_not_write_is_one_line(tmp_path: Path) -> None:
             result = run_outbox(None, "dev", command, "--state-file", str(state))
             assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
             assert f"{state} is not a state file `outbox dev up` wrote" in result.stderr
+
+
+def users_of(folder: Path) -> set[int]:
+    """The processes whose command line or open files name ``folder`` (PostgreSQL's name
+    its data directory, the broker holds its log there)."""
+    found = set()
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            named = [proc.joinpath("cmdline").read_bytes().decode(errors="replace")]
+            named += [os.readlink(fd) for fd in proc.joinpath("fd").iterdir()]
+        except OSError:
+            continue
+        if any(str(folder) in name for name in named):
+            found.add(int(proc.name))
+    return found
+
+
+@contextlib.contextmanager
+def own_temporary_folder() -> Iterator[Path]:
+    """A TMPDIR for `outbox dev up` (its services' folders land there), traversable by the
+    postgres user; whatever a failing test leaves in it is killed and removed."""
+    folder = Path(tempfile.mkdtemp(prefix="outbox-devtest-"))
+    folder.chmod(0o755)
+    try:
+        yield folder
+    finally:
+        for pid in users_of(folder):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_dev_up_stopped_while_it_starts_leaves_nothing_running(
+    tmp_path: Path, signum: signal.Signals
+) -> None:
+    """SIGTERM or SIGHUP while `dev up` started PostgreSQL killed it and left the server
+    running, recorded nowhere (no state file, no owner to reap it by), its folder kept;
+    Ctrl-C stopped them but said only 'Aborted!' with exit code 1."""
+    state = tmp_path / "state.json"
+    with own_temporary_folder() as temporary:
+        up = subprocess.Popen([sys.executable, "-m", "outbox", "dev", "up", "--state-file",
+                               str(state)], env={**os.environ, "TMPDIR": str(temporary)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        wait_until(lambda: any(temporary.glob("*/postgres.log")), 30,
+                   "PostgreSQL starting")
+        up.send_signal(signum)
+        _, stderr = up.communicate(timeout=30)
+
+        assert (up.returncode, stderr) == (128 + signum, (
+            f"outbox: error: dev up was stopped ({signum.name}) while it started the "
+            "services: it stopped them again and removed their folder\n"))
+        assert users_of(temporary) == set(), "left running"
+        assert list(temporary.iterdir()) == [], "their folder"
+        assert not state.exists()
+
+
+def test_dev_up_whose_state_file_does_not_fit_leaves_nothing_running(
+    tmp_path: Path, small_disk: Path
+) -> None:
+    """A full disk under the state file gave a traceback, an empty state file (so `dev down`
+    could not stop them) and both servers running, recorded nowhere."""
+    (small_disk / "filler").write_bytes(bytes(64 * 1024))
+    state = small_disk / "state.json"
+    with own_temporary_folder() as temporary:
+        up = run_outbox(None, "dev", "up", "--state-file", str(state),
+                        env={**os.environ, "TMPDIR": str(temporary)})
+
+        assert (up.returncode, up.stdout, up.stderr) == (2, "", (
+            f"outbox: error: cannot record the services in {state} (No space left on "
+            "device): stopped them again; free some room there or give another "
+            "--state-file\n"))
+        assert users_of(temporary) == set(), "left running"
+        assert list(temporary.iterdir()) == [], "their folder"
+        assert not state.exists(), "an empty state file"

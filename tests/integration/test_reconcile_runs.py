@@ -211,16 +211,6 @@ def test_a_run_names_its_phase_and_tasks_while_its_spark_jobs_work(
     assert "reconcile-progress" not in {t.name for t in threading.enumerate()}
 
 
-@pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Path]:
-    """A disk of 64 KiB (tmpfs), to fill up for real."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], check=True)
-    yield disk
-    subprocess.run(["umount", str(disk)], check=True)
-
-
 @pytest.mark.parametrize("free_kib", [4, 36, 44, 48],
                          ids=["findings", "carry", "summary", "report"])
 def test_a_run_whose_disk_fills_up_records_nothing_and_exits_4(
