@@ -96,9 +96,9 @@ class Shared:
         return settings
 
 
-#: The commands that take SIGTERM, Ctrl-C and SIGHUP over themselves: the daemons, the
-#: console (uvicorn) and a reconciliation (its Spark jobs).
-OWN_SIGNALS = frozenset({"relay", "sweep", "console", "reconcile"})
+#: The commands that take SIGTERM, Ctrl-C and SIGHUP over themselves from their start: the
+#: daemons and a reconciliation (its Spark jobs). The console does once it serves.
+OWN_SIGNALS = frozenset({"relay", "sweep", "reconcile"})
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 #: ``ctx.meta`` key (shared by a command's nested contexts): what a short command stopped
 #: by a signal left behind, said after the signal's name.
@@ -688,16 +688,21 @@ def console(shared: Shared, host: str | None, port: int | None, allow_actions: b
             f"console needs the console extra ({exc}): pip install "
             "'transactional-outbox[console]'") from None
 
-    settings = shared.settings(ConsoleSettings, console_host=host, console_port=port,
-                               console_actions=allow_actions, log_level=log_level)
-    token = settings.console_token.get_secret_value().strip()
-    if settings.console_actions and len(token) < MIN_TOKEN_LENGTH:
-        short = f" of {MIN_TOKEN_LENGTH} characters or more" if token else ""
-        raise ConfigurationError(
-            f"--allow-actions needs a token{short}: set OUTBOX_CONSOLE_TOKEN to a long random "
-            "string (operators type it to resume messages)")
-    setup_logging(settings.log_level)
-    serve(settings, _overdue(settings))
+    try:
+        settings = shared.settings(ConsoleSettings, console_host=host, console_port=port,
+                                   console_actions=allow_actions, log_level=log_level)
+        token = settings.console_token.get_secret_value().strip()
+        if settings.console_actions and len(token) < MIN_TOKEN_LENGTH:
+            short = f" of {MIN_TOKEN_LENGTH} characters or more" if token else ""
+            raise ConfigurationError(
+                f"--allow-actions needs a token{short}: set OUTBOX_CONSOLE_TOKEN to a long "
+                "random string (operators type it to resume messages)")
+        setup_logging(settings.log_level)
+        serve(settings, _overdue(settings))
+    except KeyboardInterrupt as exc:  # before it served it holds nothing: exit 0, as a relay
+        signum = exc.signum if isinstance(exc, Stopped) else signal.SIGINT
+        click.echo(f"outbox: console stopped before it served ({signal.Signals(signum).name})",
+                   err=True)
 
 
 def _timestamp(_ctx: click.Context, _param: click.Parameter, value: str | None

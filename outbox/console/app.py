@@ -216,17 +216,26 @@ def serve(settings: ConsoleSettings, overdue_seconds: float) -> None:
     """Serve the console until SIGTERM or Ctrl-C."""
     import uvicorn
 
-    # uvicorn raises the signal that stopped it again once it has shut down, into the
-    # handlers it found: a stop asked for is then a clean exit (status 0), as for the relay.
-    for stop in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(stop, lambda _sig, _frame: None)
     listening = _listen(settings.console_host, settings.console_port)
     config = uvicorn.Config(create_app(settings, overdue_seconds), host=settings.console_host,
                             port=settings.console_port, log_level=settings.log_level.lower(),
                             server_header=False)
+    server = uvicorn.Server(config)
+
+    def stop(_signum: int, _frame: object) -> None:
+        server.should_exit = True
+
+    # Until now a signal stopped the command where it was (outbox/cli.py, a console that
+    # waits for PostgreSQL's first answer); these handlers set those aside only once the
+    # console is made (set before, they made it wait on and serve). uvicorn takes SIGINT and
+    # SIGTERM over as it runs and raises them again here once it has shut down: a stop asked
+    # for is then a clean exit (status 0), as for the relay. SIGHUP (a terminal or ssh
+    # session gone), which uvicorn leaves alone, killed the console without a word.
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, stop)
     host, port = listening.getsockname()[:2]
     log.info("serving the console on http://%s:%d", f"[{host}]" if ":" in host else host, port)
-    uvicorn.Server(config).run(sockets=[listening])
+    server.run(sockets=[listening])
 
 
 def _listen(host: str, port: int) -> socket.socket:

@@ -50,9 +50,9 @@ SCRIPT_KEY = "<script>alert('key')</script>"
 
 @contextlib.contextmanager
 def running_console(settings: Settings, *args: str, logs: list[str] | None = None,
-                    **env: str) -> Iterator[str]:
-    """``outbox console`` on a free loopback port until the block ends; yields its URL (and
-    appends what it printed to ``logs``)."""
+                    stop: signal.Signals = signal.SIGTERM, **env: str) -> Iterator[str]:
+    """``outbox console`` on a free loopback port until the block ends, then ``stop``;
+    yields its URL (and appends what it printed to ``logs``)."""
     port = devservices.free_port()
     process = start_outbox(settings, "console", "--port", str(port), *args, **env)
     url = f"http://127.0.0.1:{port}"
@@ -61,7 +61,7 @@ def running_console(settings: Settings, *args: str, logs: list[str] | None = Non
         assert process.poll() is None, process.communicate()[0]
         yield url
     finally:
-        process.send_signal(signal.SIGTERM)
+        process.send_signal(stop)
         output, _ = process.communicate(timeout=30)
     if logs is not None:
         logs.append(output)
@@ -292,6 +292,40 @@ def test_a_database_that_stops_answering_is_said_on_the_page(settings: Settings)
     assert "Traceback" not in logs[0], logs[0]
     assert f"WARNING outbox.console: cannot read schema {settings.schema_name}: " \
            "OperationalError: " in logs[0]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGINT])
+def test_the_console_stops_cleanly_on_sighup_and_ctrl_c_as_on_sigterm(
+    settings: Settings, signum: signal.Signals
+) -> None:
+    """SIGHUP (a terminal or ssh session gone) killed the console without a word (exit 129):
+    uvicorn handles only SIGINT and SIGTERM."""
+    logs: list[str] = []
+    with running_console(settings, logs=logs, stop=signum) as console:
+        assert httpx.get(console).status_code == 200
+    assert "Traceback" not in logs[0], logs[0]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_a_console_stopped_while_it_waits_for_postgresql_at_start_exits_at_once(
+    settings: Settings, signum: signal.Signals
+) -> None:
+    """The console set SIGTERM and Ctrl-C aside before its first connection: stopped while
+    PostgreSQL did not answer, it went on waiting, and served once the database came back;
+    SIGHUP killed it without a word."""
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts no connection, answers nothing
+    waiting = settings.model_copy(update={"database_url": make_url(settings.database_url).set(
+        host="127.0.0.1", port=silent.getsockname()[1]).render_as_string(hide_password=False)})
+    try:
+        process = start_outbox(waiting, "console", "--port", str(devservices.free_port()))
+        time.sleep(2)  # its settings read, its first connection waits for an answer
+        assert process.poll() is None, process.communicate()[0]
+        process.send_signal(signum)
+        output, _ = process.communicate(timeout=5)
+    finally:
+        silent.close()
+    assert (process.returncode, output) == (
+        0, f"outbox: console stopped before it served ({signum.name})\n")
 
 
 def test_a_console_host_that_does_not_resolve_names_the_host(settings: Settings) -> None:
