@@ -481,14 +481,14 @@ def up(state_file: Path, durable: bool) -> None:
                    f"{services.root}: starting new ones", err=True)
         services = None
     if services is not None:
-        on_stop(f" while it started again the services recorded in {state_file}: `outbox dev "
-                "env` says which run, `outbox dev up` starts the others")
-        restarted = devservices.resume(services)
+        on_stop(f" while it started again the services recorded in {state_file}: it stopped "
+                "those again (PostgreSQL's data is kept); `outbox dev up` starts them")
+        restarted = devservices.resume(services)  # stops them again on a signal
         if not restarted:
             raise ConfigurationError(
                 f"services already recorded in {state_file}: `outbox dev env` prints their "
                 "settings again, `outbox dev down` stops them")
-        services.save(state_file)
+        _record(services, state_file, restarted)
         click.echo(f"# restarted the embedded {' and '.join(restarted)} recorded in "
                    f"{state_file}" + ("; the broker's topics were in memory and are gone"
                                       if "Kafka broker" in restarted else ""), err=True)
@@ -519,20 +519,27 @@ def env(state_file: Path) -> None:
     _exports(services)
 
 
-def _record(services: Any, state_file: Path) -> None:
-    """Record new ``services`` in ``state_file``, or stop them: unrecorded, no ``outbox dev
-    down`` could (a full disk gave a traceback and left both servers running)."""
+def _record(services: Any, state_file: Path, restarted: list[str] | None = None) -> None:
+    """Record new ``services`` (or those ``restarted``) in ``state_file``, or stop them:
+    unrecorded, no ``outbox dev down`` could (a full disk gave a traceback and left the
+    servers running)."""
     from outbox.dev import services as devservices
 
     try:
         services.save(state_file)
     except BaseException as exc:
-        devservices.stop(services)
+        if restarted is None:
+            devservices.stop(services)
+        else:
+            devservices.halt(services, restarted)
         if not isinstance(exc, OSError):
             raise
-        raise ConfigurationError(
-            f"cannot record the services in {state_file} ({exc.strerror or exc}): stopped "
-            "them again; free some room there or give another --state-file") from None
+        again = ("them again; free some room there or give another --state-file"
+                 if restarted is None else
+                 f"the {' and '.join(restarted)} again (PostgreSQL's data is kept); free "
+                 "some room there and run `outbox dev up` again")
+        raise ConfigurationError(f"cannot record the services in {state_file} "
+                                 f"({exc.strerror or exc}): stopped {again}") from None
 
 
 def _exports(services: Any) -> None:

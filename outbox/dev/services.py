@@ -329,19 +329,35 @@ def resume(services: Services) -> list[str]:
     (PostgreSQL with its data; the broker empty, as its topics were in memory). Returns
     their names. Their folder must still be there."""
     down = not_running(services)
-    if "PostgreSQL" in down:
-        # A killed postmaster whose parent never reaps it (a container's init) stays a zombie,
-        # which PostgreSQL takes for a server still running on its lock files.
-        for lock in (os.path.join(services.pg_data, "postmaster.pid"),
-                     os.path.join(services.root, f".s.PGSQL.{services.pg_port}.lock")):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(lock)
-        start_postgres(services, durable=services.durable)  # recovers from a kill -9
-    if "Kafka broker" in down:
-        services.tansu_pid = start_tansu(services)
-    if down:
-        services.save(Path(services.root, STATE_FILE))
+    try:
+        if "PostgreSQL" in down:
+            # A killed postmaster whose parent never reaps it (a container's init) stays a
+            # zombie, which PostgreSQL takes for a server still running on its lock files.
+            for lock in (os.path.join(services.pg_data, "postmaster.pid"),
+                         os.path.join(services.root, f".s.PGSQL.{services.pg_port}.lock")):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(lock)
+            start_postgres(services, durable=services.durable)  # recovers from a kill -9
+        if "Kafka broker" in down:
+            services.tansu_pid = start_tansu(services)
+        if down:
+            services.save(Path(services.root, STATE_FILE))
+    except BaseException:  # stopped, or its folder's disk full: none left running unrecorded
+        halt(services, down)
+        raise
     return down
+
+
+def halt(services: Services, names: list[str]) -> None:
+    """Stop the servers ``names`` (as :func:`not_running` names them) of ``services`` if
+    they run, keeping their folder (PostgreSQL's data) for :func:`resume`."""
+    if "Kafka broker" in names and _runs(services.tansu_pid, "tansu"):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(services.tansu_pid, signal.SIGTERM)
+            _wait_gone(services.tansu_pid)
+    if "PostgreSQL" in names and os.path.exists(os.path.join(services.pg_data, "postmaster.pid")):
+        with contextlib.suppress(ServiceUnavailable):
+            stop_postgres(services)
 
 
 def _wait_gone(pid: int, timeout: float = 5) -> None:

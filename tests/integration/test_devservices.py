@@ -251,3 +251,39 @@ def test_dev_up_whose_state_file_does_not_fit_leaves_nothing_running(
         assert users_of(temporary) == set(), "left running"
         assert list(temporary.iterdir()) == [], "their folder"
         assert not state.exists(), "an empty state file"
+
+
+def test_dev_up_that_cannot_record_the_servers_it_started_again_stops_them(
+    small_disk: Path
+) -> None:
+    """Servers killed, then the disk of the state file full: `dev up` started them again and
+    gave a traceback, the state file naming a broker pid that was no longer it (so `dev
+    down` left the new broker running)."""
+    state = small_disk / "state.json"
+    with own_temporary_folder() as temporary:
+        env = {**os.environ, "TMPDIR": str(temporary)}
+        assert run_outbox(None, "dev", "up", "--state-file", str(state), env=env
+                          ).returncode == 0
+        services = Services.load(state)
+        postmaster = int(Path(services.pg_data, "postmaster.pid").read_text().split()[0])
+        for pid in (services.tansu_pid, postmaster):
+            os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: len(devservices.not_running(services)) == 2, 10, "both gone")
+        room = os.statvfs(small_disk)
+        (small_disk / "filler").write_bytes(bytes(room.f_bavail * room.f_frsize))
+
+        full = run_outbox(None, "dev", "up", "--state-file", str(state), env=env)
+
+        assert (full.returncode, full.stdout, full.stderr) == (2, "", (
+            f"outbox: error: cannot record the services in {state} (No space left on "
+            "device): stopped the PostgreSQL and Kafka broker again (PostgreSQL's data is "
+            "kept); free some room there and run `outbox dev up` again\n"))
+        assert users_of(temporary) == set(), "left running"
+        assert Services.load(state) == services, "the record as it was"
+        (small_disk / "filler").unlink()
+        again = run_outbox(None, "dev", "up", "--state-file", str(state), env=env)
+        assert again.returncode == 0, again.stderr
+        down = run_outbox(None, "dev", "down", "--state-file", str(state), env=env)
+        assert (down.returncode, down.stderr) == (
+            0, "stopped the embedded PostgreSQL and Kafka broker\n")
+        assert users_of(temporary) == set(), "left running"
