@@ -336,3 +336,42 @@ def test_a_signal_while_a_daemon_is_still_imported_stops_it_at_once_with_a_line(
     name = "sweeper" if command == "sweep" else command
     assert (daemon.returncode, lines) == (
         0, [f"outbox: {name} stopped before it started ({signum.name})"])
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_resume_all_stopped_by_a_signal_resumes_nothing_and_says_so(
+    engine: Engine, settings: Settings, schema: str, signum: signal.Signals
+) -> None:
+    """SIGTERM killed `outbox resume --all` without a word (exit 143) while its statement
+    waited for a row a relay held; Ctrl-C said 'Aborted!' and exit code 1, which resume
+    means as 'some ids were not resumed'."""
+    from sqlalchemy.orm import Session
+
+    from outbox import Outbox
+
+    with Session(engine) as session, session.begin():
+        ids = [Outbox(settings=settings).publish(session, "t", {"n": n}) for n in range(3)]
+    with engine.begin() as conn:
+        conn.execute(text(f"UPDATE {schema}.pending SET status = 'PARKED'"))
+    with engine.connect() as holder:
+        holder.execute(text(f"SELECT 1 FROM {schema}.pending WHERE message_id = :id FOR UPDATE"),
+                       {"id": ids[-1]})
+        resuming = start_outbox(settings, "resume", "--all")
+        wait_until(lambda: waits_for_a_row(engine, schema), 10, "resume to wait")
+        resuming.send_signal(signum)
+        output, _ = resuming.communicate(timeout=10)
+    assert (resuming.returncode, output) == (128 + signum, (
+        f"outbox: error: resume was stopped ({signum.name}): its transaction was rolled back, "
+        "nothing was resumed\n"))
+    with engine.connect() as conn:
+        assert conn.execute(text(f"SELECT count(*) FROM {schema}.pending WHERE status = "
+                                 "'PARKED'")).scalar_one() == 3
+        assert conn.execute(text(f"SELECT count(*) FROM {schema}.op_record WHERE action = "
+                                 "'RESUMED'")).scalar_one() == 0
+
+
+def waits_for_a_row(engine: Engine, schema: str) -> bool:
+    with engine.connect() as conn:
+        return bool(conn.execute(text(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+            "AND query LIKE :named"), {"named": f"%{schema}.pending%"}).scalar_one())
