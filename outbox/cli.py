@@ -65,6 +65,15 @@ MIN_TOKEN_LENGTH = 16
 class _MessageId(click.IntRange):
     name = "message id"  # click's own said "'abc' is not a valid integer range"
 
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+                ) -> Any:
+        """ASCII digits only, as on the console: click read an id with ``int()``, so
+        ``resume 1_2`` (a typo) resumed message 12, and full-width or Arabic-Indic digits,
+        blanks and a sign were taken too."""
+        if isinstance(value, str) and not ascii_digits(value):
+            self.fail(f"{value!r} is not a valid message id (digits 0-9).", param, ctx)
+        return super().convert(value, param, ctx)
+
 
 MESSAGE_ID = _MessageId(1, MAX_MESSAGE_ID)
 

@@ -54,7 +54,19 @@ def test_a_message_id_that_is_not_a_number_is_called_one() -> None:
     """Click said "'abc' is not a valid integer range"."""
     result = outbox("--database-url", "postgresql://nowhere/x", "resume", "abc")
     assert result.exit_code == 2
-    assert "Invalid value for '[IDS]...': 'abc' is not a valid message id." in result.output
+    assert "Invalid value for '[IDS]...': 'abc' is not a valid message id (digits 0-9)." \
+        in result.output
+
+
+@pytest.mark.parametrize("typed", ["1_2", "\uff11\uff12", "\u0661\u0662", " 12", "+12", "12.0"])
+def test_a_message_id_is_ascii_digits_as_on_the_console(typed: str) -> None:
+    """`outbox resume 1_2` (a typo) resumed message 12: click read the id with Python's
+    int(), which also takes underscores, full-width and Arabic-Indic digits, blanks and a sign;
+    the console refuses them."""
+    result = outbox("--database-url", "postgresql://nowhere/x", "resume", typed)
+    assert result.exit_code == 2, result.output
+    assert f"Invalid value for '[IDS]...': {typed!r} is not a valid message id (digits 0-9)." \
+        in result.output
 
 
 def test_a_limit_beyond_a_bigint_is_a_usage_error() -> None:
