@@ -127,9 +127,14 @@ def _as_postgres() -> list[str]:
 
 
 def _run(cmd: list[str], what: str) -> None:
+    """Run a PostgreSQL tool; its failure is one line: its error lines (initdb follows its
+    error with 'removing data directory ...', which cut the command's line in two)."""
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
-        raise ServiceUnavailable(f"{what} failed: {(done.stderr or done.stdout).strip()}")
+        lines = [line.strip() for line in (done.stderr or done.stdout).splitlines()
+                 if line.strip()]
+        errors = [line for line in lines if "error" in line or "could not" in line]
+        raise ServiceUnavailable(f"{what} failed: {'; '.join(errors or lines)}")
 
 
 def _pg_ctl(services: Services, *args: str) -> list[str]:
@@ -149,7 +154,7 @@ def start_postgres(services: Services, *, durable: bool) -> None:
         options += ["-c fsync=off", "-c synchronous_commit=off", "-c full_page_writes=off"]
     log = os.path.join(services.root, "postgres.log")
     _run(_pg_ctl(services, "-l", log, "-w", "-t", "60", "-o", " ".join(options), "start"),
-         "starting PostgreSQL")
+         f"starting PostgreSQL (its log: {log})")
 
 
 def stop_postgres(services: Services, mode: str = "fast") -> None:

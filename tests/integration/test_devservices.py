@@ -287,3 +287,26 @@ def test_dev_up_that_cannot_record_the_servers_it_started_again_stops_them(
         assert (down.returncode, down.stderr) == (
             0, "stopped the embedded PostgreSQL and Kafka broker\n")
         assert users_of(temporary) == set(), "left running"
+
+
+def test_dev_up_on_a_full_disk_is_one_line_and_leaves_nothing(tmp_path: Path) -> None:
+    """initdb's two lines (its error, then 'removing data directory') ended the command: the
+    error line was cut in two."""
+    state = tmp_path / "state.json"
+    with own_temporary_folder() as temporary:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,mode=755", "tmpfs",
+                        str(temporary)], check=True)
+        try:
+            (temporary / "filler").write_bytes(bytes(40 * 1024))  # room for a folder, no more
+            up = run_outbox(None, "dev", "up", "--state-file", str(state),
+                            env={**os.environ, "TMPDIR": str(temporary)})
+            left = sorted(path.name for path in temporary.iterdir())
+        finally:
+            subprocess.run(["umount", str(temporary)], check=True)
+    assert up.returncode == 2, up.stderr
+    assert len(up.stderr.splitlines()) == 1, up.stderr
+    assert up.stderr.startswith("outbox: error: initdb failed: initdb: error: could not "), \
+        up.stderr
+    assert "No space left on device" in up.stderr
+    assert left == ["filler"]
+    assert not state.exists()
