@@ -28,6 +28,7 @@ from outbox.exceptions import (
     READ_ONLY_TRANSACTION,
     ConfigurationError,
     OutboxError,
+    db_command,
     first_line,
     lock_wait_exceeded,
     read_only,
@@ -329,7 +330,17 @@ def upgrade(shared: Shared, revision: str, create_roles: bool) -> None:
     if create_roles:
         from outbox import migrate
 
-        roles = migrate.create_roles(settings.sqlalchemy_url, settings.schema_name)
+        try:
+            roles = migrate.create_roles(settings.sqlalchemy_url, settings.schema_name)
+        except DBAPIError as exc:  # it said the login may not migrate the schema it just had
+            if sqlstate(exc) != INSUFFICIENT_PRIVILEGE:
+                raise
+            raise ConfigurationError(
+                f"schema {settings.schema_name} is migrated, but this login may not create "
+                f"its roles ({first_line(exc)}): run "
+                f"`{db_command(settings.schema_name, 'upgrade --create-roles')}` as a "
+                "superuser or a role with CREATEROLE (docs/operations.md, \"Least-privilege "
+                "roles\")") from None
         click.echo(f"roles {', '.join(roles)} granted; GRANT them to your login roles")
         for grant in migrate.missing_grants(settings.sqlalchemy_url, settings.schema_name):
             click.echo(f"outbox: warning: this role may not grant what {settings.schema_name}"

@@ -13,7 +13,7 @@ import pytest
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.orm import Session
 
-from outbox import ConfigurationError, Outbox, store
+from outbox import ConfigurationError, Outbox, migrate, store
 from outbox.dev import services as devservices
 from outbox.dev.topics import read_topic
 from outbox.schema import SHARDS
@@ -321,3 +321,33 @@ def test_roles_made_by_an_owner_who_may_not_grant_activity_say_what_a_superuser_
             for role in [*(f"{name}_{kind}" for kind in ROLE_KINDS), owner]:
                 conn.execute(text(f"DROP OWNED BY {role}"))
                 conn.execute(text(f"DROP ROLE {role}"))
+
+
+def test_roles_asked_of_a_login_that_may_not_create_roles_say_the_schema_is_migrated(
+    engine: Engine, services: devservices.Services
+) -> None:
+    """The schema's owner without CREATEROLE: the upgrade succeeded, then the line said 'this
+    login may not migrate schema ...: run `outbox db` as the role that owns the schema, or one
+    with CREATE on the database', which this login is."""
+    name = f"r_{uuid.uuid4().hex[:12]}"
+    owner = f"{name}_owner"
+    with engine.begin() as conn:
+        database = conn.execute(text("SELECT current_database()")).scalar_one()
+        conn.execute(text(f"CREATE ROLE {owner} LOGIN PASSWORD 'pw'"))
+        conn.execute(text(f"GRANT CREATE ON DATABASE {database} TO {owner}"))
+    url = services.database_url.replace(f"{devservices.DB_USER}:{devservices.DB_PASSWORD}@",
+                                        f"{owner}:pw@")
+    try:
+        result = run_outbox(None, "db", "upgrade", "--create-roles", env={
+            **os.environ, "OUTBOX_DATABASE_URL": url, "OUTBOX_SCHEMA": name})
+        assert (result.returncode, result.stderr) == (2, (
+            f"outbox: error: schema {name} is migrated, but this login may not create its "
+            f"roles (permission denied to create role): run `outbox --schema {name} db "
+            "upgrade --create-roles` as a superuser or a role with CREATEROLE "
+            "(docs/operations.md, \"Least-privilege roles\")\n"))
+        assert result.stdout == f"schema {name} is at revision {migrate.head()}\n"
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text(f"DROP SCHEMA IF EXISTS {name} CASCADE"))
+            conn.execute(text(f"DROP OWNED BY {owner}"))
+            conn.execute(text(f"DROP ROLE {owner}"))
