@@ -57,6 +57,8 @@ if TYPE_CHECKING:
 
 DEFAULT_STATE = Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state"),
                      "outbox", "dev-services.json")
+#: A folder given as the state file was a traceback (IsADirectoryError).
+STATE_FILE = click.Path(dir_okay=False, path_type=Path)
 S = TypeVar("S", bound=DatabaseSettings)
 #: SQLSTATE of a write refused by a server in recovery (a standby).
 #: The shortest console token taken: one an operator can guess (or one space) is refused.
@@ -486,7 +488,7 @@ def dev() -> None:
 
 
 @dev.command()
-@click.option("--state-file", type=click.Path(path_type=Path), default=DEFAULT_STATE,
+@click.option("--state-file", type=STATE_FILE, default=DEFAULT_STATE,
               show_default=True, help="where to record what was started")
 @click.option("--durable/--fast", default=False,
               help="keep PostgreSQL's fsync on (for benchmarks); default off")
@@ -524,7 +526,7 @@ def up(state_file: Path, durable: bool) -> None:
 
 
 @dev.command()
-@click.option("--state-file", type=click.Path(path_type=Path), default=DEFAULT_STATE,
+@click.option("--state-file", type=STATE_FILE, default=DEFAULT_STATE,
               show_default=True)
 def env(state_file: Path) -> None:
     """Print the OUTBOX_* settings of what `outbox dev up` started (for another shell)."""
@@ -568,7 +570,7 @@ def _exports(services: Any) -> None:
 
 
 @dev.command()
-@click.option("--state-file", type=click.Path(path_type=Path), default=DEFAULT_STATE,
+@click.option("--state-file", type=STATE_FILE, default=DEFAULT_STATE,
               show_default=True)
 def down(state_file: Path) -> None:
     """Stop exactly what `outbox dev up` started."""

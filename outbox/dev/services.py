@@ -91,6 +91,9 @@ class Services:
         except (ValueError, TypeError) as exc:  # not JSON, or not the fields `up` writes
             raise ConfigurationError(f"{path} is not a state file `outbox dev up` wrote "
                                      f"({first_line(exc)})") from None
+        except OSError as exc:  # a folder, a file this user may not read: a traceback
+            raise ConfigurationError(f"cannot read the state file {path}: "
+                                     f"{exc.strerror or exc}") from None
 
 
 def free_port() -> int:

@@ -310,3 +310,14 @@ def test_dev_up_on_a_full_disk_is_one_line_and_leaves_nothing(tmp_path: Path) ->
     assert "No space left on device" in up.stderr
     assert left == ["filler"]
     assert not state.exists()
+
+
+@pytest.mark.parametrize("command", ["up", "env", "down"])
+def test_a_state_file_that_is_a_folder_is_a_usage_error(tmp_path: Path, command: str) -> None:
+    """It was a traceback (IsADirectoryError) and exit code 1; `dev up` with it started
+    nothing, `dev down` stopped nothing."""
+    result = run_outbox(None, "dev", command, "--state-file", str(tmp_path))
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    assert (f"Error: Invalid value for '--state-file': File '{tmp_path}' is a directory."
+            in result.stderr), result.stderr
