@@ -321,3 +321,40 @@ def test_a_state_file_that_is_a_folder_is_a_usage_error(tmp_path: Path, command:
     assert "Traceback" not in result.stderr, result.stderr
     assert (f"Error: Invalid value for '--state-file': File '{tmp_path}' is a directory."
             in result.stderr), result.stderr
+
+
+def test_dev_up_stopped_while_it_starts_killed_servers_again_stops_them_again(
+    tmp_path: Path
+) -> None:
+    """Stopped while it started again PostgreSQL, it left it running and, had it reached the
+    broker, a broker recorded nowhere (the state file names the old one's pid)."""
+    state = tmp_path / "state.json"
+    with own_temporary_folder() as temporary:
+        env = {**os.environ, "TMPDIR": str(temporary)}
+        assert run_outbox(None, "dev", "up", "--state-file", str(state), env=env
+                          ).returncode == 0
+        services = Services.load(state)
+        pid_file = Path(services.pg_data, "postmaster.pid")
+        postmaster = int(pid_file.read_text().split()[0])
+        for pid in (services.tansu_pid, postmaster):
+            os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: len(devservices.not_running(services)) == 2, 10, "both gone")
+        pid_file.unlink()
+
+        up = subprocess.Popen([sys.executable, "-m", "outbox", "dev", "up", "--state-file",
+                               str(state)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+        wait_until(pid_file.exists, 30, "PostgreSQL starting again")
+        up.send_signal(signal.SIGTERM)
+        _, stderr = up.communicate(timeout=30)
+
+        assert (up.returncode, stderr) == (143, (
+            f"outbox: error: dev up was stopped (SIGTERM) while it started again the services "
+            f"recorded in {state}: it stopped those again (PostgreSQL's data is kept); `outbox "
+            "dev up` starts them\n"))
+        assert users_of(temporary) == set(), "left running"
+        assert Services.load(state) == services
+        again = run_outbox(None, "dev", "up", "--state-file", str(state), env=env)
+        assert again.returncode == 0, again.stderr
+        assert run_outbox(None, "dev", "down", "--state-file", str(state), env=env
+                          ).returncode == 0
