@@ -245,11 +245,11 @@ def test_a_run_whose_disk_fills_up_records_nothing_and_exits_4(
                      room.stdout), room.stdout  # its id may be the next: sequences do not roll back
 
 
-@pytest.mark.parametrize(("moment", "line"), [
-    ("as Spark starts", "Using incubator modules"),
-    ("as it reads the tables", "outbox.reconcile: window "),
-])
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize(("moment", "line", "signum"), [
+    ("as Spark starts", "Using incubator modules", signal.SIGTERM),
+    ("as it reads the tables", "outbox.reconcile: window ", signal.SIGINT),
+    ("as it reads the tables", "outbox.reconcile: window ", signal.SIGTERM),
+], ids=["SIGTERM-as-spark-starts", "SIGINT-as-it-reads", "SIGTERM-as-it-reads"])
 def test_a_run_stopped_by_a_signal_says_so_records_nothing_and_leaves_no_spark_behind(
     services: devservices.Services, engine: Engine, schema: str, tmp_path: Path,
     moment: str, line: str, signum: signal.Signals
